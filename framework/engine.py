@@ -1,0 +1,173 @@
+"""The offline Engine: the same Scheduler driven in-process, no sockets.
+
+    from framework import Engine
+    engine = Engine("serve.toml")                      # or Engine(settings), or Engine(**overrides)
+    out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+    out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+from framework.config import Settings
+from framework.messages import AbortReq, BatchTokenOut, GenerateReqInput, ReqOutput
+from framework.request import FinishMatchedStr, FinishMatchedToken, SamplingParams
+from framework.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def trim_output(tokenizer, out: ReqOutput) -> str:
+    """Final text of a request: stop string cut off, matched stop token dropped (reference T2)."""
+    ids = out.output_ids
+    reason = out.finished_reason
+    if not out.no_stop_trim and isinstance(reason, FinishMatchedToken):
+        ids = ids[:-1]
+    if tokenizer is None:
+        return ""
+    text = tokenizer.decode(
+        ids, skip_special_tokens=out.skip_special_tokens,
+        spaces_between_special_tokens=out.spaces_between_special_tokens,
+    )
+    if not out.no_stop_trim and isinstance(reason, FinishMatchedStr):
+        pos = text.find(reason.matched)
+        if pos != -1:
+            text = text[:pos]
+    return text
+
+
+class Engine:
+    """Offline batch generation with the full scheduler and plugins."""
+
+    def __init__(
+        self,
+        settings: Settings | str | Path | None = None,
+        extra_plugins: tuple[Any, ...] = (),
+        **overrides: Any,
+    ):
+        if isinstance(settings, Settings):
+            if overrides:
+                raise TypeError("pass either a Settings object or overrides, not both")
+            self.settings = settings
+        else:
+            self.settings = Settings.load(settings, **overrides)
+        self._outputs: dict[str, ReqOutput] = {}
+        self.scheduler = Scheduler(self.settings, output_sink=self._collect, extra_plugins=extra_plugins)
+        self.tokenizer = self.scheduler.tokenizer
+        self._rid_counter = itertools.count()
+
+    def _collect(self, batch_out: BatchTokenOut) -> None:
+        for out in batch_out.outputs:
+            self._outputs[out.rid] = out
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+    ) -> dict | list[dict]:
+        """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
+
+        Give either `prompt` (text) or `input_ids`. `sampling_params` is one dict for all prompts or
+        one per prompt. Raises ValueError naming the problem for bad input; nothing is left queued.
+        """
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        single = isinstance(prompt, str) or (
+            input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], int))
+        )
+        if prompt is not None:
+            prompts = [prompt] if single else list(prompt)
+            if any(not isinstance(p, str) for p in prompts):
+                raise ValueError("prompt must be a string or a list of strings")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass input_ids")
+            id_lists = [self.tokenizer.encode(p) for p in prompts]
+            texts: list[str | None] = list(prompts)
+        else:
+            id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
+            texts = [None] * len(id_lists)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(id_lists):
+                raise ValueError(
+                    f"sampling_params: got {len(sampling_params)} dicts for {len(id_lists)} prompts"
+                )
+            param_dicts = sampling_params
+        else:
+            param_dicts = [sampling_params] * len(id_lists)
+
+        messages = []
+        for ids, text, pd in zip(id_lists, texts, param_dicts):
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+                raise ValueError("input_ids must be lists of integers")
+            vocab = self.scheduler.worker.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
+            error = self.scheduler.validate_input(ids)
+            if error is not None:
+                raise ValueError(error)
+            params = SamplingParams.from_dict(pd)
+            params.verify()
+            params.normalize(self.tokenizer)
+            if params.n != 1:
+                raise ValueError("sampling_params.n > 1 is served by the HTTP API; the Engine takes n=1")
+            messages.append(
+                GenerateReqInput(
+                    rid=f"engine-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
+                    sampling_params=params, input_text=text, return_logprob=return_logprob,
+                    logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                )
+            )
+        for msg in messages:
+            self.scheduler.send(msg)
+        rids = [m.rid for m in messages]
+        try:
+            self._run_until_done(rids)
+        except BaseException:
+            for rid in rids:
+                self.scheduler.send(AbortReq(rid))
+            raise
+        results = [self._to_dict(self._outputs.pop(rid)) for rid in rids]
+        return results[0] if single else results
+
+    def _run_until_done(self, rids: list[str]) -> None:
+        pending = set(rids)
+        while pending:
+            self.scheduler.run_once()
+            pending = {
+                r for r in pending
+                if r not in self._outputs or self._outputs[r].finished_reason is None
+            }
+        # Drain the pipeline and run one idle iteration so the leak check sees the final state.
+        while self.scheduler.has_work():
+            self.scheduler.run_once()
+        self.scheduler.run_once()
+
+    def _to_dict(self, out: ReqOutput) -> dict:
+        return {
+            "text": trim_output(self.tokenizer, out),
+            "output_ids": list(out.output_ids),
+            "meta_info": dict(out.meta_info),
+        }
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

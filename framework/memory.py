@@ -1,0 +1,114 @@
+"""Paged KV memory: request slots and token slots (reference section P).
+
+`ReqToTokenPool` maps (request slot, position) to a KV slot index. `TokenToKVPool` owns the per-layer
+K and V tensors and the free list of KV slots. Slot 0 of the KV pool is never handed out: it is the
+dummy write target for padded tokens, so buffers have `size + 1` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Request slots. `req_to_token[slot, pos]` is the KV index of token `pos` of that request."""
+
+    def __init__(self, size: int, max_context_len: int, device: str = "cpu"):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.free_slots: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int) -> list[int] | None:
+        if need_size > len(self.free_slots):
+            return None
+        select, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        return select
+
+    def free(self, free_index: int | list[int]) -> None:
+        if isinstance(free_index, int):
+            self.free_slots.append(free_index)
+        else:
+            self.free_slots.extend(free_index)
+
+    def write(self, indices, values) -> None:
+        self.req_to_token[indices] = values
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class TokenToKVPool:
+    """KV slots for a multi-head-attention model: per layer `[size + 1, kv_heads, head_dim]` K and V."""
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int,
+        device: str = "cpu",
+    ):
+        self.size = size
+        self.dtype = dtype
+        self.device = device
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_layers = num_layers
+        self.k_buffer = [
+            torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        self.v_buffer = [
+            torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        self._free_group: list[torch.Tensor] | None = None
+        self.clear()
+
+    @staticmethod
+    def cell_size(num_kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype) -> int:
+        """Bytes one token of KV takes over all layers (reference P3)."""
+        return num_kv_heads * head_dim * num_layers * 2 * torch.empty((), dtype=dtype).element_size()
+
+    def available_size(self) -> int:
+        return int(self.free_slots.numel())
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        if need_size > self.free_slots.numel():
+            return None
+        select = self.free_slots[:need_size]
+        self.free_slots = self.free_slots[need_size:]
+        return select
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        free_index = free_index.to(torch.int64).cpu()
+        if self._free_group is not None:
+            # The caller may pass a view of req_to_token that is rewritten before the group ends.
+            self._free_group.append(free_index.clone())
+        else:
+            self.free_slots = torch.cat((self.free_slots, free_index))
+
+    def free_group_begin(self) -> None:
+        """Buffer frees until `free_group_end` and concatenate them once (decode result processing)."""
+        self._free_group = []
+
+    def free_group_end(self) -> None:
+        group, self._free_group = self._free_group, None
+        if group:
+            self.free(torch.cat(group))
+
+    def clear(self) -> None:
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._free_group = None
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)

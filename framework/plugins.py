@@ -1,0 +1,201 @@
+"""Plugin discovery, selection by name, and the typed hook facade.
+
+Bundled plugins and third-party plugins enter the same way: an entry point in the `batchyard`
+group whose name is the plugin's name and whose value is a module. A module declares what it is
+with ``PLUGIN_KIND`` (``policy``, ``cache``, ``worker``, ``observer`` or ``default``). When the
+distribution is not installed (running from a source tree), `DEFAULT_PLUGINS` is registered through
+the same code path.
+
+Exactly one policy, one cache and one worker are active; the others are blocked by name before
+registration. Observers and defaults are all active unless listed in ``plugins.disable``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from framework import PROJECT_NAME, hookspecs
+
+if TYPE_CHECKING:
+    from framework.config import Settings
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = PROJECT_NAME
+SELECTED_KINDS = ("policy", "cache", "worker")
+STACKED_KINDS = ("observer", "default")
+ALL_KINDS = SELECTED_KINDS + STACKED_KINDS
+
+#: Bundled plugins: (name, module). Used when entry points are not available, and as the list a
+#: test checks against pyproject.toml so the two never drift apart.
+DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("fcfs", "plugins.policies.fcfs"),
+    ("lpm", "plugins.policies.lpm"),
+    ("dfs-weight", "plugins.policies.dfs_weight"),
+    ("lof", "plugins.policies.lof"),
+    ("random", "plugins.policies.random"),
+    ("retract", "plugins.policies.retract"),
+    ("chunk", "plugins.caches.chunk"),
+    ("radix", "plugins.caches.radix"),
+    ("tp", "plugins.workers.tp"),
+)
+
+
+class PluginError(ValueError):
+    """A plugin could not be found, loaded or selected."""
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    kind: str
+    module_name: str
+    source: str  # "entry point" or "bundled fallback"
+    module: ModuleType | None = None
+    error: str | None = None
+
+
+def _load_module(info: PluginInfo) -> None:
+    try:
+        info.module = importlib.import_module(info.module_name)
+    except Exception as exc:  # a broken third-party plugin must not hide the others
+        info.error = f"{type(exc).__name__}: {exc}"
+        return
+    kind = getattr(info.module, "PLUGIN_KIND", None)
+    if kind not in ALL_KINDS:
+        info.error = f"module {info.module_name} has PLUGIN_KIND={kind!r}; expected one of {ALL_KINDS}"
+        return
+    info.kind = kind
+
+
+def discover_plugins() -> dict[str, PluginInfo]:
+    """All installed plugins by name: entry points first, then bundled ones not seen there."""
+    found: dict[str, PluginInfo] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in found:
+            logger.warning("plugin name %r is declared twice; keeping %s", ep.name, found[ep.name].module_name)
+            continue
+        found[ep.name] = PluginInfo(ep.name, "", ep.value, "entry point")
+    for name, module_name in DEFAULT_PLUGINS:
+        if name not in found:
+            found[name] = PluginInfo(name, "", module_name, "bundled fallback")
+    for info in found.values():
+        _load_module(info)
+    return found
+
+
+class Hooks:
+    """The typed facade the core calls hooks through (keyword arguments only)."""
+
+    def __init__(self, pm: pluggy.PluginManager):
+        self._hook = pm.hook
+
+    def register_settings(self, register) -> None:
+        self._hook.register_settings(register=register)
+
+    def create_worker(self, settings, tp_rank: int):
+        return self._hook.create_worker(settings=settings, tp_rank=tp_rank)
+
+    def create_cache(self, settings, req_to_token_pool, token_to_kv_pool):
+        return self._hook.create_cache(
+            settings=settings, req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool
+        )
+
+    def on_request_received(self, req, scheduler) -> None:
+        self._hook.on_request_received(req=req, scheduler=scheduler)
+
+    def select_prefill(self, scheduler, adder):
+        return self._hook.select_prefill(scheduler=scheduler, adder=adder)
+
+    def on_decode_oom(self, batch, scheduler):
+        return self._hook.on_decode_oom(batch=batch, scheduler=scheduler)
+
+    def prepare_batch(self, batch, scheduler):
+        # Chained: pluggy calls implementations last-registered first; each gets the previous result.
+        for impl in reversed(self._hook.prepare_batch.get_hookimpls()):
+            batch = impl.function(batch=batch, scheduler=scheduler)
+        return batch
+
+    def on_batch_result(self, batch, result, scheduler) -> None:
+        self._hook.on_batch_result(batch=batch, result=result, scheduler=scheduler)
+
+    def on_request_finished(self, req, scheduler) -> None:
+        self._hook.on_request_finished(req=req, scheduler=scheduler)
+
+    def on_idle(self, scheduler) -> None:
+        self._hook.on_idle(scheduler=scheduler)
+
+
+class PluginManager:
+    """Loads the installed plugins and activates the selected ones."""
+
+    def __init__(self, settings: "Settings", extra_plugins: tuple[Any, ...] = ()):
+        self.settings = settings
+        self.pm = pluggy.PluginManager(PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.installed = discover_plugins()
+        self.active: dict[str, PluginInfo] = {}
+        self._activate(extra_plugins)
+        self.hooks = Hooks(self.pm)
+        self._register_plugin_settings()
+
+    def _activate(self, extra_plugins: tuple[Any, ...]) -> None:
+        selection = self.settings.plugins
+        disabled = set(selection.disable)
+        chosen = {"policy": selection.policy, "cache": selection.cache, "worker": selection.worker}
+        for kind, name in chosen.items():
+            info = self.installed.get(name)
+            if info is None or info.kind != kind:
+                installed = sorted(n for n, i in self.installed.items() if i.kind == kind)
+                hint = f" ({name!r} is a {info.kind} plugin)" if info is not None and info.kind else ""
+                broken = f" (failed to load: {info.error})" if info is not None and info.error else ""
+                raise PluginError(
+                    f"plugins.{kind}: unknown {kind} plugin {name!r}{hint}{broken}; "
+                    f"installed: {', '.join(installed) or 'none'}"
+                )
+        for name, info in self.installed.items():
+            if info.error is not None:
+                if name in chosen.values():
+                    raise PluginError(f"plugin {name!r} failed to load: {info.error}")
+                logger.warning("plugin %r not loaded: %s", name, info.error)
+                continue
+            selected = info.kind in SELECTED_KINDS and chosen[info.kind] == name
+            stacked = info.kind in STACKED_KINDS and name not in disabled
+            if selected or stacked:
+                self.pm.register(info.module, name=name)
+                self.active[name] = info
+            else:
+                self.pm.set_blocked(name)
+        for plugin in extra_plugins:
+            self.pm.register(plugin)
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"a plugin implements an unknown hook: {exc}") from exc
+
+    def _register_plugin_settings(self) -> None:
+        def register(section: str, model: type) -> None:
+            self.settings.register_plugin_section(section, model)
+
+        self.hooks.register_settings(register)
+
+    def register(self, plugin: Any, name: str | None = None) -> None:
+        """Register an extra plugin object at run time (tests, scripts)."""
+        self.pm.register(plugin, name=name)
+        self.pm.check_pending()
+
+    def describe(self) -> list[tuple[str, str, bool, str]]:
+        """(kind, name, is_active, note) for every installed plugin, sorted by kind then name."""
+        rows = []
+        for name, info in self.installed.items():
+            note = info.error or info.source
+            rows.append((info.kind or "?", name, name in self.active, note))
+        order = {k: i for i, k in enumerate(ALL_KINDS)}
+        return sorted(rows, key=lambda r: (order.get(r[0], 99), r[1]))

@@ -1,0 +1,349 @@
+"""Requests, their sampling parameters and finish reasons (reference sections V, W1, W2)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+TOP_K_ALL = 1 << 30
+
+
+class StashKey(Generic[T]):
+    """A typed key into a `Stash`: plugins keep their per-request state here, not as ad-hoc attributes."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str = ""):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"StashKey({self.name!r})"
+
+
+class Stash:
+    """Per-object store for plugin state, keyed by `StashKey` objects (pytest's Stash idea)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self):
+        self._data: dict[StashKey, Any] = {}
+
+    def __setitem__(self, key: StashKey[T], value: T) -> None:
+        self._data[key] = value
+
+    def __getitem__(self, key: StashKey[T]) -> T:
+        return self._data[key]
+
+    def get(self, key: StashKey[T], default: T | None = None) -> T | None:
+        return self._data.get(key, default)
+
+    def setdefault(self, key: StashKey[T], default: T) -> T:
+        return self._data.setdefault(key, default)
+
+    def __contains__(self, key: StashKey) -> bool:
+        return key in self._data
+
+    def __delitem__(self, key: StashKey) -> None:
+        del self._data[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Finish reasons
+
+
+class FinishReason:
+    is_error = False
+
+    def to_json(self) -> dict:
+        raise NotImplementedError
+
+
+@dataclass
+class FinishLength(FinishReason):
+    length: int
+
+    def to_json(self) -> dict:
+        return {"type": "length", "length": self.length}
+
+
+@dataclass
+class FinishMatchedToken(FinishReason):
+    matched: int
+
+    def to_json(self) -> dict:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass
+class FinishMatchedStr(FinishReason):
+    matched: str
+
+    def to_json(self) -> dict:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass
+class FinishAbort(FinishReason):
+    message: str = "Unknown error"
+    is_error = True
+
+    def to_json(self) -> dict:
+        return {"type": "abort", "message": self.message}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling parameters
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters with the reference's defaults (section W1)."""
+
+    max_new_tokens: int | None = 128
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    spaces_between_special_tokens: bool = True
+    regex: str | None = None
+    n: int = 1
+    json_schema: str | None = None
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+
+    # Filled by normalize().
+    stop_strs: list[str] = field(default_factory=list)
+    stop_str_max_len: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "SamplingParams":
+        """Build from a user dict; unknown keys are an error naming them."""
+        data = dict(data or {})
+        known = {f for f in cls.__dataclass_fields__ if f not in ("stop_strs", "stop_str_max_len")}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"sampling_params: unknown field(s) {', '.join(unknown)}")
+        return cls(**data)
+
+    def verify(self) -> None:
+        """Raise ValueError naming the first invalid field (reference W2, plus type and NaN checks)."""
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"sampling_params.{name}: must be a number, got {value!r}")
+            if math.isnan(value) or math.isinf(value):
+                raise ValueError(f"sampling_params.{name}: must be finite, got {value}")
+        for name in ("top_k", "min_new_tokens", "n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"sampling_params.{name}: must be an integer, got {value!r}")
+        if self.max_new_tokens is not None and (
+            isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
+        ):
+            raise ValueError(f"sampling_params.max_new_tokens: must be an integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"sampling_params.temperature: must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling_params.top_p: must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling_params.min_p: must be in [0, 1], got {self.min_p}")
+        if self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"sampling_params.top_k: must be -1 (disable) or >= 1, got {self.top_k}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"sampling_params.frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"sampling_params.presence_penalty: must be in [-2, 2], got {self.presence_penalty}")
+        if not 0.0 <= self.repetition_penalty <= 2.0:
+            raise ValueError(f"sampling_params.repetition_penalty: must be in [0, 2], got {self.repetition_penalty}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"sampling_params.min_new_tokens: must be >= 0, got {self.min_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"sampling_params.n: must be >= 1, got {self.n}")
+        if self.max_new_tokens is not None:
+            if self.max_new_tokens < 0:
+                raise ValueError(f"sampling_params.max_new_tokens: must be >= 0, got {self.max_new_tokens}")
+            if self.min_new_tokens > self.max_new_tokens:
+                raise ValueError(
+                    f"sampling_params.min_new_tokens: must be <= max_new_tokens "
+                    f"({self.min_new_tokens} > {self.max_new_tokens})"
+                )
+        if self.regex is not None and self.json_schema is not None:
+            raise ValueError("sampling_params: regex and json_schema cannot both be set")
+        if self.stop_token_ids is not None and not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+        ):
+            raise ValueError("sampling_params.stop_token_ids: must be a list of integers")
+
+    def normalize(self, tokenizer=None) -> None:
+        """Greedy when temperature ~ 0; top_k -1 means all; stop strings and their max token length."""
+        if self.temperature < 1e-6:
+            self.temperature = 1.0
+            self.top_k = 1
+        if self.top_k == -1:
+            self.top_k = TOP_K_ALL
+        stop = self.stop
+        if stop is None:
+            self.stop_strs = []
+        elif isinstance(stop, str):
+            self.stop_strs = [stop]
+        else:
+            self.stop_strs = [s for s in stop if s]
+        if self.stop_strs:
+            if tokenizer is not None:
+                self.stop_str_max_len = max(
+                    len(tokenizer.encode(s, add_special_tokens=False)) for s in self.stop_strs
+                )
+            else:
+                self.stop_str_max_len = max(len(s) for s in self.stop_strs)
+        self.stop_token_ids = set(self.stop_token_ids or ())
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.top_k <= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+class Req:
+    """One generation request inside the scheduler."""
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        origin_input_text: str | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        eos_token_ids: set[int] | None = None,
+        session_id: str | None = None,
+    ):
+        self.rid = rid
+        self.origin_input_text = origin_input_text
+        self.origin_input_ids = list(origin_input_ids)
+        self.output_ids: list[int] = []
+        self.fill_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids or set()
+        self.session_id = session_id
+        self.stream = stream
+
+        # Memory state.
+        self.req_pool_idx: int | None = None
+        self.prefix_indices = _EMPTY_INDICES
+        self.last_node: Any = None
+        self.extend_input_len = 0
+
+        # Lifecycle.
+        self.finished_reason: FinishReason | None = None
+        self.is_being_chunked = 0
+        self.is_retracted = False
+        self.cached_tokens = 0
+        self.vid = 0
+        self.decoded_text = ""
+        self.tokenizer: Any = None
+
+        # Logprobs.
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.normalized_prompt_logprob: float | None = None
+        self.input_token_logprobs: list | None = None
+        self.output_token_logprobs: list = []
+        self.input_top_logprobs: list | None = None
+        self.output_top_logprobs: list = []
+        self.extend_logprob_start_len = 0
+
+        # Per-plugin state.
+        self.stash = Stash()
+
+    def __repr__(self) -> str:
+        return (
+            f"Req(rid={self.rid!r}, input_len={len(self.origin_input_ids)}, "
+            f"output_len={len(self.output_ids)})"
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def init_next_round_input(self, tree_cache=None) -> None:
+        """Set `fill_ids` and, when a cache is given, match the prefix (reference D4 step 8)."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None:
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(
+                rid=self.rid, key=self.adjust_max_prefix_ids()
+            )
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def adjust_max_prefix_ids(self) -> list[int]:
+        """The longest prefix that may come from the cache: at least one token is recomputed (U1)."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        input_len = len(self.fill_ids)
+        max_prefix_len = input_len - 1
+        if self.return_logprob:
+            if self.normalized_prompt_logprob is None:
+                max_prefix_len = min(max_prefix_len, input_len - 2)
+            max_prefix_len = min(max_prefix_len, self.logprob_start_len)
+        max_prefix_len = max(max_prefix_len, 0)
+        return self.fill_ids[:max_prefix_len]
+
+    def check_finished(self) -> None:
+        """Stop conditions in the reference's order (section V)."""
+        if self.finished():
+            return
+        params = self.sampling_params
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = FinishLength(length=params.max_new_tokens)
+            return
+        last_token_id = self.output_ids[-1]
+        # min_new_tokens is enforced by masking stop tokens in the sampler; the guard keeps a
+        # stop token that slipped through (e.g. a forced token) from ending the request early.
+        if not params.ignore_eos and len(self.output_ids) > params.min_new_tokens:
+            if last_token_id in params.stop_token_ids or last_token_id in self.eos_token_ids:
+                self.finished_reason = FinishMatchedToken(matched=last_token_id)
+                return
+        if params.stop_strs and self.tokenizer is not None:
+            tail = self.tokenizer.decode(self.output_ids[-(params.stop_str_max_len + 1):])
+            for stop_str in params.stop_strs:
+                if stop_str in tail or stop_str in self.decoded_text:
+                    self.finished_reason = FinishMatchedStr(matched=stop_str)
+                    return
+
+    def reset_for_retract(self) -> None:
+        """Back to the waiting state; output ids are kept and re-prefilled later (reference I2)."""
+        self.prefix_indices = _EMPTY_INDICES
+        self.last_node = None
+        self.extend_input_len = 0
+        self.is_retracted = True
+        # No prompt logprobs on the re-prefill.
+        self.logprob_start_len = 10**9
+
+
+def _empty_indices():
+    import torch
+
+    return torch.empty((0,), dtype=torch.int64)
+
+
+_EMPTY_INDICES = _empty_indices()

@@ -1,0 +1,65 @@
+"""The worker boundary: what a worker plugin provides to the scheduler.
+
+One scheduler loop serves every worker. ``launch(batch)`` returns a handle; ``handle.result()``
+blocks until the batch's `BatchResult` is ready. A plain worker's handle is already resolved; a
+pipelined (overlap) worker's resolves on its forward thread, and the loop processes the previous
+batch's result after launching the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from framework.batch import ModelWorkerBatch
+    from framework.memory import ReqToTokenPool, TokenToKVPool
+
+
+@dataclass
+class BatchResult:
+    """What one forward pass produced, one entry per request of the batch."""
+
+    next_token_ids: list[int]
+    # Logprobs (only when the batch asked for them).
+    next_token_logprobs: list[float] | None = None
+    next_token_top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_logprobs: list[list[float]] | None = None
+    input_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
+    normalized_prompt_logprobs: list[float] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ResultHandle(Protocol):
+    def result(self) -> BatchResult: ...
+
+
+class ResolvedHandle:
+    """A handle whose result is already known (the plain worker)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: BatchResult):
+        self._result = result
+
+    def result(self) -> BatchResult:
+        return self._result
+
+
+class Worker(Protocol):
+    """What `create_worker` must return."""
+
+    #: True when `launch` returns before the forward pass is done (the overlap worker).
+    is_pipelined: bool
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "TokenToKVPool"
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_len: int
+    tokenizer: Any
+    eos_token_ids: set[int]
+    vocab_size: int
+
+    def launch(self, batch: "ModelWorkerBatch") -> ResultHandle: ...
+
+    def shutdown(self) -> None: ...

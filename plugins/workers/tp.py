@@ -1,0 +1,114 @@
+"""The plain model worker (reference TpModelWorker): one forward pass per `launch`, in the caller's
+thread. With tp_size 1 it runs the whole model; tensor parallelism shards it across ranks."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from framework import hookimpl
+from framework.model.loader import resolve_model
+from framework.model.runner import ModelRunner
+from framework.worker import BatchResult, ResolvedHandle
+
+PLUGIN_KIND = "worker"
+PLUGIN_NAME = "tp"
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if device.startswith("cuda") or cpu_supports_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def eos_ids_of(runner: ModelRunner) -> set[int]:
+    ids: set[int] = set()
+    eos = getattr(runner.model_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    tokenizer = runner.tokenizer
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class TpWorker:
+    """Runs one batch at a time; `launch` returns an already-resolved handle."""
+
+    is_pipelined = False
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.token_to_kv_pool = runner.token_to_kv_pool
+        self.max_total_num_tokens = runner.max_total_num_tokens
+        self.max_running_requests = runner.max_num_reqs
+        self.context_len = runner.context_len
+        self.tokenizer = runner.tokenizer
+        self.vocab_size = runner.model_config.vocab_size
+        self.eos_token_ids = eos_ids_of(runner)
+
+    @classmethod
+    def from_settings(cls, settings) -> "TpWorker":
+        if settings.worker.num_threads is not None:
+            torch.set_num_threads(settings.worker.num_threads)
+        folder = resolve_model(settings.model.path)
+        dtype = resolve_dtype(settings.model.dtype, settings.worker.device)
+        runner = ModelRunner(
+            folder,
+            dtype=dtype,
+            max_total_tokens=settings.cache.max_total_tokens,
+            kv_cache_memory_bytes=None if settings.cache.max_total_tokens else settings.cache.kv_cache_memory_mb << 20,
+            max_running_requests=settings.scheduler.max_running_requests,
+            context_length=settings.model.context_length,
+            device=settings.worker.device,
+            seed=settings.model.random_seed,
+        )
+        logger.info(
+            "Loaded %s (%s): max_total_num_tokens=%d, context_len=%d",
+            folder, dtype, runner.max_total_num_tokens, runner.context_len,
+        )
+        return cls(runner)
+
+    def forward_batch_generation(self, batch) -> BatchResult:
+        logits_output = self.runner.forward(batch)
+        next_token_ids = self.runner.sample(logits_output, batch)
+        result = BatchResult(next_token_ids=next_token_ids.tolist())
+        if batch.return_logprob:
+            result.next_token_logprobs = logits_output.next_token_logprobs.tolist()
+            result.next_token_top_logprobs = logits_output.next_token_top_logprobs
+            result.input_token_logprobs = logits_output.input_token_logprobs
+            result.input_top_logprobs = logits_output.input_top_logprobs
+            result.normalized_prompt_logprobs = logits_output.normalized_prompt_logprobs
+        return result
+
+    def launch(self, batch) -> ResolvedHandle:
+        if batch.forward_mode.is_idle():
+            return ResolvedHandle(BatchResult(next_token_ids=[]))
+        return ResolvedHandle(self.forward_batch_generation(batch))
+
+    def shutdown(self) -> None:
+        pass
+
+
+@hookimpl
+def create_worker(settings, tp_rank):
+    return TpWorker.from_settings(settings)
