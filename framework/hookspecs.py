@@ -133,8 +133,9 @@ def prepare_batch(batch: "ScheduleBatch | None", scheduler: "Scheduler") -> "Sch
     """Last look at the batch chosen for this iteration, before it runs.
 
     Chained: each implementation receives the previous one's return value (None means "no batch")
-    and returns the batch to run (possibly a new one, e.g. an IDLE batch under DP attention so the
-    ranks' collectives line up). An implementation returning the batch unchanged is a no-op.
+    and returns the batch to run. It may replace None by an IDLE batch (DP attention does, so the
+    ranks' collectives line up) but must not drop a batch the scheduler built: its KV slots are
+    already allocated. An implementation returning the batch unchanged is a no-op.
 
     Implemented by the DP-attention worker; observers may inspect it.
     """

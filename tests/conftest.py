@@ -1,0 +1,127 @@
+"""Shared fixtures: the tiny random llama, engines with the leak check on, the equality rule."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_folder() -> str:
+    """The embedded SmolLM2 model, converted once to a cached safetensors folder."""
+    from framework.model.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_folder):
+    from framework.model.loader import load_tokenizer
+
+    return load_tokenizer(default_model_folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory, default_tokenizer) -> str:
+    """A tiny random-weight llama with the default model's tokenizer, saved as an HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=len(default_tokenizer),
+        bos_token_id=default_tokenizer.bos_token_id,
+        eos_token_id=default_tokenizer.eos_token_id,
+        **TINY_CONFIG,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    # Larger weights than the default init make the random model's logits less flat, so greedy
+    # decoding meets fewer near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def tiny_settings(folder: str, **sections):
+    """Settings for the tiny model, fp32, leak check on. `sections` override per section."""
+    from framework.config import Settings
+
+    base = {
+        "model": {"path": folder, "dtype": "float32"},
+        "cache": {"max_total_tokens": 20000},
+        "scheduler": {"check_leaks": True},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return Settings.load(None, **base)
+
+
+def assert_no_leak(engine) -> None:
+    """Run the idle check with leaks as errors: all KV and request slots free or cached."""
+    sched = engine.scheduler
+    assert not sched.has_work()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched.check_memory()
+    assert sched.token_to_kv_pool.available_size() + sched.tree_cache.evictable_size() == sched.max_total_num_tokens
+    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+
+
+@pytest.fixture
+def make_engine(tiny_model_folder):
+    """Factory for engines on the tiny model; each is leak-checked and shut down after the test."""
+    from framework.engine import Engine
+
+    engines = []
+
+    def factory(extra_plugins=(), **sections):
+        engine = Engine(tiny_settings(tiny_model_folder, **sections), extra_plugins=extra_plugins)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        assert_no_leak(engine)
+        engine.shutdown()
+
+
+def check_greedy_equal(ours: list[int], ref: list[int], ref_logprobs_fn, tol: float = 0.01) -> int:
+    """The project's equality rule for greedy outputs.
+
+    Identical, or they first differ at a near-tie: there the reference's logprobs of the two
+    tokens differ by less than `tol`. `ref_logprobs_fn(prefix_output_ids)` returns the reference's
+    next-token logprobs (1-D tensor) after the given output prefix. Returns 1 if a tie was met.
+    """
+    n = min(len(ours), len(ref))
+    for i in range(n):
+        if ours[i] != ref[i]:
+            logprobs = ref_logprobs_fn(ref[:i])
+            gap = abs(float(logprobs[ref[i]]) - float(logprobs[ours[i]]))
+            assert gap < tol, (
+                f"outputs diverge at position {i} without a near-tie: ours {ours[i]}, ref {ref[i]}, "
+                f"logprob gap {gap:.4f}\nours={ours}\nref ={ref}"
+            )
+            return 1
+    assert len(ours) == len(ref), f"lengths differ: {len(ours)} vs {len(ref)}\nours={ours}\nref ={ref}"
+    return 0

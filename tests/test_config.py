@@ -1,0 +1,96 @@
+"""Settings: precedence, validation messages, the generated default TOML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from framework.cli import build_parser, settings_from_args
+from framework.config import Settings, SettingsError, render_default_toml
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "serve.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_follow_the_reference():
+    s = Settings.load(None)
+    assert s.scheduler.max_prefill_tokens == 16384
+    assert s.scheduler.chunked_prefill_size == 8192
+    assert s.scheduler.schedule_conservativeness == 1.0
+    assert s.plugins.policy == "lpm"
+    assert s.server.port == 30000
+    assert s.server.host == "127.0.0.1"
+
+
+def test_precedence_cli_over_env_over_toml(tmp_path, monkeypatch):
+    path = write(tmp_path, "[server]\nport = 1111\nhost = '0.0.0.0'\n[scheduler]\nmax_prefill_tokens = 100\n")
+    s = Settings.load(path)
+    assert (s.server.port, s.server.host, s.scheduler.max_prefill_tokens) == (1111, "0.0.0.0", 100)
+
+    monkeypatch.setenv("BATCHYARD_SERVER__PORT", "2222")
+    s = Settings.load(path)
+    assert s.server.port == 2222 and s.server.host == "0.0.0.0"
+
+    args = build_parser().parse_args(["plugins", "--config", str(path), "--server.port", "3333"])
+    s = settings_from_args(args)
+    assert s.server.port == 3333
+    assert s.scheduler.max_prefill_tokens == 100
+
+
+def test_non_positive_chunk_size_disables_chunking():
+    assert Settings.load(None, scheduler={"chunked_prefill_size": 0}).scheduler.chunked_prefill_size is None
+
+
+@pytest.mark.parametrize(
+    "toml, expected",
+    [
+        ("[server]\nport = -1\n", "server.port: Input should be greater than 0"),
+        ("[scheduler]\nmax_prefill_tokens = 'lots'\n", "scheduler.max_prefill_tokens: Input should be a valid integer"),
+        ("[model]\ndtype = 'float8'\n", "model.dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
+        ("[scheduler]\nno_such_option = 1\n", "scheduler.no_such_option: Extra inputs are not permitted"),
+        ("[nonsense]\nx = 1\n", "nonsense: Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_values_give_one_line_per_error(tmp_path, toml, expected):
+    with pytest.raises(SettingsError) as info:
+        Settings.load(write(tmp_path, toml))
+    assert expected in str(info.value)
+
+
+def test_two_errors_two_lines(tmp_path):
+    with pytest.raises(SettingsError) as info:
+        Settings.load(write(tmp_path, "[server]\nport = 0\n[scheduler]\nstream_interval = 0\n"))
+    lines = str(info.value).splitlines()[1:]
+    assert len(lines) == 2
+    assert lines[0].startswith("server.port:") or lines[1].startswith("server.port:")
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(SettingsError, match="config file not found"):
+        Settings.load(tmp_path / "nope.toml")
+    with pytest.raises(SettingsError, match="invalid TOML"):
+        Settings.load(write(tmp_path, "[server\n"))
+
+
+def test_every_field_has_a_description():
+    from framework.config import iter_fields
+
+    missing = [name for name, info, _ in iter_fields() if not info.description]
+    assert missing == []
+
+
+def test_default_toml_doc_is_current():
+    assert (DOCS / "config.default.toml").read_text() == render_default_toml(), (
+        "docs/config.default.toml is stale: run `batchyard config --defaults > docs/config.default.toml`"
+    )
+
+
+def test_default_toml_loads_to_the_defaults(tmp_path):
+    loaded = Settings.load(write(tmp_path, render_default_toml()))
+    assert loaded.model_dump() == Settings.load(None).model_dump()

@@ -1,0 +1,1 @@
+"""A third-party batchyard plugin package, installed by the test command with `pip install -e`."""
