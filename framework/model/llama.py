@@ -1,0 +1,206 @@
+"""The llama family (Llama, Mistral, Qwen2) over the paged KV cache.
+
+Weights load from `LlamaForCausalLM`-named checkpoints. q/k/v and gate/up are fused into one
+matmul each (fewer, larger GEMMs are faster on CPU); `load_weights` writes each HF tensor into its
+slice of the fused weight.
+
+Tensor-parallel plan (not implemented): split attention by KV-head groups and the MLP by the
+intermediate dimension.
+* `qkv_proj`: column-parallel; shard r holds its q heads, then its k heads, then its v heads, so
+  the fused weight is sharded per part (q, k, v) rather than as one block.
+* `o_proj`, `down_proj`: row-parallel, followed by an all-reduce of the output.
+* `gate_up_proj`: column-parallel, sharded per part (gate, up) like qkv.
+* `embed_tokens`: vocab-parallel with an all-reduce; `lm_head`: column-parallel with an
+  all-gather of the logits. The KV pool then holds `num_kv_heads // tp` heads per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.batch import ModelWorkerBatch
+from framework.memory import ReqToTokenPool, TokenToKVPool
+from framework.model.attention import AttentionMetadata, TorchNativeAttention
+from framework.model.config import ModelConfig
+from framework.model.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32 and cast back before the weight, as HF llama does."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttention):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        # Qwen2 has q/k/v bias but no o_proj bias; Llama's attention_bias covers both.
+        o_bias = config.attention_bias and config.architecture == "LlamaForCausalLM"
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        batch: ModelWorkerBatch,
+        meta: AttentionMetadata,
+        kv_pool: TokenToKVPool,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        kv_pool.set_kv(self.layer_id, batch.out_cache_loc, k, v)
+        out = self.backend.forward(q.reshape(num_tokens, self.q_size), self.layer_id, meta, kv_pool)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttention):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, rotary, batch, meta, kv_pool) -> torch.Tensor:
+        residual = hidden
+        hidden = self.self_attn(positions, self.input_layernorm(hidden), rotary, batch, meta, kv_pool)
+        hidden = residual + hidden
+        residual = hidden
+        return residual + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: TorchNativeAttention):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head; `forward` returns final hidden states, `compute_logits` the logits."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.attn_backend = TorchNativeAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.model = LlamaModel(config, self.attn_backend)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ModelWorkerBatch,
+        kv_pool: TokenToKVPool,
+        req_to_token_pool: ReqToTokenPool,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run all layers, writing this pass's K/V into `kv_pool`; returns [num_tokens, hidden]."""
+        if input_embeds is not None:
+            hidden = input_embeds.to(self.model.embed_tokens.weight.dtype)
+        else:
+            hidden = self.model.embed_tokens(input_ids)
+        if hidden.shape[0] == 0:
+            return hidden
+        meta = self.attn_backend.prepare(batch, req_to_token_pool)
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden, self.model.rotary, batch, meta, kv_pool)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our (partly fused) parameters; every parameter must be set."""
+        params = dict(self.named_parameters())
+        attn = self.model.layers[0].self_attn if len(self.model.layers) else None
+        fused_parts = {}
+        if attn is not None:
+            q, kv, inter = attn.q_size, attn.kv_size, self.config.intermediate_size
+            fused_parts = {
+                "q_proj": ("qkv_proj", 0, q),
+                "k_proj": ("qkv_proj", q, kv),
+                "v_proj": ("qkv_proj", q + kv, kv),
+                "gate_proj": ("gate_up_proj", 0, inter),
+                "up_proj": ("gate_up_proj", inter, inter),
+            }
+        # Count rows written per parameter so a missing shard is caught, not left random.
+        num_rows_loaded: dict[str, int] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, start = name, None
+            for part, (fused, offset, size) in fused_parts.items():
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    start = offset
+                    break
+            if target not in params:
+                raise KeyError(f"Unexpected weight {name!r}")
+            param = params[target]
+            with torch.no_grad():
+                if start is None:
+                    param.copy_(tensor)
+                else:
+                    param[start : start + tensor.shape[0]].copy_(tensor)
+            num_rows_loaded[target] = num_rows_loaded.get(target, 0) + tensor.shape[0]
+        missing = [n for n, p in params.items() if num_rows_loaded.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ValueError(f"Weights missing or incomplete for: {missing[:8]}")

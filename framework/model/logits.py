@@ -1,0 +1,110 @@
+"""From final hidden states to next-token logits and, on request, prompt logprobs (reference U3).
+
+Without logprobs only the last token of each request goes through the LM head. With logprobs,
+request i also gets the rows `extend_logprob_start_lens[i] .. extend_lens[i]-1`: row p scores the
+request's input token p+1, except the last row, whose "next token" is the one about to be sampled
+and is reported after sampling as `next_token_logprobs` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from framework.batch import ModelWorkerBatch
+
+TopLogprobs = list[tuple[float, int]]
+
+
+@dataclass
+class LogitsOutput:
+    """What one forward pass hands to the sampler and to result processing."""
+
+    next_token_logits: torch.Tensor  # [bs, vocab] float32
+    # Filled only when batch.return_logprob; one entry per request.
+    input_token_logprobs: list[list[float]] | None = None
+    input_top_logprobs: list[list[TopLogprobs]] | None = None
+    # Mean of input_token_logprobs[i] (0.0 when the range is empty).
+    normalized_prompt_logprobs: list[float] | None = None
+    next_token_top_logprobs: list[TopLogprobs] | None = None
+    # [bs] float32, filled by ModelRunner.sample: logprob of the sampled token under the
+    # unprocessed log_softmax of next_token_logits.
+    next_token_logprobs: torch.Tensor | None = None
+
+
+def compute_logits_output(
+    hidden: torch.Tensor,
+    batch: ModelWorkerBatch,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+) -> LogitsOutput:
+    """hidden: [num_tokens, hidden] of the pass -> LogitsOutput (see module docstring)."""
+    bs = batch.batch_size
+    if bs == 0:
+        return LogitsOutput(next_token_logits=torch.empty((0, vocab_size), dtype=torch.float32))
+    ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0)
+    if not batch.return_logprob:
+        return LogitsOutput(next_token_logits=lm_head(hidden[ends - 1]))
+
+    starts = [int(e) - n for e, n in zip(ends.tolist(), batch.extend_lens)]
+    # Without explicit start lens only the last row (the one to sample from) is computed.
+    start_lens = batch.extend_logprob_start_lens or [n - 1 for n in batch.extend_lens]
+    row_ranges = [
+        (starts[i] + start_lens[i], starts[i] + batch.extend_lens[i]) for i in range(bs)
+    ]
+    rows = torch.cat([torch.arange(a, b) for a, b in row_ranges])
+    logits = lm_head(hidden[rows])  # [num_rows, vocab]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    num_rows_per_req = [b - a for a, b in row_ranges]
+    last_rows = torch.tensor(num_rows_per_req).cumsum(0) - 1
+
+    # Row p's target is the input token at p + 1 (within the pass); the last row has none.
+    targets = torch.zeros(rows.shape[0], dtype=torch.int64)
+    is_input_row = torch.ones(rows.shape[0], dtype=torch.bool)
+    is_input_row[last_rows] = False
+    targets[is_input_row] = batch.input_ids[rows[is_input_row] + 1]
+    token_logprobs = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+
+    top_nums = batch.top_logprobs_nums or [0] * bs
+    max_top = max(top_nums) if top_nums else 0
+    top_vals = top_ids = None
+    if max_top > 0:
+        top_vals, top_ids = logprobs.topk(max_top, dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+
+    input_lps: list[list[float]] = []
+    input_tops: list[list[TopLogprobs]] = []
+    next_tops: list[TopLogprobs] = []
+    normalized: list[float] = []
+    offset = 0
+    for i, num_rows in enumerate(num_rows_per_req):
+        lps = token_logprobs[offset : offset + num_rows - 1]
+        input_lps.append(lps)
+        normalized.append(sum(lps) / len(lps) if lps else 0.0)
+        k = top_nums[i]
+        if k > 0:
+            tops = [
+                list(zip(top_vals[r][:k], top_ids[r][:k])) for r in range(offset, offset + num_rows)
+            ]
+            input_tops.append(tops[:-1])
+            next_tops.append(tops[-1])
+        else:
+            input_tops.append([])
+            next_tops.append([])
+        offset += num_rows
+
+    return LogitsOutput(
+        next_token_logits=logits[last_rows],
+        input_token_logprobs=input_lps,
+        input_top_logprobs=input_tops,
+        normalized_prompt_logprobs=normalized,
+        next_token_top_logprobs=next_tops,
+    )
+
+
+def fill_next_token_logprobs(output: LogitsOutput, next_token_ids: torch.Tensor) -> None:
+    """Logprob of each sampled token under the raw (unpenalized, untempered) distribution."""
+    logprobs = torch.log_softmax(output.next_token_logits, dim=-1)
+    output.next_token_logprobs = logprobs.gather(1, next_token_ids.view(-1, 1)).squeeze(1)

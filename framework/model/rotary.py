@@ -1,0 +1,66 @@
+"""Rotary position embedding (the "rotate half" layout HF llama checkpoints use)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from framework.model.config import ModelConfig
+
+
+def _inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths are divided by `factor`, short ones kept,
+    and the band in between is interpolated smoothly."""
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by absolute position; grown on demand past the context length."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.register_buffer("inv_freq", _inv_freq(config), persistent=False)
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+        self._build(config.context_len)
+
+    def _build(self, max_len: int) -> None:
+        t = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
+        self._cos, self._sin = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, heads, D], k: [T, kv_heads, D] -> rotated q, k (same dtype, like HF)."""
+        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+            self._build(int(positions.max()) * 2)
+        cos = self._cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self._sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

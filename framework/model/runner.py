@@ -1,0 +1,190 @@
+"""ModelRunner: owns the model and the KV memory, runs forward passes and sampling.
+
+The runner is the whole model side of the worker boundary: it takes a `ModelWorkerBatch` and gives
+back logits (and logprobs) or sampled ids. The scheduler allocates slots in the pools it exposes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+
+from framework.batch import ModelWorkerBatch
+from framework.memory import ReqToTokenPool, TokenToKVPool
+from framework.model.config import ModelConfig
+from framework.model.llama import LlamaForCausalLM
+from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer
+from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
+from framework.model.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+# KV budget when neither max_total_tokens nor kv_cache_memory_bytes is given.
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+# req_to_token is int64 [max_num_reqs + 1, context_len + 4]. The reference's 2048-4096 request
+# slots at an 8k context would take 268 MB of host RAM for an index table; on CPU we cap it here.
+MAX_REQ_TO_TOKEN_BYTES = 64 << 20
+
+
+class ModelRunner:
+    """Model + KV pools for one worker.
+
+    Args:
+        model_path: a local HF folder (config.json + safetensors), see `loader.resolve_model`.
+        dtype: torch.float32 or torch.bfloat16, for weights, activations and the KV cache.
+        max_total_tokens: KV slots; when None, `kv_cache_memory_bytes // cell_size`.
+        kv_cache_memory_bytes: KV budget in bytes (default 1 GiB when both are None).
+        max_running_requests: request slots; default as in the reference (P3), capped on CPU.
+        context_length: overrides the model's max_position_embeddings.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: torch.dtype = torch.float32,
+        max_total_tokens: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+    ):
+        hf_config = load_hf_config(model_path)
+        self._setup(
+            hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
+            max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
+            device, seed,
+        )
+        self.model_path = model_path
+
+    @classmethod
+    def from_hf_model(
+        cls,
+        hf_model: Any,
+        dtype: torch.dtype = torch.float32,
+        max_total_tokens: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+        tokenizer: Any = None,
+    ) -> "ModelRunner":
+        """Build a runner with the weights of an in-memory HF model (no disk round trip)."""
+        return cls.from_state_dict(
+            hf_model.config, hf_model.state_dict(), dtype, max_total_tokens, kv_cache_memory_bytes,
+            max_running_requests, context_length, device, seed, tokenizer,
+        )
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        hf_config: Any,
+        state_dict: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        max_total_tokens: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+        tokenizer: Any = None,
+    ) -> "ModelRunner":
+        runner = cls.__new__(cls)
+        runner._setup(
+            hf_config, state_dict.items(), tokenizer, dtype, max_total_tokens,
+            kv_cache_memory_bytes, max_running_requests, context_length, device, seed,
+        )
+        runner.model_path = None
+        return runner
+
+    def _setup(
+        self,
+        hf_config: Any,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        tokenizer: Any,
+        dtype: torch.dtype,
+        max_total_tokens: int | None,
+        kv_cache_memory_bytes: int | None,
+        max_running_requests: int | None,
+        context_length: int | None,
+        device: str,
+        seed: int,
+    ) -> None:
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        torch.manual_seed(seed)
+        self.device = device
+        self.dtype = dtype
+        self.tokenizer = tokenizer
+        self.model_config = ModelConfig.from_hf_config(hf_config)
+        cfg = self.model_config
+        self.context_len = context_length or cfg.context_len
+
+        model = LlamaForCausalLM(cfg)
+        model.load_weights(weights)
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.sampler = Sampler()
+        self._init_memory_pools(max_total_tokens, kv_cache_memory_bytes, max_running_requests)
+
+    def _init_memory_pools(
+        self,
+        max_total_tokens: int | None,
+        kv_cache_memory_bytes: int | None,
+        max_running_requests: int | None,
+    ) -> None:
+        cfg = self.model_config
+        cell_size = TokenToKVPool.cell_size(cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, self.dtype)
+        if max_total_tokens is None or kv_cache_memory_bytes is not None:
+            budget = kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+            by_memory = budget // cell_size
+            if max_total_tokens is not None and max_total_tokens > by_memory:
+                logger.warning("max_total_tokens=%d exceeds the KV budget; using %d", max_total_tokens, by_memory)
+            max_total_tokens = by_memory if max_total_tokens is None else min(max_total_tokens, by_memory)
+        if max_total_tokens <= 0:
+            raise RuntimeError("Not enough memory for the KV cache; raise kv_cache_memory_bytes.")
+        self.max_total_num_tokens = int(max_total_tokens)
+
+        if max_running_requests is not None:
+            max_num_reqs = max_running_requests
+        else:
+            max_num_reqs = min(max(int(self.max_total_num_tokens / self.context_len * 512), 2048), 4096)
+            row_bytes = (self.context_len + 4) * 8
+            cap = MAX_REQ_TO_TOKEN_BYTES // row_bytes - 1
+            if max_num_reqs > cap:
+                logger.info("Capping request slots at %d (req_to_token memory)", cap)
+                max_num_reqs = max(cap, 1)
+        self.max_num_reqs = max_num_reqs
+        self.req_to_token_pool = ReqToTokenPool(
+            size=max_num_reqs + 1, max_context_len=self.context_len + 4, device=self.device
+        )
+        self.token_to_kv_pool = TokenToKVPool(
+            self.max_total_num_tokens, self.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers,
+            device=self.device,
+        )
+
+    # -- passes ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ModelWorkerBatch) -> LogitsOutput:
+        """Run one pass; K/V of the batch's tokens land at `batch.out_cache_loc`."""
+        vocab_size = self.model_config.vocab_size
+        if batch.forward_mode.is_idle() or batch.batch_size == 0:
+            return LogitsOutput(next_token_logits=torch.empty((0, vocab_size), dtype=torch.float32))
+        hidden = self.model(
+            batch.input_ids, batch.positions, batch, self.token_to_kv_pool, self.req_to_token_pool,
+            input_embeds=batch.input_embeds,
+        )
+        return compute_logits_output(hidden, batch, self.model.compute_logits, vocab_size)
+
+    @torch.inference_mode()
+    def sample(self, logits_output: LogitsOutput, batch: ModelWorkerBatch) -> torch.Tensor:
+        """Sample next ids [bs] int64; with logprobs, also fill `logits_output.next_token_logprobs`."""
+        if batch.batch_size == 0 or batch.sampling_info is None:
+            return torch.empty((0,), dtype=torch.int64)
+        next_token_ids = self.sampler(logits_output.next_token_logits, batch.sampling_info)
+        if batch.return_logprob:
+            fill_next_token_logprobs(logits_output, next_token_ids)
+        return next_token_ids

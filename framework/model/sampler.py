@@ -1,0 +1,94 @@
+"""Next-token sampling from logits (reference W5, pytorch backend semantics).
+
+Order: min_new_tokens masks -> (all greedy: argmax) -> temperature -> softmax (fp32) -> top-k,
+top-p, min-p on the sorted distribution -> multinomial. top-p uses the cumulative mass of the full
+distribution (computed before the top-k cut), and min-p is relative to the most likely token, as in
+the reference. Rows with top_k <= 1 are always argmax, whatever the rest of the batch does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from framework.batch import SamplingBatchInfo
+
+
+class Sampler:
+    """Stateless; seeded rows get their own generator per call, so they do not depend on batching."""
+
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """logits: [bs, vocab] (not modified) -> int64 token ids [bs]."""
+        bs, vocab_size = logits.shape
+        if bs == 0:
+            return torch.empty((0,), dtype=torch.int64)
+        logits = _apply_min_new_tokens(logits, info.min_new_tokens_masks)
+        greedy_ids = logits.argmax(dim=-1)
+        if info.is_all_greedy:
+            return greedy_ids
+
+        # The clamp only guards against a stray 0; greedy rows are overridden by argmax below.
+        temperatures = info.temperatures.view(bs, 1).clamp(min=1e-6)
+        probs = torch.softmax(logits.float() / temperatures, dim=-1)
+        top_ks = info.top_ks.clamp(min=1, max=vocab_size)
+        need_top_k = bool((top_ks < vocab_size).any())
+        need_top_p = bool((info.top_ps < 1.0).any())
+        if not (need_top_k or need_top_p or info.need_min_p_sampling):
+            ids = _multinomial(probs, info.seeds)
+        else:
+            ids = _sample_filtered(probs, top_ks, need_top_p, info)
+        return torch.where(info.top_ks <= 1, greedy_ids, ids)
+
+
+def _apply_min_new_tokens(logits: torch.Tensor, masks: list[list[int] | None]) -> torch.Tensor:
+    """Set the listed stop ids to -inf for requests that have not produced enough tokens yet."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, ids in enumerate(masks or []):
+        if ids:
+            rows.extend([i] * len(ids))
+            cols.extend(ids)
+    if not rows:
+        return logits
+    logits = logits.clone()  # the caller keeps the raw logits for logprobs
+    logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+    return logits
+
+
+def _sample_filtered(
+    probs: torch.Tensor, top_ks: torch.Tensor, need_top_p: bool, info: SamplingBatchInfo
+) -> torch.Tensor:
+    vocab_size = probs.shape[1]
+    max_k = int(top_ks.max())
+    if max_k < vocab_size:
+        # Every row keeps at most max_k tokens, so a partial sort of that many is exact and much
+        # cheaper than sorting the whole vocabulary.
+        probs_sort, probs_idx = probs.topk(max_k, dim=-1, sorted=True)
+    else:
+        probs_sort, probs_idx = probs.sort(dim=-1, descending=True)
+    # Mass strictly before each token, over the untruncated distribution.
+    mass_before = probs_sort.cumsum(dim=-1) - probs_sort
+    ranks = torch.arange(probs_sort.shape[1]).unsqueeze(0)
+    drop = ranks >= top_ks.unsqueeze(1)
+    if need_top_p:
+        drop |= mass_before > info.top_ps.unsqueeze(1)
+    if info.need_min_p_sampling:
+        drop |= probs_sort < probs_sort[:, :1] * info.min_ps.unsqueeze(1)
+    # The most likely token is never dropped, so each row keeps some mass.
+    drop[:, 0] = False
+    probs_sort = probs_sort.masked_fill(drop, 0.0)
+    choice = _multinomial(probs_sort, info.seeds)
+    return probs_idx.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _multinomial(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+    """One draw per row; rows with a seed use a generator seeded with it (reproducible)."""
+    seeds = seeds or []
+    if seeds and all(s is not None for s in seeds):
+        ids = torch.empty(probs.shape[0], dtype=torch.int64)
+    else:
+        ids = torch.multinomial(probs, num_samples=1).squeeze(1)
+    for i, seed in enumerate(seeds):
+        if seed is not None:
+            gen = torch.Generator(device=probs.device).manual_seed(int(seed))
+            ids[i] = torch.multinomial(probs[i], num_samples=1, generator=gen)[0]
+    return ids
