@@ -125,3 +125,48 @@ def check_greedy_equal(ours: list[int], ref: list[int], ref_logprobs_fn, tol: fl
             return 1
     assert len(ours) == len(ref), f"lengths differ: {len(ours)} vs {len(ref)}\nours={ours}\nref ={ref}"
     return 0
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_model_folder):
+    """transformers' LlamaForCausalLM on the tiny model's weights: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_folder, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_next_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation by the reference with its own KV cache, EOS ignored."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+            do_sample=False, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def assert_same_greedy(runs: dict[str, list[list[int]]], prompts, baseline: list[list[int]], hf_model) -> int:
+    """Every run's outputs equal `baseline` under the equality rule; returns the near-ties met."""
+    ties = 0
+    for name, outputs in runs.items():
+        for prompt, ours, ref in zip(prompts, outputs, baseline):
+            try:
+                ties += check_greedy_equal(ours, ref, lambda prefix: hf_next_logprobs(hf_model, prompt + prefix))
+            except AssertionError as exc:
+                raise AssertionError(f"{name}: {exc}") from None
+    return ties
+
+
+@pytest.fixture(scope="session")
+def sharegpt_prompts(default_tokenizer):
+    """40 ShareGPT prompts (token ids), seeded, as the benchmark samples them."""
+    from framework.bench.datasets import sample_sharegpt
+
+    return [r.prompt_ids for r in sample_sharegpt(default_tokenizer, 40, seed=7)]

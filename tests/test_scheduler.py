@@ -1,0 +1,193 @@
+"""The scheduler on the tiny random llama: equality with transformers, chunked prefill, stop
+conditions, bad input. Every engine is leak-checked by the `make_engine` fixture."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from framework.plugins import PluginError
+from tests.conftest import assert_same_greedy, hf_greedy
+
+PROMPTS = [
+    list(range(10, 15)),
+    list(range(200, 237)),
+    list(range(1000, 1100)),
+    list(range(3000, 3300)),
+    [7] * 3 + list(range(500, 560)),
+]
+NEW = 12
+GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def reference(hf_tiny):
+    return [hf_greedy(hf_tiny, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {},
+        {"scheduler": {"chunked_prefill_size": 32}},
+        {"scheduler": {"chunked_prefill_size": 32, "max_prefill_tokens": 40}},
+        {"scheduler": {"chunked_prefill_size": None}, "plugins": {"cache": "chunk", "policy": "fcfs"}},
+    ],
+    ids=["default", "chunked", "chunked-small-budget", "no-chunking-chunk-cache"],
+)
+def test_greedy_matches_transformers_all_at_once(make_engine, hf_tiny, reference, sections):
+    engine = make_engine(**sections)
+    results = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    outputs = [r["output_ids"] for r in results]
+    ties = assert_same_greedy({"ours": outputs}, PROMPTS, reference, hf_tiny)
+    print(f"near-ties: {ties}")
+    assert all(r["meta_info"]["completion_tokens"] == NEW for r in results)
+    assert [r["meta_info"]["prompt_tokens"] for r in results] == [len(p) for p in PROMPTS]
+
+
+def test_chunked_request_is_chunked(make_engine):
+    sizes = []
+    from framework import hookimpl
+
+    class Extends:
+        @hookimpl
+        def on_batch_result(self, batch, result, scheduler):
+            if batch.forward_mode.is_extend():
+                sizes.append(sum(batch.extend_lens))
+
+    engine = make_engine(extra_plugins=(Extends(),), scheduler={"chunked_prefill_size": 32})
+    engine.generate(input_ids=list(range(100, 200)), sampling_params={"max_new_tokens": 1})
+    assert sizes == [32, 32, 32, 4]
+
+
+def test_cached_tokens_reported_on_repeat(make_engine):
+    engine = make_engine()
+    prompt = list(range(300, 400))
+    first = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    second = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] == len(prompt) - 1
+    assert first["output_ids"] == second["output_ids"]
+
+
+# -- stop conditions ---------------------------------------------------------------------------
+
+
+def test_max_new_tokens_and_length_reason(make_engine):
+    out = make_engine().generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 5, "ignore_eos": True})
+    assert len(out["output_ids"]) == 5
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+def test_max_new_tokens_zero_still_prefills(make_engine):
+    out = make_engine().generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 0})
+    assert out["meta_info"]["completion_tokens"] == 1
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_stop_token_ids(make_engine, reference):
+    engine = make_engine()
+    stop_at = reference[1][3]
+    out = engine.generate(input_ids=PROMPTS[1], sampling_params={**GREEDY, "ignore_eos": False, "stop_token_ids": [stop_at]})
+    assert out["output_ids"] == reference[1][: reference[1].index(stop_at) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+
+
+def test_ignore_eos_suppresses_stop_token_ids(make_engine, reference):
+    out = make_engine().generate(input_ids=PROMPTS[1], sampling_params={**GREEDY, "stop_token_ids": [reference[1][0]]})
+    assert out["output_ids"] == reference[1]
+
+
+def test_min_new_tokens_masks_stop_tokens(make_engine, reference):
+    stop_at = reference[1][0]
+    out = make_engine().generate(
+        input_ids=PROMPTS[1],
+        sampling_params={"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [stop_at], "min_new_tokens": 4},
+    )
+    assert len(out["output_ids"]) >= 4
+    assert stop_at not in out["output_ids"][:4]
+
+
+def test_stop_string_is_matched_and_trimmed(make_engine, default_tokenizer):
+    engine = make_engine()
+    free = engine.generate(input_ids=PROMPTS[2], sampling_params={**GREEDY, "max_new_tokens": 10})
+    text = default_tokenizer.decode(free["output_ids"])
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("the random model produced whitespace where the stop string would go")
+    out = engine.generate(input_ids=PROMPTS[2], sampling_params={**GREEDY, "max_new_tokens": 10, "stop": stop})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"]
+    assert text.startswith(out["text"])
+
+
+def test_seeded_sampling_is_reproducible(make_engine):
+    engine = make_engine()
+    params = {"max_new_tokens": 8, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    a = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    b = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    c = engine.generate(input_ids=PROMPTS[0], sampling_params={**params, "seed": 99})
+    assert a["output_ids"] == b["output_ids"]
+    assert a["output_ids"] != c["output_ids"]
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"input_ids": []}, "prompt is empty"),
+        ({"input_ids": list(range(3000))}, "longer than the model's context"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature: must be >= 0"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": math.nan}}, "temperature: must be finite"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p: must be in (0, 1]"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}}, "top_p: must be in (0, 1]"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens: must be >= 0"),
+        ({"input_ids": [1, 2], "sampling_params": {"min_p": math.nan}}, "min_p: must be finite"),
+        ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 3}}, "frequency_penalty"),
+        ({"input_ids": [1, 2], "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}}, "min_new_tokens"),
+        ({"input_ids": [1, 2], "sampling_params": {"temprature": 0}}, "unknown field(s) temprature"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature: must be a number"),
+        ({"input_ids": [1, -2]}, "token ids must be in"),
+        ({"input_ids": [1, 10**9]}, "token ids must be in"),
+        ({"input_ids": [1, 2.5]}, "input_ids must be lists of integers"),
+        ({"prompt": ""}, "prompt is empty"),
+        ({}, "exactly one of prompt or input_ids"),
+        ({"prompt": "hi", "input_ids": [1]}, "exactly one of prompt or input_ids"),
+    ],
+)
+def test_bad_input_is_a_clear_error(make_engine, kwargs, message):
+    engine = make_engine()
+    with pytest.raises(ValueError) as info:
+        engine.generate(**kwargs)
+    assert message in str(info.value)
+    assert not engine.scheduler.waiting_queue
+    # The engine still serves afterwards.
+    assert engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})["output_ids"]
+
+
+def test_text_prompt_over_context_is_rejected(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        engine.generate("hello " * 3000)
+
+
+def test_unknown_plugin_name_is_a_clear_error(tiny_model_folder):
+    from framework.engine import Engine
+
+    with pytest.raises(PluginError, match="unknown policy plugin 'nope'; installed: .*fcfs"):
+        Engine(model={"path": tiny_model_folder}, plugins={"policy": "nope"})
+
+
+def test_leak_check_raises_when_a_slot_is_lost(make_engine):
+    from framework.scheduler import MemoryLeakError
+
+    engine = make_engine()
+    sched = engine.scheduler
+    lost = sched.token_to_kv_pool.alloc(3)
+    with pytest.raises(MemoryLeakError, match="KV cache pool leak detected"):
+        sched.check_memory()
+    sched.token_to_kv_pool.free(lost)
