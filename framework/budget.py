@@ -189,6 +189,10 @@ class PrefillAdder:
             self._prefill_one_req(0, req.extend_input_len, self._clipped_max_new(req))
         else:
             trunc_len = self.rem_chunk_tokens
+            # The reference has no zero check here, so a continuing chunked request that used the
+            # whole chunk budget let a second request be chunked at once (an assertion failure).
+            if trunc_len <= 0:
+                return AddReqResult.OTHER
             self._truncate(req, trunc_len)
             self.can_run_list.append(req)
             self.new_inflight_req = req
