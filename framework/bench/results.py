@@ -1,0 +1,159 @@
+"""Result records: one JSON line per run, with the settings, the workload, the metrics and the
+hardware, so that a results file alone says what was measured where."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes of the machine spent busy since boot (from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class ContentionMeter:
+    """How busy the machine was with *other* processes during a measurement.
+
+    On a 2-core box a second runnable process slows a 2-thread forward several times
+    (perf-anchors §5.6), so every record says how much CPU the rest of the machine used:
+    (machine busy CPU - this process's CPU) / (wall time * cores), 0 = idle, 1 = all cores.
+    For `serving` the server itself counts as "other".
+    """
+
+    def __init__(self):
+        self.start_busy = _busy_cpu_seconds()
+        t = os.times()
+        self.start_own = t.user + t.system
+        self.start_wall = time.perf_counter()
+
+    def other_busy_fraction(self) -> float | None:
+        busy = _busy_cpu_seconds()
+        if busy is None or self.start_busy is None:
+            return None
+        t = os.times()
+        own = t.user + t.system - self.start_own
+        wall = max(time.perf_counter() - self.start_wall, 1e-9)
+        return max(0.0, (busy - self.start_busy - own) / (wall * (os.cpu_count() or 1)))
+
+
+def hardware_info(dtype: str | None = None, meter: ContentionMeter | None = None) -> dict[str, Any]:
+    """CPU, cores, threads, library versions and the dtype measured.
+
+    With a `meter`, also the share of CPU other processes used meanwhile (`ContentionMeter`).
+    """
+    import torch
+
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        tf_version = None
+    info = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "python": platform.python_version(),
+        "dtype": dtype,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    if meter is not None:
+        info["other_cpu_busy"] = meter.other_busy_fraction()
+    return info
+
+
+def _jsonable(value: Any) -> Any:
+    """Strict-JSON form: inf/nan floats become strings (json.dumps would write Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def bench_args(args) -> dict[str, Any]:
+    """The tool's own options from an argparse namespace (engine settings are stored apart)."""
+    return {
+        k: v for k, v in vars(args).items()
+        if not k.startswith("set:") and k not in ("func", "command", "bench_command")
+    }
+
+
+def make_record(tool: str, backend: str, args: dict, workload: dict, metrics: dict,
+                hardware: dict, **extra: Any) -> dict[str, Any]:
+    """One result line. `extra` holds tool-specific fields (engine settings, HF mode, ratios)."""
+    record = {
+        "tool": tool,
+        "backend": backend,
+        "dataset": args.get("dataset"),
+        "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "args": args,
+        "workload": workload,
+        "metrics": metrics,
+        "hardware": hardware,
+    }
+    record.update(extra)
+    return _jsonable(record)
+
+
+def append_jsonl(path: str | None, record: dict) -> None:
+    """Append one line to `path` (no-op for None), creating folders as needed."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Every record of a results file; blank lines are skipped."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def format_report(title: str, metrics: dict[str, Any]) -> str:
+    """A two-column table of the metrics, in the reference's style."""
+    width = 50
+    lines = [f"{' ' + title + ' ':=^{width}}"]
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            # Latencies in seconds need more digits than throughputs.
+            shown = f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"
+        else:
+            shown = str(value)
+        lines.append(f"{key:<{width - 14}}{shown:>14}")
+    lines.append("=" * width)
+    return "\n".join(lines)

@@ -1,0 +1,366 @@
+"""`batchyard bench`: dataset rules, metric definitions, and each tool end to end on a tiny model
+(offline, one-batch, plot) or against a fake SSE server started here (serving)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from framework.bench import datasets
+from framework.bench.datasets import BenchRequest
+from framework.bench.metrics import RequestResult, compute_metrics, summarize
+from framework.cli import main as cli_main
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word: lengths in the tests are word counts."""
+
+    def encode(self, text, add_special_tokens=True):
+        return list(range(len(text.split())))
+
+
+def words(n: int) -> str:
+    return " ".join(["w"] * n)
+
+
+def conversation(prompt_words: int, reply_words: int, turns: int = 2) -> dict:
+    conv = [{"from": "human", "value": words(prompt_words)}, {"from": "gpt", "value": words(reply_words)}]
+    return {"id": f"{prompt_words}-{reply_words}", "conversations": conv[:turns]}
+
+
+# -- datasets ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sharegpt_file(tmp_path):
+    """A ShareGPT-shaped file cut off in the middle of its last element, like the packaged one."""
+    items = [
+        conversation(10, 20),            # kept
+        conversation(10, 20, turns=1),   # one turn: dropped
+        conversation(3, 20),             # prompt < 4: dropped
+        conversation(10, 3),             # output < 4: dropped
+        conversation(1025, 10),          # prompt > 1024: dropped (also with a fixed output len)
+        conversation(1000, 1049),        # prompt + output > 2048: dropped unless fixed output len
+        conversation(4, 4),              # exactly at the lower bounds: kept
+        conversation(1024, 1024),        # exactly 2048: kept
+        conversation(50, 60),            # kept
+    ]
+    text = json.dumps(items + [conversation(7, 7)], indent=2)
+    cut = text.rindex('"from": "gpt"')  # inside the last element
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[:cut])
+    return str(path), items
+
+
+def test_iter_json_array_stops_at_truncated_tail():
+    text = '[ {"a": 1},\n {"a": [2, 3]} , {"a": "x'
+    assert list(datasets.iter_json_array(text)) == [{"a": 1}, {"a": [2, 3]}]
+    assert list(datasets.iter_json_array("[]")) == []
+
+
+def test_sharegpt_filtering_rules(sharegpt_file):
+    path, items = sharegpt_file
+    reqs = datasets.sample_sharegpt(WordTokenizer(), 100, seed=1, path=path)
+    got = sorted((r.prompt_len, r.output_len) for r in reqs)
+    assert got == [(4, 4), (10, 20), (50, 60), (1024, 1024)]
+    # The truncated element (7, 7) never appears.
+    assert all(r.prompt_len != 7 for r in reqs)
+
+
+def test_sharegpt_fixed_output_len_and_seeded_order(sharegpt_file):
+    path, items = sharegpt_file
+    reqs = datasets.sample_sharegpt(WordTokenizer(), 100, seed=3, fixed_output_len=16, path=path)
+    # The fixed length replaces the reply's and lifts the 2048 total rule, not the 1024 prompt rule.
+    # (10, 3) is back too: its output length is now 16.
+    assert sorted(r.prompt_len for r in reqs) == [4, 10, 10, 50, 1000, 1024]
+    assert {r.output_len for r in reqs} == {16}
+    # Order: the reference's random.seed(seed); random.shuffle(pairs) over the >=2-turn pairs.
+    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"])
+             for c in items if len(c["conversations"]) >= 2]
+    random.seed(3)
+    random.shuffle(pairs)
+    expected = [len(p.split()) for p, _ in pairs if len(p.split()) in (4, 10, 50, 1000, 1024)]
+    assert [r.prompt_len for r in reqs] == expected
+    assert len(datasets.sample_sharegpt(WordTokenizer(), 2, seed=3, fixed_output_len=16, path=path)) == 2
+    with pytest.raises(ValueError):
+        datasets.sample_sharegpt(WordTokenizer(), 2, fixed_output_len=3, path=path)
+
+
+@pytest.mark.parametrize("source", ["ids", "sharegpt"])
+def test_random_lengths_within_range(default_tokenizer, sharegpt_file, source):
+    path, _ = sharegpt_file
+    reqs = datasets.sample_random(default_tokenizer, 40, input_len=64, output_len=20, range_ratio=0.5,
+                                  seed=5, source=source, path=path)
+    assert len(reqs) == 40
+    assert all(32 <= r.prompt_len <= 64 for r in reqs)
+    assert all(10 <= r.output_len <= 20 for r in reqs)
+    assert len({r.prompt_len for r in reqs}) > 1
+    fixed = datasets.sample_random(default_tokenizer, 5, 16, 8, 1.0, seed=5, source=source, path=path)
+    assert [(r.prompt_len, r.output_len) for r in fixed] == [(16, 8)] * 5
+    # Lengths follow numpy's legacy generator seeded like the reference.
+    rng = np.random.RandomState(5)
+    assert [r.prompt_len for r in reqs] == list(rng.randint(32, 65, size=40))
+
+
+def test_generated_shared_prefix_groups_share_prefix(default_tokenizer):
+    reqs = datasets.sample_generated_shared_prefix(default_tokenizer, num_groups=3, prompts_per_group=4,
+                                                   system_prompt_len=24, question_len=6, output_len=7, seed=2)
+    assert len(reqs) == 12
+    assert all(r.prompt_len == 30 and r.output_len == 7 for r in reqs)
+    groups: dict[tuple, list] = {}
+    for r in reqs:
+        groups.setdefault(tuple(r.prompt_ids[:24]), []).append(tuple(r.prompt_ids[24:]))
+    assert len(groups) == 3 and all(len(q) == 4 for q in groups.values())
+    assert len({q for qs in groups.values() for q in qs}) == 12  # questions differ
+    special = set(default_tokenizer.all_special_ids)
+    assert not any(t in special for r in reqs for t in r.prompt_ids)
+
+
+def test_output_cap():
+    reqs = [BenchRequest("a", [1], 10), BenchRequest("b", [1], 3)]
+    assert [r.output_len for r in datasets.cap_output_len(reqs, 5)] == [5, 3]
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_match_the_reference_definitions():
+    results = [
+        RequestResult(True, prompt_len=100, output_len=10, ttft=0.1, latency=1.0, itl=[0.1] * 9, generated_text="a"),
+        RequestResult(True, prompt_len=50, output_len=4, ttft=0.2, latency=0.8, itl=[0.1, 0.2, 0.3]),
+        RequestResult(True, prompt_len=10, output_len=1, ttft=0.3, latency=0.3, itl=[]),
+        RequestResult(False, prompt_len=999, output_len=0, error="boom"),
+    ]
+    m = compute_metrics(results, duration=2.0)
+    assert m["completed"] == 3 and m["failed"] == 1
+    assert m["total_input_tokens"] == 160 and m["total_output_tokens"] == 15
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["input_throughput"] == pytest.approx(80.0)
+    assert m["output_throughput"] == pytest.approx(7.5)
+    assert m["total_throughput"] == pytest.approx(87.5)
+    assert m["concurrency"] == pytest.approx((1.0 + 0.8 + 0.3) / 2.0)
+    # TTFT over all successes; p99 by linear interpolation: 0.2 + 0.98 * 0.1.
+    assert m["mean_ttft_ms"] == pytest.approx(200.0)
+    assert m["median_ttft_ms"] == pytest.approx(200.0)
+    assert m["p99_ttft_ms"] == pytest.approx(298.0)
+    assert m["std_ttft_ms"] == pytest.approx(np.std([100, 200, 300]))
+    # TPOT excludes the first token and single-token requests: (1.0-0.1)/9 and (0.8-0.2)/3.
+    assert m["mean_tpot_ms"] == pytest.approx((100.0 + 200.0) / 2)
+    assert m["median_tpot_ms"] == pytest.approx(150.0)
+    # ITL pools every gap of every request: nine 0.1 gaps plus 0.1, 0.2, 0.3.
+    itls = [0.1] * 10 + [0.2, 0.3]
+    assert m["mean_itl_ms"] == pytest.approx(1000 * sum(itls) / 12)
+    assert m["median_itl_ms"] == pytest.approx(100.0)
+    assert m["p90_itl_ms"] == pytest.approx(1000 * np.percentile(itls, 90))
+    assert m["p99_itl_ms"] == pytest.approx(1000 * (0.2 + 0.89 * 0.1))
+    assert m["median_e2e_latency_ms"] == pytest.approx(800.0)
+    assert m["p99_e2e_latency_ms"] == pytest.approx(1000 * (0.8 + 0.98 * 0.2))
+
+
+def test_summarize_empty_is_zero():
+    assert summarize([]) == {"mean": 0.0, "median": 0.0, "std": 0.0, "p90": 0.0, "p99": 0.0}
+
+
+# -- offline, one-batch and plot on a tiny random llama ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_model(tmp_path_factory, default_tokenizer) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("bench-llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+TINY_ENGINE = ["--dtype", "float32", "--cache.max-total-tokens", "4096", "--disable-tqdm"]
+TINY_WORKLOAD = ["--dataset", "random", "--random-source", "ids", "--num-prompts", "5",
+                 "--random-input-len", "24", "--random-output-len", "6", "--random-range-ratio", "1"]
+
+
+def read_lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_offline_both_backends_write_records(bench_model, tmp_path):
+    out = tmp_path / "results.jsonl"
+    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
+            "--warmup-requests", "1", "--backend", "both", "--output-file", str(out)]
+    assert cli_main(argv) == 0
+    ours, hf = read_lines(out)
+    for record, backend in ((ours, "batchyard"), (hf, "hf")):
+        assert record["tool"] == "offline" and record["backend"] == backend and record["dataset"] == "random"
+        m = record["metrics"]
+        assert m["completed"] == 5 and m["total_input_tokens"] == 120 and m["total_output_tokens"] == 30
+        for key in ("duration_s", "request_throughput", "input_throughput", "output_throughput", "total_throughput"):
+            assert m[key] > 0
+        assert m["output_throughput"] == pytest.approx(30 / m["duration_s"])
+        hw = record["hardware"]
+        assert hw["dtype"] == "float32" and hw["cores"] >= 1 and hw["torch"] and "cpu" in hw
+        assert 0.0 <= hw["other_cpu_busy"] <= 1.0
+        assert record["args"]["num_prompts"] == 5 and record["workload"]["num_requests"] == 5
+    assert ours["engine_settings"]["model"]["path"] == bench_model
+    assert hf["hf_mode"] == "continuous"
+    assert ours["vs_hf"]["ratio"]["output_throughput"] == pytest.approx(
+        ours["metrics"]["output_throughput"] / hf["metrics"]["output_throughput"])
+
+    # Static HF fallback, and the plot over everything written so far.
+    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
+            "--backend", "hf", "--hf-mode", "static", "--hf-batch-size", "2", "--output-file", str(out)]
+    assert cli_main(argv) == 0
+    static = read_lines(out)[-1]
+    assert static["hf_mode"] == "static" and static["metrics"]["total_output_tokens"] == 30
+    png = tmp_path / "plot.png"
+    assert cli_main(["bench", "plot", str(out), "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_batch_times_prefill_and_decode(bench_model, tmp_path):
+    out = tmp_path / "one.jsonl"
+    argv = ["bench", "one-batch", "--model.path", bench_model, *TINY_ENGINE, "--batch-size", "2", "3",
+            "--input-len", "16", "--output-len", "4", "--output-file", str(out)]
+    assert cli_main(argv) == 0
+    records = read_lines(out)
+    assert [r["metrics"]["batch_size"] for r in records] == [2, 3]
+    for r in records:
+        m = r["metrics"]
+        bs = m["batch_size"]
+        assert r["tool"] == "one-batch"
+        assert m["prefill_batches"] == 1 and m["decode_steps"] == 3 and m["output_tokens"] == 4 * bs
+        assert m["prefill_throughput"] == pytest.approx(bs * 16 / m["prefill_latency_s"])
+        assert m["median_decode_throughput"] == pytest.approx(bs / m["median_decode_latency_s"])
+        assert m["median_decode_iteration_latency_s"] >= m["median_decode_latency_s"]
+
+
+# -- serving against a fake SSE server -----------------------------------------------------------
+
+
+class FakeServer:
+    """A tiny aiohttp app speaking the native /generate and the OpenAI /v1/completions streams."""
+
+    TOKEN_DELAY_S = 0.002
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.fail_next = 0
+
+    def app(self):
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/flush_cache", lambda request: web.Response(text="ok"))
+        return app
+
+    async def _stream(self, request, chunks):
+        from aiohttp import web
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in chunks:
+            await asyncio.sleep(self.TOKEN_DELAY_S)
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def generate(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        self.bodies.append(body)
+        if self.fail_next:
+            self.fail_next -= 1
+            return web.Response(status=500, text="internal error")
+        n = body["sampling_params"]["max_new_tokens"]
+        chunks = [{"text": "ab" * (i + 1), "meta_info": {"prompt_tokens": len(body["input_ids"]),
+                                                       "completion_tokens": i + 1}} for i in range(n)]
+        return await self._stream(request, chunks)
+
+    async def completions(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        n = body["max_tokens"]
+        chunks = [{"choices": [{"index": 0, "text": "ab"}]} for _ in range(n)]
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
+        return await self._stream(request, chunks)
+
+
+@pytest.fixture
+def fake_server():
+    """Run FakeServer on 127.0.0.1 in a thread of its own; yields (server, base_url)."""
+    from aiohttp import web
+
+    server = FakeServer()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(server.app())
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield server, f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+
+
+@pytest.mark.parametrize("backend", ["batchyard", "openai"])
+def test_serving_client_times_streamed_tokens(fake_server, backend):
+    from framework.bench.serving import run_serving
+
+    server, url = fake_server
+    reqs = [BenchRequest("one two three", [1, 2, 3], 5) for _ in range(4)]
+    results, duration = asyncio.run(run_serving(
+        reqs, backend, url, model="fake", request_rate=200.0, max_concurrency=2, warmup_requests=1,
+        flush_cache=True, progress=False,
+    ))
+    assert len(server.bodies) == 5  # one warm-up, four measured
+    warm, body = server.bodies[0], server.bodies[1]
+    if backend == "batchyard":
+        assert body == {"input_ids": [1, 2, 3], "stream": True,
+                        "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}}
+    else:
+        assert body["prompt"] == "one two three" and body["max_tokens"] == 5 and body["stream"] is True
+    for r in results:
+        assert r.success, r.error
+        assert r.output_len == 5 and r.prompt_len == 3 and r.generated_text == "ab" * 5
+        assert len(r.itl) == 4  # one gap per token after the first; the usage chunk is no token
+        assert 0 < r.ttft <= r.latency and all(g > 0 for g in r.itl)
+        assert r.latency >= r.ttft + sum(r.itl) - 1e-6
+    m = compute_metrics(results, duration)
+    assert m["completed"] == 4 and m["total_output_tokens"] == 20
+    for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "median_e2e_latency_ms", "output_throughput"):
+        assert m[key] > 0
+    assert m["median_itl_ms"] >= 1000 * FakeServer.TOKEN_DELAY_S * 0.5
+
+
+def test_serving_cli_records_and_counts_failures(fake_server, tmp_path):
+    server, url = fake_server
+    out = tmp_path / "serving.jsonl"
+    argv = ["bench", "serving", "--base-url", url, *TINY_WORKLOAD, "--num-prompts", "3",
+            "--warmup-requests", "0", "--output-file", str(out), "--disable-tqdm"]
+    assert cli_main(argv) == 0
+    server.fail_next = 1
+    assert cli_main(argv + ["--request-rate", "100"]) == 1  # a failed request fails the run
+    ok, partial = read_lines(out)
+    assert ok["tool"] == "serving" and ok["backend"] == "batchyard" and ok["request_rate"] == "inf"
+    assert ok["metrics"]["completed"] == 3 and ok["metrics"]["total_output_tokens"] == 18
+    assert ok["metrics"]["total_input_tokens"] == 72
+    assert "total_output_tokens_retokenized" in ok["metrics"] and ok["hardware"]["cpu"] is not None
+    assert partial["metrics"]["completed"] == 2 and partial["metrics"]["failed"] == 1
+    assert partial["request_rate"] == 100.0 and math.isfinite(partial["metrics"]["mean_ttft_ms"])
