@@ -2,14 +2,19 @@
 
 They are plain dataclasses, pickled over ZMQ in server mode and passed through in-process queues by
 the offline Engine.
+
+Server-mode routes (framework/server): TokenizerManager -> Scheduler: GenerateReqInput, AbortReq and
+the control requests; Scheduler -> Detokenizer: BatchTokenOut; Detokenizer -> TokenizerManager:
+BatchStrOut; Scheduler -> TokenizerManager: the control replies (``*Output``, SchedulerStats), each
+carrying the ``request_id`` of the request it answers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from framework.request import FinishReason, SamplingParams
+from framework.request import FinishReason, SamplingParams, StashKey
 
 
 @dataclass
@@ -35,7 +40,8 @@ class AbortReq:
 
 @dataclass
 class FlushCacheReq:
-    pass
+    # Set when the sender waits for a FlushCacheReqOutput; None: fire and forget (offline engine).
+    request_id: str | None = None
 
 
 @dataclass
@@ -55,3 +61,112 @@ class ReqOutput:
 @dataclass
 class BatchTokenOut:
     outputs: list[ReqOutput] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Server mode: detokenized outputs, control requests and their replies
+
+
+@dataclass
+class StrOutput:
+    """One request's detokenized state (an element of BatchStrOut): the text is cumulative."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    finished_reason: FinishReason | None
+    meta_info: dict[str, Any]
+
+
+@dataclass
+class BatchStrOut:
+    outputs: list[StrOutput] = field(default_factory=list)
+
+
+@dataclass
+class FlushCacheReqOutput:
+    request_id: str | None
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class OpenSessionReq:
+    """Open a session under an id chosen by the sender (a uuid4 hex, as in the reference)."""
+
+    session_id: str
+    capacity_of_str_len: int = 0
+    request_id: str | None = None
+
+
+@dataclass
+class OpenSessionReqOutput:
+    request_id: str | None
+    session_id: str
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class CloseSessionReq:
+    session_id: str
+    request_id: str | None = None
+
+
+@dataclass
+class CloseSessionReqOutput:
+    request_id: str | None
+    session_id: str
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetStatsReq:
+    """Ask for a SchedulerStats snapshot (for /get_server_info and /metrics)."""
+
+    request_id: str | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's gauges (reference S3) plus the pools' free counts, at one moment."""
+
+    request_id: str | None
+    num_running_reqs: int
+    num_queue_reqs: int
+    num_used_tokens: int
+    token_usage: float
+    gen_throughput: float
+    cache_hit_rate: float
+    max_total_num_tokens: int
+    kv_available: int
+    kv_evictable: int
+    req_slots_free: int
+    req_slots_total: int
+    num_sessions: int
+    forward_ct: int
+
+
+@dataclass
+class SchedulerReady:
+    """Start-up handshake (reference A2), sent once the model and the pools are ready."""
+
+    max_total_num_tokens: int
+    max_req_input_len: int
+    context_len: int
+    vocab_size: int
+    pid: int
+
+
+@dataclass
+class SchedulerFailed:
+    """Start-up failed; the message is the error, for the server's log."""
+
+    message: str
+
+
+# Where the scheduler sends control replies, kept in `Scheduler.stash`: the server's scheduler
+# process sets it to its socket to the TokenizerManager; without it replies are dropped (the
+# offline Engine calls the control methods directly and reads their return values).
+REPLY_SINK: StashKey[Callable[[Any], None]] = StashKey("reply_sink")

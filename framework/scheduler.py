@@ -16,9 +16,24 @@ from typing import Any, Callable
 from framework.batch import ScheduleBatch
 from framework.budget import NewTokenRatio, PrefillAdder
 from framework.config import Settings
-from framework.messages import AbortReq, BatchTokenOut, FlushCacheReq, GenerateReqInput, ReqOutput
+from framework.messages import (
+    REPLY_SINK,
+    AbortReq,
+    BatchTokenOut,
+    CloseSessionReq,
+    CloseSessionReqOutput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetStatsReq,
+    OpenSessionReq,
+    OpenSessionReqOutput,
+    ReqOutput,
+    SchedulerStats,
+)
 from framework.plugins import PluginManager
 from framework.request import FinishAbort, Req, Stash
+from framework.sessions import SESSIONS, SessionController, SessionError
 from framework.worker import BatchResult, ResultHandle
 
 logger = logging.getLogger(__name__)
@@ -118,6 +133,7 @@ class Scheduler:
         self.inbox.append(message)
 
     def process_input_requests(self) -> None:
+        # In arrival order, so a session opened (or closed) before a request is seen by it.
         while self.inbox:
             msg = self.inbox.popleft()
             if isinstance(msg, GenerateReqInput):
@@ -125,7 +141,15 @@ class Scheduler:
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg.rid)
             elif isinstance(msg, FlushCacheReq):
-                self.flush_cache()
+                success = self.flush_cache()
+                message = "" if success else "Cache not flushed: there are running or waiting requests."
+                self.send_reply(FlushCacheReqOutput(msg.request_id, success, message))
+            elif isinstance(msg, OpenSessionReq):
+                self.send_reply(self.open_session(msg))
+            elif isinstance(msg, CloseSessionReq):
+                self.send_reply(self.close_session(msg))
+            elif isinstance(msg, GetStatsReq):
+                self.send_reply(self.get_stats(msg.request_id))
             else:
                 # The reference raises here and kills the server; an unknown message is logged.
                 logger.error("scheduler received an unknown message: %r", type(msg).__name__)
@@ -142,21 +166,32 @@ class Scheduler:
         return None
 
     def handle_generate_request(self, msg: GenerateReqInput) -> None:
+        input_ids = msg.input_ids
+        session_error = None
+        if msg.session_id is not None:
+            try:
+                input_ids = self.session_controller().input_ids_for(msg.session_id, msg.session_rid, input_ids)
+            except SessionError as exc:
+                session_error = str(exc)
         req = Req(
-            msg.rid, msg.input_ids, msg.sampling_params, origin_input_text=msg.input_text,
+            msg.rid, input_ids, msg.sampling_params, origin_input_text=msg.input_text,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, stream=msg.stream,
             eos_token_ids=self.worker.eos_token_ids, session_id=msg.session_id,
         )
         req.tokenizer = self.tokenizer
         if req.logprob_start_len == -1:
+            # Over the whole input, session history included (the reference counts only the new
+            # segment, which limits a continued request's prefix hit when it asks for logprobs).
             req.logprob_start_len = len(req.origin_input_ids) - 1
-        error = self.validate_input(req.origin_input_ids)
+        error = session_error or self.validate_input(req.origin_input_ids)
         if error is not None:
             # Rejected before it takes any memory (the reference prefills first, QUIRK 5).
             req.finished_reason = FinishAbort(error)
             self.stream_output([req])
             return
+        if msg.session_id is not None:
+            self.session_controller().record(msg.session_id, req)
         params = req.sampling_params
         params.max_new_tokens = min(
             params.max_new_tokens if params.max_new_tokens is not None else 1 << 30,
@@ -430,6 +465,52 @@ class Scheduler:
         self.cache_hit_tokens = self.cache_total_tokens = 0
         logger.info("Cache flushed.")
         return True
+
+    def session_controller(self) -> SessionController:
+        """The open sessions (section M), created on first use."""
+        return self.stash.setdefault(SESSIONS, SessionController())
+
+    def open_session(self, msg: OpenSessionReq) -> OpenSessionReqOutput:
+        if not self.session_controller().open(msg.session_id, msg.capacity_of_str_len):
+            logger.warning("session id %s already exists; it is kept as it was", msg.session_id)
+            return OpenSessionReqOutput(msg.request_id, msg.session_id, False, "session id already exists")
+        return OpenSessionReqOutput(msg.request_id, msg.session_id, True)
+
+    def close_session(self, msg: CloseSessionReq) -> CloseSessionReqOutput:
+        # The session's in-flight requests run on; their KV is released as usual (M2).
+        if not self.session_controller().close(msg.session_id):
+            return CloseSessionReqOutput(
+                msg.request_id, msg.session_id, False, f"session id {msg.session_id} does not exist"
+            )
+        return CloseSessionReqOutput(msg.request_id, msg.session_id, True)
+
+    def get_stats(self, request_id: str | None = None) -> SchedulerStats:
+        """The SchedulerStats gauges now, plus the pools' free counts."""
+        running = self.running_batch.batch_size() if self.running_batch is not None else 0
+        elapsed = time.time() - self.last_decode_stats_tic
+        return SchedulerStats(
+            request_id=request_id,
+            num_running_reqs=running,
+            num_queue_reqs=len(self.waiting_queue) + (self.being_chunked_req is not None),
+            num_used_tokens=self.num_used_tokens(),
+            token_usage=self.num_used_tokens() / self.max_total_num_tokens,
+            # Tokens generated since the last decode log, over the time since then.
+            gen_throughput=self.num_generated_tokens / elapsed if elapsed > 0 else 0.0,
+            cache_hit_rate=self.cache_hit_rate(),
+            max_total_num_tokens=self.max_total_num_tokens,
+            kv_available=self.token_to_kv_pool.available_size(),
+            kv_evictable=self.tree_cache.evictable_size(),
+            req_slots_free=self.req_to_token_pool.available_size(),
+            req_slots_total=self.req_to_token_pool.size,
+            num_sessions=len(self.session_controller()),
+            forward_ct=self.forward_ct,
+        )
+
+    def send_reply(self, reply) -> None:
+        """Send a control reply to the tokenizer side, if anyone listens (see REPLY_SINK)."""
+        sink = self.stash.get(REPLY_SINK)
+        if sink is not None:
+            sink(reply)
 
     # -- idle -----------------------------------------------------------------------------------
 

@@ -61,7 +61,9 @@ def test_matrix_identical_greedy(make_engine, hf_tiny, prompts, reference, polic
     outputs = [r["output_ids"] for r in results]
     ties = assert_same_greedy({f"{policy}+{cache}": outputs}, prompts, reference, hf_tiny)
     assert ties <= 2
-    if retract:
+    if retract and not mixed:
+        # With mixing on, decode steps inside mixed batches skip the memory check (reference H2),
+        # so whether a plain decode step with > 10 requests happens depends on the order.
         assert engine.scheduler.num_retractions > 0
     if mixed:
         assert counter.mixed > 0

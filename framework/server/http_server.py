@@ -1,0 +1,198 @@
+"""The FastAPI app: native endpoints (reference 3.1), the OpenAI ones, auth and error format.
+
+Every error is JSON, ``{"error": {"message", "type", "code"}}``, with a 4xx status for bad input and
+503 once a child process has died. Bodies are read by hand (not by FastAPI's model binding) so the
+size limit, malformed JSON and field errors all get the same treatment.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from framework.config import Settings
+from framework.request import SamplingParams
+from framework.server.openai_api import register_openai_routes
+from framework.server.protocol import ApiError, ReqSpec, check_int, native_output, new_rid, parse_generate
+from framework.server.streaming import SSE_DONE, merge_streams, open_streams, read_json, sse
+from framework.server.tokenizer_manager import ClientDisconnected, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerInfo:
+    """What the server reports about itself besides the settings."""
+
+    model_path: str
+    tokenizer_path: str
+    model_name: str
+    process_ids: dict[str, int] = field(default_factory=dict)
+
+
+class GuardMiddleware:
+    """Plain ASGI middleware: 503 once a child died, then the API key (reference section 3)."""
+
+    def __init__(self, app, tm: TokenizerManager, api_key: str | None):
+        self.app = app
+        self.tm = tm
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.tm.dead_reason is not None:
+            err = ApiError(self.tm.dead_reason, status=503, err_type="server_error")
+            return await JSONResponse(err.to_json(), status_code=503)(scope, receive, send)
+        path = scope.get("path", "")
+        if self.api_key and not path.startswith("/health") and scope.get("method") != "OPTIONS":
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                err = ApiError("Unauthorized", status=401, err_type="authentication_error")
+                return await JSONResponse(err.to_json(), status_code=401)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> GuardMiddleware:
+    """The ASGI app to serve: the FastAPI routes behind the guard."""
+    app = FastAPI(title="batchyard", docs_url=None, redoc_url=None, openapi_url=None)
+    max_bytes = settings.server.max_request_bytes
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.to_json(), status_code=exc.status)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, exc: ClientDisconnected):
+        # Nobody reads this; 499 is the conventional "client closed request" in access logs.
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error on %s", request.url.path)
+        err = ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500, err_type="server_error")
+        return JSONResponse(err.to_json(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request):
+        spec = ReqSpec(rid=f"health-{new_rid()}", input_ids=[0],
+                       sampling_params=_params({"max_new_tokens": 1, "temperature": 0.7}))
+        try:
+            await tm.run_all([spec], request)
+        except ApiError as exc:
+            raise ApiError(f"generation failed: {exc.message}", status=503, err_type="server_error") from None
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path, "is_generation": True}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        stats = await tm.get_stats()
+        dumped = settings.model_dump(mode="json")
+        if dumped["server"].get("api_key"):
+            dumped["server"]["api_key"] = "<redacted>"
+        stats_dict = asdict(stats)
+        stats_dict.pop("request_id")
+        return {
+            **dumped,
+            "served_model_name": info.model_name,
+            "model_path_resolved": info.model_path,
+            "max_total_num_tokens": tm.ready.max_total_num_tokens,
+            "memory_pool_size": tm.ready.max_total_num_tokens,
+            "max_req_input_len": tm.ready.max_req_input_len,
+            "context_len": tm.ready.context_len,
+            "process_ids": info.process_ids,
+            "num_inflight_requests": len(tm.states),
+            "scheduler_stats": stats_dict,
+        }
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        reply = await tm.flush_cache()
+        if not reply.success:
+            raise ApiError(reply.message)
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.api_route("/open_session", methods=["GET", "POST"])
+    async def open_session(request: Request):
+        body = await read_json(request, max_bytes, allow_empty=True)
+        body = _object_with(body, {"capacity_of_str_len"})
+        capacity = check_int("capacity_of_str_len", body.get("capacity_of_str_len", 0), minimum=0)
+        return JSONResponse(await tm.open_session(capacity))
+
+    @app.api_route("/close_session", methods=["GET", "POST"])
+    async def close_session(request: Request):
+        body = _object_with(await read_json(request, max_bytes), {"session_id"})
+        session_id = body.get("session_id")
+        if not isinstance(session_id, str):
+            raise ApiError("session_id: must be a string")
+        await tm.close_session(session_id)
+        return Response(status_code=200)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        batch = parse_generate(await read_json(request, max_bytes), tm.tokenize, tm.tokenizer)
+        specs = await tm.expand_parallel(batch, request)
+        if not batch.stream:
+            outs = await tm.run_all(specs, request)
+            results = [native_output(o, s, tm.decode_token, o.text) for o, s in zip(outs, specs)]
+            return JSONResponse(results if batch.is_batch else results[0])
+        firsts, iterators = await open_streams(tm, specs, request)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for i, out in enumerate(firsts):
+                    yield sse(_chunk(specs[i], out, i))
+                async for i, out in merge_streams(iterators):
+                    yield sse(_chunk(specs[i], out, i))
+                yield SSE_DONE
+            except ApiError as exc:
+                yield sse(exc.to_json())
+            finally:
+                for spec in specs:
+                    tm.release(spec.rid)
+
+        def _chunk(spec: ReqSpec, out, i: int) -> dict:
+            return native_output(out, spec, tm.decode_token, tm.visible_text(spec, out),
+                                 index=i if batch.is_batch else None)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    if settings.server.enable_metrics:
+        @app.get("/metrics")
+        async def metrics():
+            try:
+                await tm.get_stats()  # refreshes the scheduler gauges
+            except ApiError:
+                pass  # still serve the request metrics
+            return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    register_openai_routes(app, tm, info.model_name, max_bytes)
+    return GuardMiddleware(app, tm, settings.server.api_key)
+
+
+def _params(data: dict) -> SamplingParams:
+    params = SamplingParams.from_dict(data)
+    params.verify()
+    params.normalize(None)
+    return params
+
+
+def _object_with(body: Any, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(f"unknown field(s): {', '.join(unknown)}")
+    return body

@@ -1,0 +1,331 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (reference 3.2).
+
+Each request maps onto native ReqSpecs (one per prompt, then n samples each as in AD5) and the
+answers are formatted as the OpenAI API does, logprobs included. Streaming sends deltas: the new
+text since the last chunk and the logprobs of the new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from framework.messages import StrOutput
+from framework.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from framework.server.protocol import ApiError, GenerateBatch, ReqSpec, is_int, new_rid, sampling_params_from
+from framework.server.streaming import SSE_DONE, merge_streams, open_streams, read_json, sse
+from framework.server.tokenizer_manager import TokenizerManager
+
+
+def validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def finish_fields(out: StrOutput) -> tuple[str | None, Any]:
+    reason = out.meta_info.get("finish_reason")
+    if reason is None:
+        return None, None
+    return reason["type"], reason.get("matched")
+
+
+class OpenAIFormatter:
+    """Logprob formats of the two endpoints, over the TokenizerManager's token decoder."""
+
+    def __init__(self, tm: TokenizerManager):
+        self.tm = tm
+
+    def completion_logprobs(self, pairs: list, tops: list | None, offset: int) -> dict:
+        tokens = [self.tm.decode_token(tid) for _, tid in pairs]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        top = None
+        if tops is not None:
+            top = [None if t is None else {self.tm.decode_token(tid): lp for lp, tid in t} for t in tops]
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in pairs], "top_logprobs": top,
+                "text_offset": offsets}
+
+    def chat_logprobs(self, pairs: list, tops: list | None) -> dict:
+        content = []
+        for k, (lp, tid) in enumerate(pairs):
+            tok = self.tm.decode_token(tid)
+            entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+            if tops is not None and k < len(tops) and tops[k]:
+                entry["top_logprobs"] = [
+                    {"token": self.tm.decode_token(t), "logprob": l, "bytes": list(self.tm.decode_token(t).encode("utf-8"))}
+                    for l, t in tops[k]
+                ]
+            content.append(entry)
+        return {"content": content}
+
+
+def usage(outs: list[StrOutput], n: int) -> dict:
+    # The prompt is counted once per prompt, not once per sample (as in the reference).
+    prompt = sum(o.meta_info.get("prompt_tokens", 0) for o in outs[::n])
+    completion = sum(o.meta_info.get("completion_tokens", 0) for o in outs)
+    result = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.meta_info.get("cached_tokens", 0) for o in outs[::n])
+    result["prompt_tokens_details"] = {"cached_tokens": cached}
+    return result
+
+
+def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str, max_bytes: int) -> None:
+    fmt = OpenAIFormatter(tm)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "batchyard",
+             "root": model_name, "max_model_len": tm.ready.context_len}
+        ]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = _validate(CompletionRequest, await read_json(request, max_bytes))
+        if req.suffix:
+            raise ApiError("suffix: not supported")
+        prompts = _prompts(tm, req.prompt)
+        # logprobs = 0 asks for the chosen tokens' logprobs only, as in the OpenAI API.
+        batch = _batch(tm, req, prompts, req.sampling_dict(req.max_tokens, req.temperature),
+                       return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
+                       logprob_start_len=0 if (req.echo and req.logprobs is not None) else -1)
+        specs = await tm.expand_parallel(batch, request)
+        rid, created = f"cmpl-{batch.specs[0].rid}", int(time.time())
+        echo_texts = [(p[1] if p[1] is not None else tm.tokenizer.decode(p[0])) if req.echo else ""
+                      for p in prompts for _ in range(batch.n)]
+
+        def choice(i: int, spec: ReqSpec, out: StrOutput, text: str, new_pairs, new_tops, offset: int) -> dict:
+            reason, matched = finish_fields(out)
+            logprobs = None
+            if spec.return_logprob:
+                logprobs = fmt.completion_logprobs(new_pairs, new_tops if spec.top_logprobs_num else None, offset)
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
+
+        def logprob_lists(spec: ReqSpec, out: StrOutput, with_input: bool):
+            if not spec.return_logprob:
+                return [], []
+            meta = out.meta_info
+            pairs = list(meta.get("output_token_logprobs") or [])
+            tops = list(meta.get("output_top_logprobs") or [])
+            if with_input:
+                pairs = list(meta.get("input_token_logprobs") or []) + pairs
+                tops = list(meta.get("input_top_logprobs") or []) + tops
+            return pairs, tops
+
+        if not req.stream:
+            outs = await tm.run_all(specs, request)
+            choices = []
+            for i, (spec, out) in enumerate(zip(specs, outs)):
+                pairs, tops = logprob_lists(spec, out, with_input=req.echo)
+                choices.append(choice(i, spec, out, echo_texts[i] + out.text, pairs, tops, 0))
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                                 "model": model_name, "choices": choices, "usage": usage(outs, batch.n)})
+
+        firsts, iterators = await open_streams(tm, specs, request)
+
+        async def events() -> AsyncIterator[str]:
+            sent_text = ["" for _ in specs]
+            sent_lp = [0 for _ in specs]
+            finals: list[StrOutput | None] = [None] * len(specs)
+            offsets = [len(t) for t in echo_texts]
+
+            def chunk(i: int, out: StrOutput) -> str | None:
+                spec = specs[i]
+                visible = tm.visible_text(spec, out)
+                first = sent_lp[i] == 0 and sent_text[i] == ""
+                if not visible.startswith(sent_text[i]):
+                    visible = sent_text[i]  # never take back text already sent
+                delta = visible[len(sent_text[i]):]
+                pairs, tops = logprob_lists(spec, out, with_input=req.echo)
+                new_pairs, new_tops = pairs[sent_lp[i]:], tops[sent_lp[i]:]
+                if not delta and not new_pairs and out.finished_reason is None:
+                    return None
+                if first and req.echo:
+                    delta = echo_texts[i] + delta
+                body = choice(i, spec, out, delta, new_pairs, new_tops, offsets[i])
+                offsets[i] += sum(len(tm.decode_token(t)) for _, t in new_pairs)
+                sent_text[i] = visible
+                sent_lp[i] = len(pairs)
+                if out.finished_reason is not None:
+                    finals[i] = out
+                return sse({"id": rid, "object": "text_completion", "created": created,
+                            "model": model_name, "choices": [body]})
+
+            for i, out in enumerate(firsts):
+                if (data := chunk(i, out)) is not None:
+                    yield data
+            async for i, out in merge_streams([it for it in iterators]):
+                if (data := chunk(i, out)) is not None:
+                    yield data
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                           "choices": [], "usage": usage([f for f in finals if f is not None], batch.n)})
+            yield SSE_DONE
+
+        return _stream_response(tm, specs, events())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = _validate(ChatCompletionRequest, await read_json(request, max_bytes))
+        if req.response_format is not None and req.response_format.type == "json_schema":
+            raise ApiError("response_format: json_schema (constrained decoding) is not supported")
+        ids = _chat_input_ids(tm, req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        batch = _batch(tm, req, [(ids, None)], req.sampling_dict(max_tokens, req.temperature),
+                       return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
+                       logprob_start_len=-1)
+        specs = await tm.expand_parallel(batch, request)
+        rid, created = f"chatcmpl-{batch.specs[0].rid}", int(time.time())
+
+        def lp_of(spec: ReqSpec, out: StrOutput, start: int) -> dict | None:
+            if not spec.return_logprob:
+                return None
+            pairs = list(out.meta_info.get("output_token_logprobs") or [])[start:]
+            tops = list(out.meta_info.get("output_top_logprobs") or [])[start:] if spec.top_logprobs_num else None
+            return fmt.chat_logprobs(pairs, tops)
+
+        if not req.stream:
+            outs = await tm.run_all(specs, request)
+            choices = []
+            for i, (spec, out) in enumerate(zip(specs, outs)):
+                reason, matched = finish_fields(out)
+                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                                "logprobs": lp_of(spec, out, 0), "finish_reason": reason,
+                                "matched_stop": matched})
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                                 "model": model_name, "choices": choices, "usage": usage(outs, batch.n)})
+
+        firsts, iterators = await open_streams(tm, specs, request)
+
+        async def events() -> AsyncIterator[str]:
+            sent_text = ["" for _ in specs]
+            sent_lp = [0 for _ in specs]
+            finals: list[StrOutput | None] = [None] * len(specs)
+
+            def frame(choices: list[dict], **extra) -> str:
+                return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                            "model": model_name, "choices": choices, **extra})
+
+            def chunk(i: int, out: StrOutput) -> str | None:
+                spec = specs[i]
+                visible = tm.visible_text(spec, out)
+                if not visible.startswith(sent_text[i]):
+                    visible = sent_text[i]
+                delta = visible[len(sent_text[i]):]
+                n_lp = len(out.meta_info.get("output_token_logprobs") or []) if spec.return_logprob else 0
+                if not delta and n_lp == sent_lp[i] and out.finished_reason is None:
+                    return None
+                reason, matched = finish_fields(out)
+                body = {"index": i, "delta": {"content": delta} if delta else {},
+                        "logprobs": lp_of(spec, out, sent_lp[i]), "finish_reason": reason,
+                        "matched_stop": matched}
+                sent_text[i], sent_lp[i] = visible, n_lp
+                if out.finished_reason is not None:
+                    finals[i] = out
+                return frame([body])
+
+            yield frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(specs))])
+            for i, out in enumerate(firsts):
+                if (data := chunk(i, out)) is not None:
+                    yield data
+            async for i, out in merge_streams(iterators):
+                if (data := chunk(i, out)) is not None:
+                    yield data
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield frame([], usage=usage([f for f in finals if f is not None], batch.n))
+            yield SSE_DONE
+
+        return _stream_response(tm, specs, events())
+
+
+def _stream_response(tm: TokenizerManager, specs: list[ReqSpec], events: AsyncIterator[str]) -> StreamingResponse:
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for data in events:
+                yield data
+        except ApiError as exc:
+            yield sse(exc.to_json())
+        finally:
+            # Runs on completion and when the client goes away (the stream is cancelled).
+            for spec in specs:
+                tm.release(spec.rid)
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
+
+
+def _validate(model, body: Any):
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise ApiError(validation_message(exc)) from None
+
+
+def _prompts(tm: TokenizerManager, prompt: Any) -> list[tuple[list[int], str | None]]:
+    """(input ids, text or None) per prompt of a completion request."""
+    if isinstance(prompt, str):
+        return [(tm.tokenize(prompt), prompt)]
+    if not prompt:
+        raise ApiError("prompt: must not be empty")
+    if all(is_int(t) for t in prompt):
+        return [(list(prompt), None)]
+    if all(isinstance(p, str) for p in prompt):
+        return [(tm.tokenize(p), p) for p in prompt]
+    return [(list(p), None) for p in prompt]
+
+
+def _batch(tm: TokenizerManager, req, prompts, sampling: dict, return_logprob: bool,
+           top_logprobs_num: int, logprob_start_len: int) -> GenerateBatch:
+    specs = []
+    for ids, text in prompts:
+        try:
+            params = sampling_params_from(sampling, tm.tokenizer, name="")
+        except ApiError as exc:
+            # Name the OpenAI fields, not the native ones they map to.
+            exc.message = exc.message.replace("max_new_tokens", "max_tokens").replace("min_new_tokens", "min_tokens")
+            raise
+        specs.append(ReqSpec(
+            rid=new_rid(), input_ids=ids, sampling_params=params, input_text=text,
+            return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num, stream=req.stream,
+        ))
+    n = specs[0].sampling_params.n
+    return GenerateBatch(specs=specs, n=n, is_batch=True, stream=req.stream)
+
+
+def _chat_input_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> list[int]:
+    tokenizer = tm.tokenizer
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ApiError("this model's tokenizer has no chat template; use /v1/completions")
+    messages = []
+    for k, msg in enumerate(req.messages):
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(f"messages.{k}.content: only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        messages.append({"role": msg.role, "content": content or ""})
+    # A trailing assistant message is a prefix for the model to continue (as in the reference).
+    continues = messages[-1]["role"] == "assistant"
+    try:
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not continues, continue_final_message=continues,
+        )
+    except Exception as exc:  # the template itself raises on what it does not accept
+        raise ApiError(f"messages: the chat template rejected them: {exc}") from None
+    # The template already wrote the special tokens as text.
+    return tokenizer.encode(prompt, add_special_tokens=False)

@@ -1,0 +1,93 @@
+"""Request models of the OpenAI-compatible API (reference 3.2, `openai_api/protocol.py`).
+
+Types are strict (a string is not a number) and values are checked again by SamplingParams.
+Unknown fields are ignored, as in the reference, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingExtras(_Strict):
+    """Fields both endpoints share; the last group are the reference's extensions."""
+
+    model: str
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # accepted and ignored, as in the reference
+    n: int = 1
+    seed: int | None = None  # accepted and ignored, as in the reference
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_p: float = 1.0
+    user: str | None = None
+    # Extensions.
+    top_k: int = -1
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    regex: str | None = None
+    json_schema: str | None = None
+
+    def sampling_dict(self, max_new_tokens: int | None, temperature: float) -> dict[str, Any]:
+        return {
+            "temperature": temperature, "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
+            "stop": self.stop, "stop_token_ids": self.stop_token_ids, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+            "regex": self.regex, "json_schema": self.json_schema, "n": self.n,
+            "no_stop_trim": self.no_stop_trim, "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+
+
+class CompletionRequest(_SamplingExtras):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int = 16
+    suffix: str | None = None
+    temperature: float = 1.0
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingExtras):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    temperature: float = 0.7

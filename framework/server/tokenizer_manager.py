@@ -1,0 +1,370 @@
+"""TokenizerManager: the asyncio side of the server (reference T3, R1, M1).
+
+It tokenizes and checks requests, sends them to the scheduler, and routes what comes back: the
+detokenizer's `BatchStrOut` to the waiting requests (one `ReqState` per rid), control replies to
+the futures waiting on their `request_id`. Only the newest output of a request is kept; a slow
+client sees coalesced progress rather than a backlog.
+
+A request leaves `states` through `release(rid)`, which also aborts it in the scheduler if it has
+not finished; `release` is synchronous so it can run from a cancelled stream's `finally` block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+
+import zmq
+import zmq.asyncio
+
+from framework.messages import (
+    AbortReq,
+    BatchStrOut,
+    CloseSessionReq,
+    FlushCacheReq,
+    GenerateReqInput,
+    GetStatsReq,
+    OpenSessionReq,
+    SchedulerReady,
+    SchedulerStats,
+    StrOutput,
+)
+from framework.metrics import ServerMetrics
+from framework.request import FinishAbort
+from framework.server.ipc import IpcNames, make_socket
+from framework.server.protocol import ApiError, GenerateBatch, ReqSpec
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting non-streamed request checks whether its client is still there.
+DISCONNECT_CHECK_S = 1.0
+CONTROL_TIMEOUT_S = 60.0
+
+
+class ClientDisconnected(Exception):
+    """The client went away; its requests were aborted."""
+
+
+@dataclass
+class ReqState:
+    spec: ReqSpec
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    out: StrOutput | None = None
+    finished: bool = False
+    is_warmup: bool = False
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_time: float = 0.0
+    last_completion_tokens: int = 0
+    # The client's Starlette request while a wait should check for a disconnect.
+    watch: Any = None
+
+
+def hold_back_stop_prefix(text: str, stops: list[str]) -> str:
+    """Text safe to show before a request finishes: without a stop string, or the start of one,
+    at its end. The final text has the stop string cut off, so showing its start early would
+    make a stream take back text it already sent."""
+    cut = len(text)
+    for stop in stops:
+        pos = text.find(stop)
+        if pos != -1:
+            cut = min(cut, pos)
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return text[:cut]
+
+
+async def gather_or_cancel(aws: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Like asyncio.gather, but the others are cancelled (and so released) when one fails."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+def is_rejected(out: StrOutput) -> bool:
+    """The scheduler refused the request at intake (bad session, too long): nothing was generated."""
+    return isinstance(out.finished_reason, FinishAbort) and not out.output_ids
+
+
+class TokenizerManager:
+    def __init__(self, ipc: IpcNames, ready: SchedulerReady, tokenizer: Any, metrics: ServerMetrics,
+                 log_requests: bool = False):
+        self.ready = ready
+        self.log_requests = log_requests
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.states: dict[str, ReqState] = {}
+        self.pending: dict[str, asyncio.Future] = {}
+        self.open_sessions: set[str] = set()
+        self.dead_reason: str | None = None
+        # Sends never block (unbounded HWM), so a plain socket serves the event loop.
+        self._sync_context = zmq.Context()
+        self.send_to_scheduler = make_socket(self._sync_context, zmq.PUSH, ipc.scheduler)
+        self._async_context = zmq.asyncio.Context()
+        self.recv_sock = make_socket(self._async_context, zmq.PULL, ipc.tokenizer)
+        self._loop_task: asyncio.Task | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self.handle_loop())
+
+    def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        # Sockets and contexts go now, not whenever the interpreter gets to them at exit.
+        self._async_context.destroy(linger=0)
+        self._sync_context.destroy(linger=0)
+
+    def mark_dead(self, reason: str) -> None:
+        """A child process died: wake every waiter so it answers 503 instead of hanging."""
+        self.dead_reason = reason
+        for state in self.states.values():
+            state.event.set()
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(ApiError(reason, status=503, err_type="server_error"))
+        self.pending.clear()
+
+    def check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise ApiError(self.dead_reason, status=503, err_type="server_error")
+
+    async def handle_loop(self) -> None:
+        while True:
+            msg = await self.recv_sock.recv_pyobj()
+            if isinstance(msg, BatchStrOut):
+                now = time.monotonic()
+                for out in msg.outputs:
+                    self._on_output(out, now)
+                continue
+            fut = self.pending.pop(getattr(msg, "request_id", None), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _on_output(self, out: StrOutput, now: float) -> None:
+        state = self.states.get(out.rid)
+        if state is None:  # released already (client gone); its abort echo lands here
+            return
+        num_tokens = out.meta_info.get("completion_tokens", 0)
+        if not state.is_warmup and state.spec.stream and num_tokens > 0:
+            if state.first_token_time is None:
+                state.first_token_time = now
+                self.metrics.observe_first_token(now - state.created)
+            elif num_tokens > state.last_completion_tokens:
+                new = num_tokens - state.last_completion_tokens
+                self.metrics.observe_inter_token((now - state.last_time) / new, new)
+            state.last_time, state.last_completion_tokens = now, num_tokens
+        if out.finished_reason is not None:
+            state.finished = True
+            if self.log_requests:
+                logger.info(
+                    "Finished request %s: prompt_tokens=%s, completion_tokens=%s, cached_tokens=%s, "
+                    "finish_reason=%s, %.3f s", out.rid, out.meta_info.get("prompt_tokens"), num_tokens,
+                    out.meta_info.get("cached_tokens"), out.meta_info.get("finish_reason"), now - state.created,
+                )
+            if not state.is_warmup:
+                self.metrics.observe_finished(
+                    out.meta_info.get("prompt_tokens", 0), num_tokens, now - state.created,
+                    out.finished_reason.to_json()["type"],
+                )
+        state.out = out
+        state.event.set()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def check_input_ids(self, ids: list[int], is_session: bool) -> None:
+        vocab = self.ready.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ApiError(f"input_ids: token ids must be in [0, {vocab})")
+        if not ids and not is_session:
+            raise ApiError("The prompt is empty: give at least one token.")
+        if len(ids) > self.ready.max_req_input_len:
+            raise ApiError(
+                f"The input ({len(ids)} tokens) is longer than the model's context length allows "
+                f"({self.ready.max_req_input_len} tokens)."
+            )
+
+    def submit(self, spec: ReqSpec, is_warmup: bool = False) -> None:
+        """Check and send one request; its outputs are read with `outputs(rid)`."""
+        self.check_alive()
+        if spec.rid in self.states:
+            raise ApiError(f"rid: {spec.rid} is already in use by a running request")
+        if spec.session_id is not None and spec.session_id not in self.open_sessions:
+            raise ApiError(f"Invalid request: session id {spec.session_id} does not exist")
+        self.check_input_ids(spec.input_ids, spec.session_id is not None)
+        self.states[spec.rid] = ReqState(spec=spec, is_warmup=is_warmup)
+        self.send_to_scheduler.send_pyobj(
+            GenerateReqInput(
+                rid=spec.rid, input_ids=spec.input_ids, sampling_params=spec.sampling_params,
+                input_text=spec.input_text, return_logprob=spec.return_logprob,
+                logprob_start_len=spec.logprob_start_len, top_logprobs_num=spec.top_logprobs_num,
+                stream=spec.stream, session_id=spec.session_id, session_rid=spec.session_rid,
+            )
+        )
+
+    def submit_all(self, specs: list[ReqSpec], is_warmup: bool = False) -> None:
+        """All or nothing: if one is refused, the ones already sent are released."""
+        sent: list[str] = []
+        try:
+            for spec in specs:
+                self.submit(spec, is_warmup)
+                sent.append(spec.rid)
+        except BaseException:
+            for rid in sent:
+                self.release(rid)
+            raise
+
+    def release(self, rid: str) -> None:
+        """Forget a request; abort it in the scheduler if it is still running (its KV is freed)."""
+        state = self.states.pop(rid, None)
+        if state is None or state.finished:
+            return
+        if not state.is_warmup:
+            meta = state.out.meta_info if state.out is not None else {}
+            self.metrics.observe_finished(
+                meta.get("prompt_tokens", len(state.spec.input_ids)), meta.get("completion_tokens", 0),
+                time.monotonic() - state.created, "abort",
+            )
+        if self.dead_reason is None:
+            self.send_to_scheduler.send_pyobj(AbortReq(rid))
+
+    def stop_watching(self, rid: str) -> None:
+        state = self.states.get(rid)
+        if state is not None:
+            state.watch = None
+
+    async def outputs(self, rid: str, request: Any = None) -> AsyncIterator[StrOutput]:
+        """The request's outputs as they come (coalesced), the last one finished.
+
+        With `request` (a Starlette request) the wait checks for a disconnected client until
+        `stop_watching(rid)`; a streamed response leaves that to the server, which cancels it."""
+        state = self.states[rid]
+        state.watch = request
+        try:
+            while True:
+                while not state.event.is_set():
+                    try:
+                        await asyncio.wait_for(state.event.wait(), DISCONNECT_CHECK_S)
+                    except asyncio.TimeoutError:
+                        if state.watch is not None and await state.watch.is_disconnected():
+                            logger.info("client disconnected; aborting request %s", rid)
+                            raise ClientDisconnected(rid) from None
+                state.event.clear()
+                if self.dead_reason is not None and not state.finished:
+                    self.check_alive()
+                out = state.out
+                yield out
+                if out.finished_reason is not None:
+                    return
+        finally:
+            self.release(rid)
+
+    async def first_output(self, rid: str, request: Any = None) -> tuple[StrOutput, AsyncIterator[StrOutput]]:
+        """The first output and an iterator over the rest; raises ApiError if it was rejected."""
+        it = self.outputs(rid, request)
+        first = await it.__anext__()
+        if is_rejected(first):
+            raise ApiError(first.finished_reason.message)
+        return first, it
+
+    async def final_output(self, rid: str, request: Any = None) -> StrOutput:
+        last = None
+        async for out in self.outputs(rid, request):
+            last = out
+        if is_rejected(last):
+            raise ApiError(last.finished_reason.message)
+        return last
+
+    async def run_all(self, specs: list[ReqSpec], request: Any = None) -> list[StrOutput]:
+        """Send all and wait for all final outputs (non-streamed); release all on any error."""
+        self.submit_all(specs)
+        try:
+            return await gather_or_cancel(self.final_output(s.rid, request) for s in specs)
+        finally:
+            for spec in specs:
+                self.release(spec.rid)
+
+    async def expand_parallel(self, batch: GenerateBatch, request: Any = None) -> list[ReqSpec]:
+        """The n samples of every prompt, prompt-major (reference AD5).
+
+        With n > 1 each prompt is first run once with max_new_tokens = 0, so its KV is in the
+        prefix cache and the n samples share it instead of each prefilling the prompt."""
+        if batch.n == 1:
+            return batch.specs
+        warmups = [
+            replace(
+                spec, rid=f"{spec.rid}-prefix", stream=False, return_logprob=False,
+                sampling_params=replace(spec.sampling_params, max_new_tokens=0, min_new_tokens=0),
+            )
+            for spec in batch.specs
+        ]
+        self.submit_all(warmups, is_warmup=True)
+        try:
+            await gather_or_cancel(self.final_output(w.rid, request) for w in warmups)
+        finally:
+            for w in warmups:
+                self.release(w.rid)
+        return [spec.copy_for_sample(j) for spec in batch.specs for j in range(batch.n)]
+
+    def visible_text(self, spec: ReqSpec, out: StrOutput) -> str:
+        params = spec.sampling_params
+        if out.finished_reason is not None or params.no_stop_trim or not params.stop_strs:
+            return out.text
+        return hold_back_stop_prefix(out.text, params.stop_strs)
+
+    # -- control --------------------------------------------------------------------------------
+
+    async def control(self, make: Callable[[str], Any]) -> Any:
+        """Send `make(request_id)` to the scheduler and wait for the reply carrying that id."""
+        self.check_alive()
+        request_id = uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[request_id] = fut
+        self.send_to_scheduler.send_pyobj(make(request_id))
+        try:
+            return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError("the scheduler did not answer in time", status=503, err_type="server_error") from None
+        finally:
+            self.pending.pop(request_id, None)
+
+    async def get_stats(self) -> SchedulerStats:
+        stats = await self.control(lambda rid: GetStatsReq(request_id=rid))
+        self.metrics.set_scheduler_stats(stats)
+        return stats
+
+    async def flush_cache(self):
+        return await self.control(lambda rid: FlushCacheReq(request_id=rid))
+
+    async def open_session(self, capacity_of_str_len: int) -> str:
+        session_id = uuid.uuid4().hex
+        reply = await self.control(lambda rid: OpenSessionReq(session_id, capacity_of_str_len, rid))
+        if not reply.success:
+            raise ApiError(reply.message)
+        self.open_sessions.add(session_id)
+        return session_id
+
+    async def close_session(self, session_id: str) -> None:
+        reply = await self.control(lambda rid: CloseSessionReq(session_id, rid))
+        self.open_sessions.discard(session_id)
+        if not reply.success:
+            raise ApiError(reply.message)

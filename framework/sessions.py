@@ -1,0 +1,87 @@
+"""Sessions: continual prompting over a conversation's KV (reference section M, 0.3.6.post1).
+
+A session is an ordered history of requests. A request that names ``session_id`` and
+``session_rid`` continues from that earlier request: its input is the earlier request's full token
+history (``origin_input_ids + output_ids``) followed by the new input ids. The earlier request's KV
+is in the radix cache, so the continuation gets a prefix hit; no KV is pinned by the session itself.
+
+Semantics follow the reference:
+  * continuing from a rid drops the history after it (branching);
+  * a request without ``session_rid`` starts a fresh history;
+  * the capacity (``capacity_of_str_len``) is stored, not enforced; sessions never expire;
+  * closing a session does not abort its in-flight requests.
+Deviation: an unknown rid leaves the history as it was (the reference pops it empty first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from framework.request import Req, StashKey
+
+
+class SessionError(ValueError):
+    """The request cannot continue this session; the message says why."""
+
+
+@dataclass
+class Session:
+    session_id: str
+    capacity_of_str_len: int = 0
+    reqs: list[Req] = field(default_factory=list)
+
+    def history_for(self, session_rid: str | None) -> list[int]:
+        """Token ids to put before a new request's input, truncating the history after the rid."""
+        if session_rid is None:
+            self.reqs = []
+            return []
+        for i in range(len(self.reqs) - 1, -1, -1):
+            if self.reqs[i].rid == session_rid:
+                del self.reqs[i + 1 :]
+                last = self.reqs[i]
+                max_new = last.sampling_params.max_new_tokens
+                # A finished request never holds more than max_new_tokens outputs; the slice is
+                # the reference's guard for one still running.
+                outputs = last.output_ids if max_new is None else last.output_ids[:max_new]
+                return list(last.origin_input_ids) + list(outputs)
+        raise SessionError(
+            f"Invalid request: requested session rid {session_rid} does not exist in the session history"
+        )
+
+
+class SessionController:
+    """All open sessions of one scheduler; paired verbs `open`/`close`."""
+
+    def __init__(self):
+        self.sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def open(self, session_id: str, capacity_of_str_len: int = 0) -> bool:
+        """False if the id is taken (the existing session is kept)."""
+        if session_id in self.sessions:
+            return False
+        self.sessions[session_id] = Session(session_id, capacity_of_str_len)
+        return True
+
+    def close(self, session_id: str) -> bool:
+        """False if there is no such session."""
+        return self.sessions.pop(session_id, None) is not None
+
+    def input_ids_for(self, session_id: str, session_rid: str | None, input_ids: list[int]) -> list[int]:
+        """The full input of a session request; raises SessionError for an unknown id or rid."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionError(f"Invalid request: session id {session_id} does not exist")
+        return session.history_for(session_rid) + list(input_ids)
+
+    def record(self, session_id: str, req: Req) -> None:
+        """Append an admitted request to its session's history (it may be continued from)."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.reqs.append(req)
+
+
+# The scheduler's controller lives in its stash under this key (see Scheduler.session_controller).
+SESSIONS: StashKey[SessionController] = StashKey("sessions")

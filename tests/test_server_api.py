@@ -1,0 +1,328 @@
+"""The HTTP API on a real server subprocess (tiny random llama): native, OpenAI, errors, metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest_server import running_server, sse_events, tiny_server_args
+
+MAX_REQUEST_BYTES = 65536
+MODEL = "tiny-model"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_folder, tmp_path_factory):
+    args = tiny_server_args(tiny_model_folder) + [
+        "--server.max-request-bytes", str(MAX_REQUEST_BYTES), "--model.served-model-name", MODEL,
+    ]
+    with running_server(args, tmp_path_factory.mktemp("server-api") / "server.log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def generate(http, **body) -> dict:
+    resp = http.post("/generate", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+
+
+# -- info endpoints --------------------------------------------------------------------------------
+
+
+def test_info_endpoints(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"]
+    server_info = http.get("/get_server_info").json()
+    assert server_info["max_total_num_tokens"] == 20000
+    assert server_info["scheduler"]["check_leaks"] is True
+    stats = server_info["scheduler_stats"]
+    assert stats["req_slots_free"] == stats["req_slots_total"]
+    assert set(server_info["process_ids"]) == {"main", "scheduler", "detokenizer"}
+    models = http.get("/v1/models").json()
+    assert models["data"][0]["id"] == MODEL
+    assert http.post("/flush_cache").status_code == 200
+
+
+# -- native /generate ----------------------------------------------------------------------------
+
+
+def test_generate_single_batch_and_ids(http, default_tokenizer):
+    single = generate(http, text="The quick brown fox", sampling_params=GREEDY)
+    meta = single["meta_info"]
+    assert meta["completion_tokens"] == len(single["output_ids"]) > 0
+    assert meta["finish_reason"]["type"] in ("length", "stop")
+    ids = default_tokenizer.encode("The quick brown fox")
+    assert meta["prompt_tokens"] == len(ids)
+
+    batch = generate(http, input_ids=[ids, ids[:2]], sampling_params=GREEDY)
+    assert isinstance(batch, list) and len(batch) == 2
+    # Same prompt, greedy: the same tokens whether given as text or ids, alone or in a batch.
+    assert batch[0]["output_ids"] == single["output_ids"]
+    assert batch[0]["text"] == single["text"]
+
+    parallel = generate(http, text="The quick brown fox", sampling_params={**GREEDY, "n": 2})
+    assert [p["output_ids"] for p in parallel] == [single["output_ids"]] * 2
+    # The n samples reuse the prompt's KV (the warm-up request put it in the cache).
+    assert all(p["meta_info"]["cached_tokens"] > 0 for p in parallel)
+
+
+def test_generate_stream_matches_non_stream(http):
+    ref = generate(http, text="Streaming works like", sampling_params=GREEDY)
+    with http.stream("POST", "/generate", json={"text": "Streaming works like", "stream": True,
+                                                "sampling_params": GREEDY}) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) > 1
+    for chunk in chunks:  # cumulative and never more than the final text
+        assert ref["text"].startswith(chunk["text"])
+    assert chunks[-1]["text"] == ref["text"]
+    assert chunks[-1]["output_ids"] == ref["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+
+
+def test_generate_logprobs(http, default_tokenizer):
+    prompt_ids = default_tokenizer.encode("Logprobs of every prompt token")
+    out = generate(http, input_ids=prompt_ids, sampling_params={**GREEDY, "max_new_tokens": 6},
+                   return_logprob=True, logprob_start_len=0, top_logprobs_num=3,
+                   return_text_in_logprobs=True)
+    meta = out["meta_info"]
+    inputs = meta["input_token_logprobs"]
+    assert [entry[1] for entry in inputs] == prompt_ids
+    assert inputs[0][0] is None and all(isinstance(e[0], float) for e in inputs[1:])
+    outputs = meta["output_token_logprobs"]
+    assert [e[1] for e in outputs] == out["output_ids"]
+    assert all(e[0] <= 0 and isinstance(e[2], str) for e in outputs)
+    tops = meta["output_top_logprobs"]
+    assert len(tops) == len(outputs) and all(len(t) == 3 for t in tops)
+    # Greedy: the chosen token is the most likely one.
+    assert all(t[0][1] == e[1] for t, e in zip(tops, outputs))
+    # Default logprob_start_len: no prompt logprobs, only the outputs'.
+    out = generate(http, input_ids=prompt_ids, sampling_params={**GREEDY, "max_new_tokens": 3},
+                   return_logprob=True)
+    assert out["meta_info"]["input_token_logprobs"] == []
+    assert out["meta_info"]["output_token_logprobs"][0][2] is None
+
+
+def _stop_candidate(text: str) -> str:
+    """A stop string from the middle of a greedy text: 3 characters starting at its 4th word."""
+    start = max(len(text) // 3, 1)
+    return text[start : start + 3]
+
+
+def test_stop_string_trimmed_and_held_back(http):
+    params = {**GREEDY, "max_new_tokens": 32, "ignore_eos": True}
+    ref = generate(http, text="Stop strings are", sampling_params=params)["text"]
+    stop = _stop_candidate(ref)
+    expected = ref[: ref.find(stop)]
+    out = generate(http, text="Stop strings are", sampling_params={**params, "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == expected
+    kept = generate(http, text="Stop strings are", sampling_params={**params, "stop": stop, "no_stop_trim": True})
+    assert kept["text"].startswith(expected + stop)
+    # Streaming never shows the stop string, not even its first characters.
+    with http.stream("POST", "/generate", json={"text": "Stop strings are", "stream": True,
+                                                "sampling_params": {**params, "stop": [stop]}}) as resp:
+        chunks = sse_events(resp.iter_lines())[:-1]
+    assert all(expected.startswith(c["text"]) for c in chunks)
+    assert chunks[-1]["text"] == expected
+
+
+# -- OpenAI API -------------------------------------------------------------------------------------
+
+
+def test_openai_completions(oai, http):
+    ref = generate(http, text="Once upon a time", sampling_params={"temperature": 0, "max_new_tokens": 16,
+                                                                   "ignore_eos": True})
+    stop = _stop_candidate(ref["text"])
+    resp = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, n=2,
+                                  stop=[stop], logprobs=2, extra_body={"ignore_eos": True})
+    assert len(resp.choices) == 2 and [c.index for c in resp.choices] == [0, 1]
+    expected = ref["text"][: ref["text"].find(stop)]
+    for choice in resp.choices:
+        assert choice.text == expected
+        assert choice.finish_reason == "stop"
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+        assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert resp.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in resp.choices)
+    assert resp.usage.prompt_tokens == ref["meta_info"]["prompt_tokens"]
+
+    # Streaming: the deltas add up to the non-streamed text, per choice.
+    texts = {0: "", 1: ""}
+    usage = None
+    for chunk in oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                        n=2, stream=True, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+        usage = chunk.usage or usage
+    assert texts == {0: ref["text"], 1: ref["text"]}
+    assert usage.completion_tokens == 32
+
+    # Echo with logprobs returns the prompt and its logprobs too.
+    echo = oai.completions.create(model=MODEL, prompt="Echo me", max_tokens=2, temperature=0, echo=True, logprobs=1)
+    assert echo.choices[0].text.startswith("Echo me")
+    assert echo.choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_openai_chat_completions(oai):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+    resp = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, n=2,
+                                       logprobs=True, top_logprobs=2)
+    assert len(resp.choices) == 2
+    first, second = resp.choices
+    assert first.message.role == "assistant" and first.message.content == second.message.content
+    assert len(first.logprobs.content) == resp.usage.completion_tokens // 2
+    assert all(len(t.top_logprobs) == 2 for t in first.logprobs.content)
+    assert resp.usage.prompt_tokens > 10  # the chat template was applied
+
+    content, roles, finish = "", [], None
+    for chunk in oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                             stream=True, logprobs=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            roles.append(c.delta.role)
+            finish = c.finish_reason or finish
+    assert content == first.message.content
+    assert roles[0] == "assistant" and finish == first.finish_reason
+
+    stop_resp = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                            stop=first.message.content[3:6] or None)
+    assert stop_resp.choices[0].message.content == first.message.content[:first.message.content.find(
+        first.message.content[3:6])]
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def closed_session(http):
+    session_id = http.post("/open_session", json={"capacity_of_str_len": 100}).json()
+    assert http.post("/close_session", json={"session_id": session_id}).status_code == 200
+    return session_id
+
+
+def _gen(**body):
+    return ("/generate", json.dumps({"text": "hi", **body}).encode())
+
+
+def _cmpl(**body):
+    return ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", **body}).encode())
+
+
+def _chat(**body):
+    return ("/v1/chat/completions",
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}).encode())
+
+
+BAD_REQUESTS = {
+    "malformed json": (("/generate", b'{"text": "hi",'), 400),
+    "body not an object": (("/generate", b"[1, 2]"), 400),
+    "no prompt": (("/generate", b"{}"), 400),
+    "text and input_ids": (_gen(input_ids=[1, 2]), 400),
+    "text wrong type": (("/generate", b'{"text": 5}'), 400),
+    "input_ids wrong type": (("/generate", b'{"input_ids": ["a", "b"]}'), 400),
+    "token id out of vocab": (("/generate", b'{"input_ids": [1000000]}'), 400),
+    "unknown field": (_gen(foo=1), 400),
+    "unknown sampling field": (_gen(sampling_params={"bogus": 1}), 400),
+    "temperature < 0": (_gen(sampling_params={"temperature": -0.1}), 400),
+    "temperature wrong type": (_gen(sampling_params={"temperature": "hot"}), 400),
+    "top_p = 0": (_gen(sampling_params={"top_p": 0.0}), 400),
+    "top_p > 1": (_gen(sampling_params={"top_p": 1.5}), 400),
+    "max_new_tokens < 0": (_gen(sampling_params={"max_new_tokens": -1}), 400),
+    "n = 0": (_gen(sampling_params={"n": 0}), 400),
+    "stream not bool": (_gen(stream="yes"), 400),
+    "prompt over context": (("/generate", json.dumps({"input_ids": [5] * 3000}).encode()), 400),
+    "unknown session": (_gen(session=["no-such-session", None]), 400),
+    "closed session": ("CLOSED", 400),
+    "oversized body": (("/generate", b'{"text": "' + b"a" * (MAX_REQUEST_BYTES + 10) + b'"}'), 413),
+    "openai max_tokens < 0": (_cmpl(max_tokens=-1), 400),
+    "openai temperature < 0": (_cmpl(temperature=-1.0), 400),
+    "openai top_p = 0": (_cmpl(top_p=0.0), 400),
+    "openai max_tokens wrong type": (_cmpl(max_tokens="ten"), 400),
+    "openai no model": (("/v1/completions", b'{"prompt": "hi"}'), 400),
+    "openai prompt over context": (("/v1/completions", json.dumps({"model": MODEL, "prompt": [7] * 3000}).encode()), 400),
+    "chat bad role": (("/v1/chat/completions", json.dumps(
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode()), 400),
+    "chat no messages": (("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode()), 400),
+    "chat top_p > 1": (_chat(top_p=2.0), 400),
+    "chat malformed json": (("/v1/chat/completions", b"{not json"), 400),
+    "close unknown session": (("/close_session", b'{"session_id": "nope"}'), 400),
+    "open_session wrong type": (("/open_session", b'{"capacity_of_str_len": "big"}'), 400),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
+def test_bad_input_is_4xx_json(http, closed_session, case):
+    request, status = BAD_REQUESTS[case]
+    if request == "CLOSED":
+        request = _gen(session=[closed_session, None])
+    path, body = request
+    resp = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    # The server keeps serving.
+    assert generate(http, text="still alive", sampling_params={"max_new_tokens": 2})["meta_info"]
+
+
+def test_bad_streamed_request_is_4xx_before_the_stream(http):
+    resp = http.post("/generate", json={"text": "hi", "stream": True, "session": ["no-such-session", None]})
+    assert resp.status_code == 400 and "session" in resp.json()["error"]["message"]
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+
+def _samples(http) -> dict[str, float]:
+    text = http.get("/metrics").text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + (f"{{{sample.labels.get('finish_reason')}}}" if "finish_reason" in sample.labels else "")
+            values[key] = values.get(key, 0.0) + sample.value
+    return values
+
+
+def test_metrics_parse_and_move(http):
+    before = _samples(http)
+    assert "batchyard:num_running_reqs" in before and "batchyard:token_usage" in before
+    generate(http, text="count me", sampling_params={"max_new_tokens": 5, "ignore_eos": True})
+    with http.stream("POST", "/generate", json={"text": "stream me", "stream": True,
+                                                "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}) as r:
+        list(r.iter_lines())
+    after = _samples(http)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("batchyard:generation_tokens_total") == 10
+    assert moved("batchyard:prompt_tokens_total") > 0
+    assert moved("batchyard:num_requests_total{length}") == 2
+    assert moved("batchyard:e2e_request_latency_seconds_count") == 2
+    assert moved("batchyard:time_to_first_token_seconds_count") == 1
+    assert moved("batchyard:inter_token_latency_seconds_count") == 4
+    assert after["batchyard:kv_available_tokens"] + after["batchyard:kv_evictable_tokens"] == 20000

@@ -1,0 +1,98 @@
+"""Process life cycle of `batchyard serve`: a dead child stops the server, signals stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest_server import ROOT, ServerProcess, pid_alive, running_server, tiny_server_args
+
+
+def _wait_exit(proc: subprocess.Popen, timeout: float) -> float:
+    start = time.monotonic()
+    proc.wait(timeout)
+    return time.monotonic() - start
+
+
+def test_killed_scheduler_stops_the_server_nonzero(tiny_model_folder, tmp_path):
+    args = tiny_server_args(tiny_model_folder) + ["--server.api-key", "sekrit"]
+    with running_server(args, tmp_path / "server.log") as server:
+        auth = {"Authorization": "Bearer sekrit"}
+        # The API key guards everything but /health*.
+        assert httpx.get(server.url + "/get_server_info").status_code == 401
+        assert httpx.get(server.url + "/health").status_code == 200
+        info = httpx.get(server.url + "/get_server_info", headers=auth).json()
+        assert info["server"]["api_key"] == "<redacted>"
+        pids = info["process_ids"]
+        assert pids["main"] == server.proc.pid
+
+        os.kill(pids["scheduler"], signal.SIGKILL)
+        # Until it exits, the server answers 503 instead of hanging.
+        statuses = set()
+        deadline = time.monotonic() + 10
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                resp = httpx.post(server.url + "/generate", json={"text": "hi"}, headers=auth, timeout=5)
+                statuses.add(resp.status_code)
+            except httpx.HTTPError:
+                statuses.add("refused")
+            time.sleep(0.1)
+        assert server.proc.poll() is not None, "server still running 10 s after its scheduler died"
+        assert server.proc.returncode != 0
+        assert statuses <= {503, "refused"}, statuses
+        assert not pid_alive(pids["detokenizer"]), "detokenizer left behind"
+        assert "scheduler process exited unexpectedly" in server.log()
+
+
+def test_sigterm_stops_cleanly(tiny_model_folder, tmp_path):
+    with running_server(tiny_server_args(tiny_model_folder), tmp_path / "server.log") as server:
+        pids = httpx.get(server.url + "/get_server_info").json()["process_ids"]
+        # A streamed request in flight does not keep the server from stopping.
+        client = httpx.Client(base_url=server.url, timeout=30)
+        with client.stream("POST", "/generate", json={"text": "long", "stream": True,
+                                                      "sampling_params": {"max_new_tokens": 2000,
+                                                                          "ignore_eos": True}}) as resp:
+            next(resp.iter_lines())
+            server.proc.send_signal(signal.SIGTERM)
+            assert _wait_exit(server.proc, 15) < 15
+        client.close()
+        assert server.proc.returncode == 0, server.log()
+        time.sleep(0.2)
+        assert not pid_alive(pids["scheduler"]) and not pid_alive(pids["detokenizer"])
+        assert "Stopped by SIGTERM" in server.log()
+
+
+def test_bad_model_path_fails_with_a_clear_message(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    proc = subprocess.run(
+        [sys.executable, "-m", "framework.cli", "serve", "--model.path", missing, "--server.port", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "does not exist" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_default_model_chat(tmp_path):
+    """The embedded default model (no model.path) answers a chat question sensibly."""
+    import openai
+
+    server = ServerProcess([], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+        resp = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=24, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
+        assert "Paris" in resp.choices[0].message.content
+        assert resp.choices[0].finish_reason in ("stop", "length")
+    finally:
+        server.stop()

@@ -1,0 +1,208 @@
+"""Server pieces without a server: detokenizer, stop-string hold-back, watchdog, sessions, intake."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from framework.messages import (
+    REPLY_SINK,
+    CloseSessionReq,
+    FlushCacheReq,
+    GenerateReqInput,
+    GetStatsReq,
+    OpenSessionReq,
+    ReqOutput,
+)
+from framework.request import FinishLength, FinishMatchedStr, FinishMatchedToken, SamplingParams
+from framework.server.detokenizer import IncrementalDetokenizer, find_printable_text
+from framework.server.scheduler_process import Watchdog
+from framework.server.tokenizer_manager import hold_back_stop_prefix
+from framework.sessions import SessionController, SessionError
+from tests.conftest import tiny_settings
+
+
+def _out(ids, reason=None, no_stop_trim=False, rid="r"):
+    return ReqOutput(rid=rid, vid=0, output_ids=list(ids), finished_reason=reason, meta_info={},
+                     no_stop_trim=no_stop_trim)
+
+
+# -- detokenizer ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["héllo 你好世界 🙂🙂 ok\nnext line", "emoji 👩‍👩‍👧 and ünïcödé — dashes"])
+def test_incremental_decode_never_emits_broken_utf8(default_tokenizer, text):
+    ids = default_tokenizer.encode(text)
+    detok = IncrementalDetokenizer(default_tokenizer)
+    final = default_tokenizer.decode(ids)
+    shown = []
+    for i in range(1, len(ids) + 1):
+        reason = FinishLength(len(ids)) if i == len(ids) else None
+        shown.append(detok.step(_out(ids[:i], reason)).text)
+    for s in shown:
+        assert "\ufffd" not in s
+        assert final.startswith(s)
+    assert shown[-1] == final
+    assert not detok.statuses  # finished requests are forgotten
+
+
+def test_stop_trimming(default_tokenizer):
+    ids = default_tokenizer.encode("alpha beta gamma delta")
+    detok = IncrementalDetokenizer(default_tokenizer)
+    assert detok.step(_out(ids, FinishMatchedStr("gamma"))).text == "alpha beta "
+    assert detok.step(_out(ids, FinishMatchedStr("gamma"), no_stop_trim=True)).text == "alpha beta gamma delta"
+    eos = default_tokenizer.eos_token_id
+    out = _out(ids + [eos], FinishMatchedToken(eos))
+    out.skip_special_tokens = False
+    assert detok.step(out).text == "alpha beta gamma delta"
+
+
+def test_find_printable_text():
+    assert find_printable_text("hello wor") == "hello "
+    assert find_printable_text("line\n") == "line\n"
+    assert find_printable_text("你好") == "你好"
+    assert find_printable_text("ab \ufffd") == "ab "
+    assert find_printable_text("你\ufffd") == "你"
+
+
+def test_hold_back_stop_prefix():
+    assert hold_back_stop_prefix("hello wo", ["world"]) == "hello "
+    assert hold_back_stop_prefix("hello world!", ["world"]) == "hello "
+    assert hold_back_stop_prefix("hello", ["xyz"]) == "hello"
+    assert hold_back_stop_prefix("a\n", ["\n\n", "zz"]) == "a"
+
+
+# -- watchdog ---------------------------------------------------------------------------------------
+
+
+class FakeScheduler:
+    def __init__(self, busy: bool):
+        self.cur_batch = object() if busy else None
+        self.forward_ct = 0
+
+
+def test_watchdog_trips_on_a_stuck_forward_only():
+    fired = []
+    stuck = FakeScheduler(busy=True)
+    Watchdog(stuck, 0.2, on_timeout=fired.append).start()
+    idle = FakeScheduler(busy=False)
+    Watchdog(idle, 0.2, on_timeout=lambda s: fired.append("idle")).start()
+    moving = FakeScheduler(busy=True)
+    Watchdog(moving, 0.2, on_timeout=lambda s: fired.append("moving")).start()
+    stop = threading.Event()
+
+    def advance():
+        while not stop.is_set():
+            moving.forward_ct += 1
+            time.sleep(0.02)
+
+    threading.Thread(target=advance, daemon=True).start()
+    time.sleep(0.8)
+    stop.set()
+    assert len(fired) == 1 and isinstance(fired[0], float) and fired[0] > 0.2
+
+
+# -- sessions ---------------------------------------------------------------------------------------
+
+
+class _Req:
+    def __init__(self, rid, inputs, outputs, max_new=None):
+        self.rid, self.origin_input_ids, self.output_ids = rid, inputs, outputs
+        self.sampling_params = SamplingParams(max_new_tokens=max_new)
+
+
+def test_session_controller_history_and_branching():
+    ctl = SessionController()
+    assert ctl.open("s") and not ctl.open("s")
+    assert ctl.input_ids_for("s", None, [1, 2]) == [1, 2]
+    ctl.record("s", _Req("a", [1, 2], [3, 4]))
+    assert ctl.input_ids_for("s", "a", [5]) == [1, 2, 3, 4, 5]
+    ctl.record("s", _Req("b", [1, 2, 3, 4, 5], [6], max_new=1))
+    assert ctl.input_ids_for("s", "a", [7]) == [1, 2, 3, 4, 7]  # branch: "b" is dropped
+    with pytest.raises(SessionError, match="rid b does not exist"):
+        ctl.input_ids_for("s", "b", [8])
+    with pytest.raises(SessionError, match="session id t does not exist"):
+        ctl.input_ids_for("t", None, [1])
+    assert ctl.close("s") and not ctl.close("s")
+
+
+def test_scheduler_control_messages_and_session_intake(tiny_model_folder):
+    from framework.scheduler import Scheduler
+
+    outputs, replies = [], []
+    sched = Scheduler(tiny_settings(tiny_model_folder), output_sink=outputs.append)
+    sched.stash[REPLY_SINK] = replies.append
+
+    def run(*msgs):
+        for m in msgs:
+            sched.send(m)
+        sched.run_once()
+        while sched.has_work():
+            sched.run_once()
+        sched.run_once()
+
+    def params():
+        p = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        p.normalize(sched.tokenizer)
+        return p
+
+    run(OpenSessionReq("s1", 10, request_id="o"),
+        GenerateReqInput(rid="t0", input_ids=[5, 6, 7, 8], sampling_params=params(), session_id="s1"))
+    run(GenerateReqInput(rid="t1", input_ids=[9], sampling_params=params(), session_id="s1", session_rid="t0"),
+        GenerateReqInput(rid="bad", input_ids=[9], sampling_params=params(), session_id="s1", session_rid="nope"),
+        CloseSessionReq("s1", request_id="c"), CloseSessionReq("s1", request_id="c2"),
+        FlushCacheReq(request_id="busy"))
+    run(GetStatsReq(request_id="st"), FlushCacheReq(request_id="f"))
+    last = {o.rid: o for batch in outputs for o in batch.outputs}
+    t0, t1 = last["t0"], last["t1"]
+    assert t1.meta_info["prompt_tokens"] == 4 + 4 + 1
+    assert t1.meta_info["cached_tokens"] > 0
+    assert last["bad"].finished_reason.is_error and not last["bad"].output_ids
+    assert "does not exist" in last["bad"].finished_reason.message
+    by_id = {r.request_id: r for r in replies}
+    assert by_id["o"].success and by_id["c"].success and not by_id["c2"].success
+    stats = by_id["st"]
+    assert stats.req_slots_free == stats.req_slots_total and stats.num_sessions == 0
+    assert stats.kv_available + stats.kv_evictable == stats.max_total_num_tokens
+    # A flush only happens with nothing running or waiting (reference R2).
+    assert not by_id["busy"].success and by_id["f"].success
+    assert t0.output_ids and len(t1.output_ids) == 4
+    sched.shutdown()
+
+
+# -- docs and example config ------------------------------------------------------------------------
+
+
+def test_every_endpoint_is_documented(tmp_path):
+    from pathlib import Path
+
+    from framework.messages import SchedulerReady
+    from framework.metrics import ServerMetrics
+    from framework.server.http_server import ServerInfo, build_app
+    from framework.server.ipc import IpcNames
+    from framework.server.tokenizer_manager import TokenizerManager
+
+    ipc = IpcNames(*(f"ipc://{tmp_path}/{n}" for n in ("t", "s", "d")))
+    ready = SchedulerReady(max_total_num_tokens=10, max_req_input_len=5, context_len=10, vocab_size=10, pid=0)
+    tm = TokenizerManager(ipc, ready, tokenizer=None, metrics=ServerMetrics("m"))
+    try:
+        app = build_app(tm, tiny_settings("unused"), ServerInfo("m", "m", "m")).app
+        paths = {route.path for route in app.routes}
+    finally:
+        tm.close()
+    doc = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    headings = [line for line in doc.splitlines() if line.startswith("### ")]
+    assert {"/generate", "/v1/chat/completions", "/metrics", "/open_session"} <= paths
+    for path in paths:
+        assert any(f" {path}`" in h or f" {path}," in h for h in headings), f"{path} has no heading in docs/api.md"
+
+
+def test_example_serve_toml_loads():
+    from pathlib import Path
+
+    from framework.config import Settings
+
+    settings = Settings.load(Path(__file__).parent.parent / "docs" / "examples" / "serve.toml")
+    assert settings.server.host == "127.0.0.1" and settings.server.port == 30000
