@@ -209,7 +209,6 @@ class ScheduleBatch:
         positions: list[torch.Tensor] = []
         seq_lens: list[int] = []
         self.extend_logprob_start_lens = []
-        embeds = []
         pt = 0
         req_to_token = self.req_to_token_pool.req_to_token
         for i, (req, slot) in enumerate(zip(reqs, pool_indices)):

@@ -12,9 +12,9 @@ carrying the ``request_id`` of the request it answers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from framework.request import FinishReason, SamplingParams, StashKey
+from framework.request import FinishReason, SamplingParams
 
 
 @dataclass
@@ -164,9 +164,3 @@ class SchedulerFailed:
     """Start-up failed; the message is the error, for the server's log."""
 
     message: str
-
-
-# Where the scheduler sends control replies, kept in `Scheduler.stash`: the server's scheduler
-# process sets it to its socket to the TokenizerManager; without it replies are dropped (the
-# offline Engine calls the control methods directly and reads their return values).
-REPLY_SINK: StashKey[Callable[[Any], None]] = StashKey("reply_sink")

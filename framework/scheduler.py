@@ -17,23 +17,20 @@ from framework.batch import ScheduleBatch
 from framework.budget import NewTokenRatio, PrefillAdder
 from framework.config import Settings
 from framework.messages import (
-    REPLY_SINK,
     AbortReq,
     BatchTokenOut,
     CloseSessionReq,
-    CloseSessionReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetStatsReq,
     OpenSessionReq,
-    OpenSessionReqOutput,
     ReqOutput,
-    SchedulerStats,
 )
 from framework.plugins import PluginManager
 from framework.request import FinishAbort, Req, Stash
-from framework.sessions import SESSIONS, SessionController, SessionError
+from framework.control import ControlMixin
+from framework.sessions import SessionController, SessionError
 from framework.worker import BatchResult, ResultHandle
 
 logger = logging.getLogger(__name__)
@@ -43,15 +40,18 @@ class MemoryLeakError(RuntimeError):
     """The idle check found KV or request slots that nobody holds."""
 
 
-class Scheduler:
+class Scheduler(ControlMixin):
     def __init__(
         self,
         settings: Settings,
         output_sink: Callable[[BatchTokenOut], None] | None = None,
         tp_rank: int = 0,
         extra_plugins: tuple[Any, ...] = (),
+        reply_sink: Callable[[Any], None] | None = None,
     ):
         self.settings = settings
+        self.reply_sink = reply_sink
+        self.sessions = SessionController()
         self.tp_rank = tp_rank
         self.output_sink = output_sink or (lambda out: None)
         self.plugins = PluginManager(settings, extra_plugins)
@@ -170,7 +170,7 @@ class Scheduler:
         session_error = None
         if msg.session_id is not None:
             try:
-                input_ids = self.session_controller().input_ids_for(msg.session_id, msg.session_rid, input_ids)
+                input_ids = self.sessions.input_ids_for(msg.session_id, msg.session_rid, input_ids)
             except SessionError as exc:
                 session_error = str(exc)
         req = Req(
@@ -191,7 +191,7 @@ class Scheduler:
             self.stream_output([req])
             return
         if msg.session_id is not None:
-            self.session_controller().record(msg.session_id, req)
+            self.sessions.record(msg.session_id, req)
         params = req.sampling_params
         params.max_new_tokens = min(
             params.max_new_tokens if params.max_new_tokens is not None else 1 << 30,
@@ -426,91 +426,6 @@ class Scheduler:
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
-
-    # -- control --------------------------------------------------------------------------------
-
-    def abort_request(self, rid: str) -> None:
-        """Abort wherever the request is; it is reported as aborted (the reference is silent for
-        waiting requests and misses the chunked one, QUIRK 4)."""
-        for i, req in enumerate(self.waiting_queue):
-            if req.rid == rid:
-                del self.waiting_queue[i]
-                req.finished_reason = FinishAbort("Aborted by the client.")
-                self.hooks.on_request_finished(req, self)
-                self.stream_output([req])
-                return
-        if self.being_chunked_req is not None and self.being_chunked_req.rid == rid:
-            # Released when the next round takes it out of the last batch (D1).
-            self.being_chunked_req.finished_reason = FinishAbort("Aborted by the client.")
-            return
-        for batch in (self.running_batch, self.last_batch):
-            if batch is None:
-                continue
-            for req in batch.reqs:
-                if req.rid == rid and not req.finished():
-                    req.finished_reason = FinishAbort("Aborted by the client.")
-                    self.finish_req(req)
-                    self.stream_output([req])
-                    return
-
-    def flush_cache(self) -> bool:
-        if self.waiting_queue or self.being_chunked_req or (
-            self.running_batch is not None and not self.running_batch.is_empty()
-        ):
-            logger.warning("Cache not flushed: there are running or waiting requests.")
-            return False
-        self.tree_cache.reset()
-        self.req_to_token_pool.clear()
-        self.token_to_kv_pool.clear()
-        self.cache_hit_tokens = self.cache_total_tokens = 0
-        logger.info("Cache flushed.")
-        return True
-
-    def session_controller(self) -> SessionController:
-        """The open sessions (section M), created on first use."""
-        return self.stash.setdefault(SESSIONS, SessionController())
-
-    def open_session(self, msg: OpenSessionReq) -> OpenSessionReqOutput:
-        if not self.session_controller().open(msg.session_id, msg.capacity_of_str_len):
-            logger.warning("session id %s already exists; it is kept as it was", msg.session_id)
-            return OpenSessionReqOutput(msg.request_id, msg.session_id, False, "session id already exists")
-        return OpenSessionReqOutput(msg.request_id, msg.session_id, True)
-
-    def close_session(self, msg: CloseSessionReq) -> CloseSessionReqOutput:
-        # The session's in-flight requests run on; their KV is released as usual (M2).
-        if not self.session_controller().close(msg.session_id):
-            return CloseSessionReqOutput(
-                msg.request_id, msg.session_id, False, f"session id {msg.session_id} does not exist"
-            )
-        return CloseSessionReqOutput(msg.request_id, msg.session_id, True)
-
-    def get_stats(self, request_id: str | None = None) -> SchedulerStats:
-        """The SchedulerStats gauges now, plus the pools' free counts."""
-        running = self.running_batch.batch_size() if self.running_batch is not None else 0
-        elapsed = time.time() - self.last_decode_stats_tic
-        return SchedulerStats(
-            request_id=request_id,
-            num_running_reqs=running,
-            num_queue_reqs=len(self.waiting_queue) + (self.being_chunked_req is not None),
-            num_used_tokens=self.num_used_tokens(),
-            token_usage=self.num_used_tokens() / self.max_total_num_tokens,
-            # Tokens generated since the last decode log, over the time since then.
-            gen_throughput=self.num_generated_tokens / elapsed if elapsed > 0 else 0.0,
-            cache_hit_rate=self.cache_hit_rate(),
-            max_total_num_tokens=self.max_total_num_tokens,
-            kv_available=self.token_to_kv_pool.available_size(),
-            kv_evictable=self.tree_cache.evictable_size(),
-            req_slots_free=self.req_to_token_pool.available_size(),
-            req_slots_total=self.req_to_token_pool.size,
-            num_sessions=len(self.session_controller()),
-            forward_ct=self.forward_ct,
-        )
-
-    def send_reply(self, reply) -> None:
-        """Send a control reply to the tokenizer side, if anyone listens (see REPLY_SINK)."""
-        sink = self.stash.get(REPLY_SINK)
-        if sink is not None:
-            sink(reply)
 
     # -- idle -----------------------------------------------------------------------------------
 

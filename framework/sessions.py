@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from framework.request import Req, StashKey
+from framework.request import Req
 
 
 class SessionError(ValueError):
@@ -81,7 +81,3 @@ class SessionController:
         session = self.sessions.get(session_id)
         if session is not None:
             session.reqs.append(req)
-
-
-# The scheduler's controller lives in its stash under this key (see Scheduler.session_controller).
-SESSIONS: StashKey[SessionController] = StashKey("sessions")

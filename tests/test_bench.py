@@ -330,7 +330,7 @@ def test_serving_client_times_streamed_tokens(fake_server, backend):
         flush_cache=True, progress=False,
     ))
     assert len(server.bodies) == 5  # one warm-up, four measured
-    warm, body = server.bodies[0], server.bodies[1]
+    body = server.bodies[1]
     if backend == "batchyard":
         assert body == {"input_ids": [1, 2, 3], "stream": True,
                         "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}}

@@ -108,7 +108,7 @@ def test_real_model_lpm_radix_equals_fcfs_chunk(default_model_folder, sharegpt_p
     from transformers import AutoModelForCausalLM
 
     from framework.engine import Engine
-    from tests.conftest import assert_no_leak, hf_next_logprobs
+    from tests.conftest import assert_no_leak
 
     prompts = [p[:256] for p in sharegpt_prompts]
     params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}

@@ -285,6 +285,30 @@ def test_sampler_top_k_and_min_p_restrict_support():
     assert set(ids.tolist()) <= allowed and len(allowed) < VOCAB
 
 
+def test_sampler_partial_sort_is_exact(monkeypatch):
+    from framework.model import sampler as sampler_mod
+
+    logits = _logits(6, scale=4.0)  # peaky enough that the top 64 hold > top_p of the mass
+    info = _info([1.0] * 6, top_ps=[0.8, 0.5, 0.9, 0.7, 0.6, 0.8], min_ps=[0.0, 0.01] + [0.0] * 4,
+                 seeds=list(range(6)))
+    monkeypatch.setattr(sampler_mod, "_NUM_CANDIDATES", 64)
+    partial = Sampler()(logits, info)
+    monkeypatch.setattr(sampler_mod, "_NUM_CANDIDATES", VOCAB)
+    assert torch.equal(partial, Sampler()(logits, info))
+
+
+def test_sampler_matches_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05] + [0.0] * 6)
+    logits = probs.log().repeat(4000, 1)  # zero-probability tokens have -inf logits
+    ids = Sampler()(logits, _info([1.0] * 4000))
+    freq = torch.bincount(ids, minlength=10).float() / 4000
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+    # Temperature 0.5 squares the probabilities (renormalized).
+    ids = Sampler()(logits, _info([0.5] * 4000))
+    freq = torch.bincount(ids, minlength=10).float() / 4000
+    torch.testing.assert_close(freq, probs**2 / (probs**2).sum(), atol=0.03, rtol=0)
+
+
 def test_sampler_min_new_tokens_mask():
     logits = _logits(4)
     logits[:, 5] = 100.0

@@ -8,7 +8,6 @@ import time
 import pytest
 
 from framework.messages import (
-    REPLY_SINK,
     CloseSessionReq,
     FlushCacheReq,
     GenerateReqInput,
@@ -132,8 +131,7 @@ def test_scheduler_control_messages_and_session_intake(tiny_model_folder):
     from framework.scheduler import Scheduler
 
     outputs, replies = [], []
-    sched = Scheduler(tiny_settings(tiny_model_folder), output_sink=outputs.append)
-    sched.stash[REPLY_SINK] = replies.append
+    sched = Scheduler(tiny_settings(tiny_model_folder), output_sink=outputs.append, reply_sink=replies.append)
 
     def run(*msgs):
         for m in msgs:

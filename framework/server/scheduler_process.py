@@ -18,7 +18,7 @@ from typing import Any, Callable
 import zmq
 
 from framework.config import Settings
-from framework.messages import REPLY_SINK, SchedulerFailed, SchedulerReady
+from framework.messages import SchedulerFailed, SchedulerReady
 from framework.server.ipc import IpcNames, make_socket, setup_child_process
 
 logger = logging.getLogger(__name__)
@@ -37,12 +37,13 @@ def run_scheduler_process(settings: Settings, ipc: IpcNames, ready_writer: Any) 
     send_to_detokenizer = make_socket(context, zmq.PUSH, ipc.detokenizer)
     send_to_tokenizer = make_socket(context, zmq.PUSH, ipc.tokenizer)
     try:
-        scheduler = Scheduler(settings, output_sink=send_to_detokenizer.send_pyobj)
+        scheduler = Scheduler(
+            settings, output_sink=send_to_detokenizer.send_pyobj, reply_sink=send_to_tokenizer.send_pyobj
+        )
     except Exception as exc:
         logger.exception("Scheduler start-up failed")
         ready_writer.send(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
         sys.exit(1)
-    scheduler.stash[REPLY_SINK] = send_to_tokenizer.send_pyobj
     ready_writer.send(
         SchedulerReady(
             max_total_num_tokens=scheduler.max_total_num_tokens,

@@ -1,0 +1,103 @@
+"""Control operations of the scheduler: abort, flush, sessions, stats (reference R, M, S3).
+
+`ControlMixin` is part of `Scheduler`; it is kept apart so the loop's file reads top to bottom.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from framework.messages import (
+    CloseSessionReq,
+    CloseSessionReqOutput,
+    OpenSessionReq,
+    OpenSessionReqOutput,
+    SchedulerStats,
+)
+from framework.request import FinishAbort
+
+logger = logging.getLogger("framework.scheduler")
+
+
+class ControlMixin:
+    # -- control --------------------------------------------------------------------------------
+
+    def abort_request(self, rid: str) -> None:
+        """Abort wherever the request is; it is reported as aborted (the reference is silent for
+        waiting requests and misses the chunked one, QUIRK 4)."""
+        for i, req in enumerate(self.waiting_queue):
+            if req.rid == rid:
+                del self.waiting_queue[i]
+                req.finished_reason = FinishAbort("Aborted by the client.")
+                self.hooks.on_request_finished(req, self)
+                self.stream_output([req])
+                return
+        if self.being_chunked_req is not None and self.being_chunked_req.rid == rid:
+            # Released when the next round takes it out of the last batch (D1).
+            self.being_chunked_req.finished_reason = FinishAbort("Aborted by the client.")
+            return
+        for batch in (self.running_batch, self.last_batch):
+            if batch is None:
+                continue
+            for req in batch.reqs:
+                if req.rid == rid and not req.finished():
+                    req.finished_reason = FinishAbort("Aborted by the client.")
+                    self.finish_req(req)
+                    self.stream_output([req])
+                    return
+
+    def flush_cache(self) -> bool:
+        if self.waiting_queue or self.being_chunked_req or (
+            self.running_batch is not None and not self.running_batch.is_empty()
+        ):
+            logger.warning("Cache not flushed: there are running or waiting requests.")
+            return False
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool.clear()
+        self.cache_hit_tokens = self.cache_total_tokens = 0
+        logger.info("Cache flushed.")
+        return True
+
+    def open_session(self, msg: OpenSessionReq) -> OpenSessionReqOutput:
+        if not self.sessions.open(msg.session_id, msg.capacity_of_str_len):
+            logger.warning("session id %s already exists; it is kept as it was", msg.session_id)
+            return OpenSessionReqOutput(msg.request_id, msg.session_id, False, "session id already exists")
+        return OpenSessionReqOutput(msg.request_id, msg.session_id, True)
+
+    def close_session(self, msg: CloseSessionReq) -> CloseSessionReqOutput:
+        # The session's in-flight requests run on; their KV is released as usual (M2).
+        if not self.sessions.close(msg.session_id):
+            return CloseSessionReqOutput(
+                msg.request_id, msg.session_id, False, f"session id {msg.session_id} does not exist"
+            )
+        return CloseSessionReqOutput(msg.request_id, msg.session_id, True)
+
+    def get_stats(self, request_id: str | None = None) -> SchedulerStats:
+        """The SchedulerStats gauges now, plus the pools' free counts."""
+        running = self.running_batch.batch_size() if self.running_batch is not None else 0
+        elapsed = time.time() - self.last_decode_stats_tic
+        return SchedulerStats(
+            request_id=request_id,
+            num_running_reqs=running,
+            num_queue_reqs=len(self.waiting_queue) + (self.being_chunked_req is not None),
+            num_used_tokens=self.num_used_tokens(),
+            token_usage=self.num_used_tokens() / self.max_total_num_tokens,
+            # Tokens generated since the last decode log, over the time since then.
+            gen_throughput=self.num_generated_tokens / elapsed if elapsed > 0 else 0.0,
+            cache_hit_rate=self.cache_hit_rate(),
+            max_total_num_tokens=self.max_total_num_tokens,
+            kv_available=self.token_to_kv_pool.available_size(),
+            kv_evictable=self.tree_cache.evictable_size(),
+            req_slots_free=self.req_to_token_pool.available_size(),
+            req_slots_total=self.req_to_token_pool.size,
+            num_sessions=len(self.sessions),
+            forward_ct=self.forward_ct,
+        )
+
+    def send_reply(self, reply) -> None:
+        """Send a control reply to the tokenizer side; dropped when nobody listens (the offline
+        Engine calls the control methods directly and reads their return values)."""
+        if self.reply_sink is not None:
+            self.reply_sink(reply)
