@@ -7,10 +7,12 @@ TokenizerManager sends; every problem is an `ApiError` with a message naming the
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from framework.messages import GenerateReqInput
 from framework.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -38,20 +40,16 @@ class ApiError(Exception):
 
 
 @dataclass
-class ReqSpec:
-    """One request as the TokenizerManager sends it to the scheduler."""
+class ReqSpec(GenerateReqInput):
+    """One request as the TokenizerManager sends it to the scheduler, plus what only the
+    tokenizer side needs."""
 
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    input_text: str | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
-    stream: bool = False
-    session_id: str | None = None
-    session_rid: str | None = None
+
+    def to_message(self) -> GenerateReqInput:
+        """The scheduler's part of the spec (the tokenizer-side fields stay here)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(GenerateReqInput)}
+        return GenerateReqInput(**fields)
 
     def copy_for_sample(self, j: int) -> "ReqSpec":
         """The j-th of n parallel samples: own rid and its own copy of the sampling params."""

@@ -27,7 +27,6 @@ from framework.messages import (
     BatchStrOut,
     CloseSessionReq,
     FlushCacheReq,
-    GenerateReqInput,
     GetStatsReq,
     OpenSessionReq,
     SchedulerReady,
@@ -212,14 +211,7 @@ class TokenizerManager:
             raise ApiError(f"Invalid request: session id {spec.session_id} does not exist")
         self.check_input_ids(spec.input_ids, spec.session_id is not None)
         self.states[spec.rid] = ReqState(spec=spec, is_warmup=is_warmup)
-        self.send_to_scheduler.send_pyobj(
-            GenerateReqInput(
-                rid=spec.rid, input_ids=spec.input_ids, sampling_params=spec.sampling_params,
-                input_text=spec.input_text, return_logprob=spec.return_logprob,
-                logprob_start_len=spec.logprob_start_len, top_logprobs_num=spec.top_logprobs_num,
-                stream=spec.stream, session_id=spec.session_id, session_rid=spec.session_rid,
-            )
-        )
+        self.send_to_scheduler.send_pyobj(spec.to_message())
 
     def submit_all(self, specs: list[ReqSpec], is_warmup: bool = False) -> None:
         """All or nothing: if one is refused, the ones already sent are released."""
