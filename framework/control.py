@@ -48,11 +48,14 @@ class ControlMixin:
                     return
 
     def flush_cache(self) -> bool:
-        if self.waiting_queue or self.being_chunked_req or (
-            self.running_batch is not None and not self.running_batch.is_empty()
-        ):
+        # Finished requests may still sit in the running or last batch until the next round
+        # filters them; their KV is already released, so they do not block a flush.
+        batches = (self.running_batch, self.last_batch)
+        running = any(not r.finished() for b in batches if b is not None for r in b.reqs)
+        if self.waiting_queue or self.being_chunked_req or running or self.result_queue:
             logger.warning("Cache not flushed: there are running or waiting requests.")
             return False
+        self.running_batch = self.last_batch = None
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool.clear()

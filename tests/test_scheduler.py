@@ -7,7 +7,9 @@ import math
 
 import pytest
 
+from framework.messages import GenerateReqInput
 from framework.plugins import PluginError
+from framework.request import SamplingParams
 from tests.conftest import assert_same_greedy, hf_greedy
 
 PROMPTS = [
@@ -191,3 +193,17 @@ def test_leak_check_raises_when_a_slot_is_lost(make_engine):
     with pytest.raises(MemoryLeakError, match="KV cache pool leak detected"):
         sched.check_memory()
     sched.token_to_kv_pool.free(lost)
+
+
+def test_flush_right_after_a_finish_succeeds(make_engine):
+    """A finished request still waiting to be filtered out of the batches does not block a flush."""
+    engine = make_engine()
+    sched = engine.scheduler
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    params.normalize()
+    sched.send(GenerateReqInput(rid="x", input_ids=[1, 2, 3], sampling_params=params))
+    while not any(r.finished() for b in (sched.running_batch, sched.last_batch) if b for r in b.reqs):
+        sched.run_once()
+    assert sched.flush_cache()
+    assert sched.tree_cache.evictable_size() == 0
+
