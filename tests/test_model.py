@@ -140,6 +140,37 @@ def test_decode_steps_match_hf(hf_model, runner):
             torch.testing.assert_close(out.next_token_logits[i], refs[i][r.done - 1], atol=ATOL, rtol=0)
 
 
+def test_decode_cache_with_finishing_and_reordered_requests(hf_model, runner):
+    """The dense decode cache: requests leave the batch, the order changes, groups split by length."""
+    prompt_lens = [30, 28, 8, 7, 3, 16]
+    num_steps = 6
+    reqs = _new_reqs(runner, [n + num_steps for n in prompt_lens], seed=3)
+    runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))
+    refs = [_hf_logits(hf_model, r.tokens) for r in reqs]
+    live = list(range(len(reqs)))
+    for step in range(num_steps):
+        if step in (2, 4):
+            live.pop(1)  # a request finishes
+        if step == 3:
+            live.reverse()
+        batch_reqs = [reqs[i] for i in live]
+        out = runner.forward(_batch(runner, batch_reqs, [1] * len(batch_reqs), ForwardMode.DECODE))
+        for i, r in enumerate(batch_reqs):
+            torch.testing.assert_close(out.next_token_logits[i], refs[live[i]][r.done - 1], atol=ATOL, rtol=0)
+
+
+def test_decode_cache_outgrows_its_headroom(hf_model, runner):
+    prompt_lens = [3, 5]
+    num_steps = 70
+    reqs = _new_reqs(runner, [n + num_steps for n in prompt_lens], seed=4)
+    runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))
+    refs = [_hf_logits(hf_model, r.tokens) for r in reqs]
+    for _ in range(num_steps):
+        out = runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE))
+        for i, r in enumerate(reqs):
+            torch.testing.assert_close(out.next_token_logits[i], refs[i][r.done - 1], atol=ATOL, rtol=0)
+
+
 def test_mixed_batch_matches_hf(hf_model, runner):
     running = _new_reqs(runner, [12, 6, 25], seed=1)
     new = _new_reqs(runner, [14, 9], seed=2)

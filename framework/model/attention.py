@@ -4,11 +4,14 @@ The backend only reads the KV pool: each layer writes its new K/V first (`kv_poo
 calls `forward`. Which KV slots a request sees is fixed for the whole pass, so the gather indices
 and masks are built once per forward (`prepare`) and reused by every layer.
 
-Two paths:
-* one-token requests (every DECODE request, and the decode part of a MIXED batch) go through one
-  batched grouped-query matmul-softmax-matmul over KV padded to the longest sequence. q is reshaped
-  to [n, kv_heads, group, head_dim] so the KV heads are never expanded, which on CPU is much faster
-  than SDPA's single-query path;
+Three paths:
+* a pure DECODE batch reads dense head-major copies of its requests' KV kept across steps
+  (`_DenseGroup`: one new position appended per step, rebuilt from the pool after any prefill or
+  when a group runs out of room), so the context is not re-gathered from the pool in every layer;
+* other one-token requests (the decode part of a MIXED batch, one-token prefills) are gathered
+  from the pool, grouped by length so the padding stays small;
+* both use a grouped-query matmul-softmax-matmul: q is viewed as [n, kv_heads, group, head_dim]
+  so the KV heads are never expanded, which on CPU is much faster than SDPA's single-query path;
 * multi-token requests (prefill, possibly on top of a cached prefix) go through
   `scaled_dot_product_attention` one request at a time, causal with the prefix fully visible.
 """
@@ -22,6 +25,12 @@ import torch.nn.functional as F
 
 from framework.batch import ModelWorkerBatch
 from framework.memory import ReqToTokenPool, TokenToKVPool
+
+
+def _to_float32(x: torch.Tensor) -> torch.Tensor:
+    """`x.float()` through `copy_`, which is much faster for bf16 on CPU (see llama.to_float32).
+    Always a new tensor, so callers may modify it in place."""
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
 
 
 @dataclass
@@ -58,6 +67,8 @@ class AttentionMetadata:
     num_tokens: int
     decode_groups: list[_DecodeGroup]
     extend_reqs: list[_ExtendReq]
+    # Pure decode batches use the dense decode cache instead of decode_groups.
+    dense: list["_DensePlan"] | None = None
 
 
 # A decode request shorter than this fraction of its group's longest starts a new group, so the
@@ -67,8 +78,50 @@ _DECODE_GROUP_SPLIT = 0.6
 _MAX_DECODE_GROUPS = 6
 
 
+class _DenseGroup:
+    """Head-major copies of the KV of some decode requests, kept across decode steps.
+
+    k[layer], v[layer]: [n, kv_heads, cap, head_dim], zero beyond each row's length.
+    """
+
+    def __init__(self, pool_idx: list[int], lens: list[int], last_locs: list[int], cap: int):
+        self.pool_idx = pool_idx
+        self.lens = lens
+        self.last_locs = last_locs
+        self.cap = cap
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+
+@dataclass
+class _DensePlan:
+    """What one layer does with one dense group in this pass."""
+
+    group: _DenseGroup
+    max_len: int
+    bias: torch.Tensor  # [n * kv_heads, 1, cap] float32, 0 or -inf
+    gather_idx: torch.Tensor | None  # rebuild: [n * kv_heads * max_len] pool rows to copy in
+    append_src: torch.Tensor | None  # append: pool rows of the new tokens [live * kv_heads]
+    append_dst: torch.Tensor | None  # append: rows of the flat dense buffer to write them to
+    live_rows: torch.Tensor | None  # rows of the group in this batch; None: all, in order
+    token_rows: torch.Tensor | None  # their rows in the pass; None: 0..n-1
+
+
+# Extra decode positions a dense group is allocated for before it has to be rebuilt.
+_DENSE_HEADROOM = 32
+# Rebuild once fewer than this fraction of a dense cache's rows are still decoding.
+_DENSE_MIN_LIVE = 0.75
+
+
 class TorchNativeAttention:
-    """Paged attention for one model; holds only shapes, no state across passes."""
+    """Paged attention for one model.
+
+    Between prefills, the KV of the running decode requests is also kept in dense head-major
+    buffers (`_DenseGroup`) that grow by one position per step, so a decode step reads the KV
+    once instead of re-gathering the whole context from the paged pool in every layer. Any batch
+    with a multi-token request drops these buffers (new or retracted requests change the set),
+    and they are rebuilt from the pool at the next decode step.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -77,6 +130,8 @@ class TorchNativeAttention:
         self.head_dim = head_dim
         self.group_size = num_heads // num_kv_heads
         self.scaling = head_dim**-0.5
+        self._dense: list[_DenseGroup] | None = None
+        self.enable_dense_decode = True
 
     def prepare(self, batch: ModelWorkerBatch, req_to_token_pool: ReqToTokenPool) -> AttentionMetadata:
         """Split the batch into one-token and multi-token requests and build their KV indices."""
@@ -108,6 +163,11 @@ class TorchNativeAttention:
             token_start += ext_len
 
         meta = AttentionMetadata(num_tokens, [], extend_reqs)
+        if extend_reqs or not self.enable_dense_decode:
+            self._dense = None
+        elif decode_reqs:
+            meta.dense = self._prepare_dense(batch, req_to_token, seq_lens)
+            return meta
         if decode_reqs:
             d_lens = [seq_lens[i] for i in decode_reqs]
             order = sorted(range(len(decode_reqs)), key=lambda j: -d_lens[j])
@@ -142,6 +202,139 @@ class TorchNativeAttention:
                 )
         return meta
 
+    def _prepare_dense(self, batch, req_to_token: torch.Tensor, seq_lens: list[int]) -> list[_DensePlan]:
+        """Plan a pure decode step over the dense cache: append the new token, or rebuild."""
+        pool_list = batch.req_pool_indices.tolist()
+        new_locs = batch.out_cache_loc.tolist()
+        kvh = self.num_kv_heads
+        heads = torch.arange(kvh, dtype=torch.int64)
+        plans = self._try_append(pool_list, seq_lens, new_locs, heads) if self._dense else None
+        if plans is not None:
+            return plans
+        # Rebuild: group by length (see _DECODE_GROUP_SPLIT), longest first.
+        order = sorted(range(len(pool_list)), key=lambda j: -seq_lens[j])
+        groups: list[list[int]] = []
+        for j in order:
+            if groups and (
+                seq_lens[j] >= _DECODE_GROUP_SPLIT * seq_lens[groups[-1][0]]
+                or len(groups) >= _MAX_DECODE_GROUPS
+            ):
+                groups[-1].append(j)
+            else:
+                groups.append([j])
+        if len(groups) == 1:
+            groups = [list(range(len(pool_list)))]
+        self._dense = []
+        plans = []
+        for members in groups:
+            lens = [seq_lens[j] for j in members]
+            max_len = max(lens)
+            group = _DenseGroup(
+                [pool_list[j] for j in members], lens, [new_locs[j] for j in members],
+                max_len + _DENSE_HEADROOM,
+            )
+            self._dense.append(group)
+            lens_t = torch.tensor(lens, dtype=torch.int64)
+            valid = torch.arange(max_len).unsqueeze(0) < lens_t.unsqueeze(1)
+            kv_idx = req_to_token[torch.tensor(group.pool_idx, dtype=torch.int64), :max_len]
+            kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
+            gather_idx = (kv_idx.unsqueeze(1) * kvh + heads.view(1, -1, 1)).reshape(-1)
+            bias = self._dense_bias(lens_t, group.cap)
+            identity = members == list(range(len(pool_list)))
+            plans.append(_DensePlan(
+                group, max_len, bias, gather_idx, None, None,
+                live_rows=None if identity else torch.tensor(members, dtype=torch.int64),
+                token_rows=None,
+            ))
+        return plans
+
+    def _try_append(self, pool_list, seq_lens, new_locs, heads) -> list[_DensePlan] | None:
+        """Plans that append one token per live row, or None when the cache cannot serve."""
+        where: dict[int, tuple[int, int]] = {}
+        total = 0
+        for gi, group in enumerate(self._dense):
+            total += len(group.pool_idx)
+            for r, p in enumerate(group.pool_idx):
+                where[p] = (gi, r)
+        if len(pool_list) < _DENSE_MIN_LIVE * total:
+            return None
+        per_group: list[list[tuple[int, int]]] = [[] for _ in self._dense]  # (row, batch index)
+        for j, p in enumerate(pool_list):
+            loc = where.get(p)
+            if loc is None:
+                return None
+            group = self._dense[loc[0]]
+            r = loc[1]
+            if group.lens[r] + 1 != seq_lens[j] or seq_lens[j] > group.cap:
+                return None
+            per_group[loc[0]].append((r, j))
+        kvh = self.num_kv_heads
+        plans = []
+        for group, members in zip(self._dense, per_group):
+            if not members:
+                continue
+            rows = [r for r, _ in members]
+            js = [j for _, j in members]
+            for r, j in members:
+                group.lens[r] = seq_lens[j]
+                group.last_locs[r] = new_locs[j]
+            rows_t = torch.tensor(rows, dtype=torch.int64)
+            pos_t = torch.tensor([seq_lens[j] - 1 for j in js], dtype=torch.int64)
+            src = torch.tensor([new_locs[j] for j in js], dtype=torch.int64)
+            append_src = (src.unsqueeze(1) * kvh + heads).reshape(-1)
+            append_dst = (
+                ((rows_t.unsqueeze(1) * kvh + heads) * group.cap) + pos_t.unsqueeze(1)
+            ).reshape(-1)
+            max_len = max(group.lens)
+            bias = self._dense_bias(torch.tensor(group.lens, dtype=torch.int64), group.cap)
+            identity = len(self._dense) == 1 and rows == list(range(len(group.pool_idx))) and js == rows
+            plans.append(_DensePlan(
+                group, max_len, bias, None, append_src,
+                append_dst, None if identity else rows_t,
+                None if identity else torch.tensor(js, dtype=torch.int64),
+            ))
+        return plans
+
+    def _dense_bias(self, lens: torch.Tensor, cap: int) -> torch.Tensor:
+        """[n * kv_heads, 1, cap] float32: 0 for each row's first lens[i] positions, else -inf."""
+        invalid = torch.arange(cap).unsqueeze(0) >= lens.unsqueeze(1)
+        bias = torch.zeros(invalid.shape, dtype=torch.float32).masked_fill_(invalid, float("-inf"))
+        return bias.unsqueeze(1).expand(-1, self.num_kv_heads, -1).reshape(-1, 1, cap)
+
+    def _dense_layer(self, q, k_buf, v_buf, layer_id: int, plan: _DensePlan) -> torch.Tensor:
+        group, kvh, d = plan.group, self.num_kv_heads, self.head_dim
+        n = len(group.pool_idx)
+        if plan.gather_idx is not None:
+            k_dense = k_buf.new_zeros((n, kvh, group.cap, d))
+            v_dense = v_buf.new_zeros((n, kvh, group.cap, d))
+            shape = (n, kvh, plan.max_len, d)
+            k_dense[:, :, : plan.max_len] = k_buf.view(-1, d).index_select(0, plan.gather_idx).view(shape)
+            v_dense[:, :, : plan.max_len] = v_buf.view(-1, d).index_select(0, plan.gather_idx).view(shape)
+            group.k[layer_id], group.v[layer_id] = k_dense, v_dense
+        else:
+            k_dense, v_dense = group.k[layer_id], group.v[layer_id]
+            k_dense.view(-1, d).index_copy_(0, plan.append_dst, k_buf.view(-1, d).index_select(0, plan.append_src))
+            v_dense.view(-1, d).index_copy_(0, plan.append_dst, v_buf.view(-1, d).index_select(0, plan.append_src))
+        # Attend over the whole capacity: contiguous [n * kv_heads, cap, D] operands are several
+        # times faster in bmm than a [:max_len] slice (which matmul copies), and the zero
+        # positions beyond each row's length are masked by the bias.
+        k = k_dense.view(n * kvh, group.cap, d)
+        v = v_dense.view(n * kvh, group.cap, d)
+        if plan.live_rows is not None and plan.gather_idx is None:
+            # Rows of finished requests stay in the buffers until the next rebuild; pad their
+            # queries with zeros (their outputs are dropped).
+            qg = q.new_zeros((n, self.num_heads, d))
+            qg[plan.live_rows] = q[plan.token_rows]
+        elif plan.live_rows is not None:
+            qg = q[plan.live_rows]
+        else:
+            qg = q
+        qg = qg.reshape(n * kvh, self.group_size, d).to(k.dtype)
+        scores = _to_float32(torch.bmm(qg, k.transpose(1, 2))).mul_(self.scaling).add_(plan.bias)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.bmm(probs, v)  # [n * kv_heads, group, D]
+        return out.view(n, self.num_heads * d).to(q.dtype)
+
     def forward(
         self, q: torch.Tensor, layer_id: int, meta: AttentionMetadata, kv_pool: TokenToKVPool
     ) -> torch.Tensor:
@@ -153,6 +346,18 @@ class TorchNativeAttention:
         k_buf = kv_pool.k_buffer[layer_id]
         v_buf = kv_pool.v_buffer[layer_id]
 
+        if meta.dense is not None:
+            plans = meta.dense
+            if len(plans) == 1 and plans[0].live_rows is None:
+                return self._dense_layer(q, k_buf, v_buf, layer_id, plans[0])
+            out = q.new_empty((num_tokens, self.num_heads * self.head_dim))
+            for plan in plans:
+                res = self._dense_layer(q, k_buf, v_buf, layer_id, plan)
+                if plan.gather_idx is not None:
+                    out[plan.live_rows] = res  # rebuild: live_rows are the batch rows
+                else:
+                    out[plan.token_rows] = res[plan.live_rows]
+            return out
         groups = meta.decode_groups
         if len(groups) == 1 and groups[0].rows is None:
             return self._decode(q, k_buf, v_buf, groups[0])
@@ -181,7 +386,7 @@ class TorchNativeAttention:
         k = k_buf.view(-1, d).index_select(0, group.kv_indices).view(n, kvh, max_len, d)
         v = v_buf.view(-1, d).index_select(0, group.kv_indices).view(n, kvh, max_len, d)
         qg = q.reshape(n, kvh, self.group_size, d).to(k.dtype)
-        scores = torch.matmul(qg, k.transpose(2, 3)).float().mul_(self.scaling).add_(group.bias)
+        scores = _to_float32(torch.matmul(qg, k.transpose(2, 3))).mul_(self.scaling).add_(group.bias)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)  # [n, kv_heads, group, D]
         return out.view(n, self.num_heads * d).to(q.dtype)

@@ -29,6 +29,14 @@ from framework.model.config import ModelConfig
 from framework.model.rotary import RotaryEmbedding
 
 
+def to_float32(x: torch.Tensor) -> torch.Tensor:
+    """`x.float()`, but through `copy_`: on this CPU torch's bf16 -> fp32 `.to` takes a slow path
+    (~5x slower than `copy_` into an fp32 buffer, measured on [8192, 576])."""
+    if x.dtype == torch.float32:
+        return x
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32 and cast back before the weight, as HF llama does."""
 
@@ -39,7 +47,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.float()
+        xf = to_float32(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
@@ -161,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return to_float32(F.linear(hidden, self.lm_head_weight))
 
     # -- weights --------------------------------------------------------------------------------
 
