@@ -60,23 +60,10 @@ class ModelRunner:
         self.model_path = model_path
 
     @classmethod
-    def from_hf_model(
-        cls,
-        hf_model: Any,
-        dtype: torch.dtype = torch.float32,
-        max_total_tokens: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        max_running_requests: int | None = None,
-        context_length: int | None = None,
-        device: str = "cpu",
-        seed: int = 0,
-        tokenizer: Any = None,
-    ) -> "ModelRunner":
-        """Build a runner with the weights of an in-memory HF model (no disk round trip)."""
-        return cls.from_state_dict(
-            hf_model.config, hf_model.state_dict(), dtype, max_total_tokens, kv_cache_memory_bytes,
-            max_running_requests, context_length, device, seed, tokenizer,
-        )
+    def from_hf_model(cls, hf_model: Any, **kwargs: Any) -> "ModelRunner":
+        """Build a runner with the weights of an in-memory HF model (no disk round trip);
+        `kwargs` are those of `from_state_dict`."""
+        return cls.from_state_dict(hf_model.config, hf_model.state_dict(), **kwargs)
 
     @classmethod
     def from_state_dict(
