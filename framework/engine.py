@@ -75,11 +75,14 @@ class Engine:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        priority: int = 0,
     ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
 
         Give either `prompt` (text) or `input_ids`. `sampling_params` is one dict for all prompts or
-        one per prompt. Raises ValueError naming the problem for bad input; nothing is left queued.
+        one per prompt. `priority` (larger is more important) is kept by the radix cache's
+        `priority` eviction order. Raises ValueError naming the problem for bad input; nothing is
+        left queued.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -126,6 +129,7 @@ class Engine:
                     rid=f"engine-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
                     sampling_params=params, input_text=text, return_logprob=return_logprob,
                     logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                    priority=priority,
                 )
             )
         for msg in messages:

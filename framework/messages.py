@@ -31,6 +31,7 @@ class GenerateReqInput:
     stream: bool = False
     session_id: str | None = None
     session_rid: str | None = None
+    priority: int = 0
 
 
 @dataclass

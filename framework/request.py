@@ -233,8 +233,11 @@ class Req:
         stream: bool = False,
         eos_token_ids: set[int] | None = None,
         session_id: str | None = None,
+        priority: int = 0,
     ):
         self.rid = rid
+        # Larger is more important; read by the priority-aware radix eviction order.
+        self.priority = priority
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.output_ids: list[int] = []

@@ -178,6 +178,7 @@ class Scheduler(ControlMixin):
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, stream=msg.stream,
             eos_token_ids=self.worker.eos_token_ids, session_id=msg.session_id,
+            priority=msg.priority,
         )
         req.tokenizer = self.tokenizer
         if req.logprob_start_len == -1:

@@ -207,3 +207,16 @@ def test_flush_right_after_a_finish_succeeds(make_engine):
     assert sched.flush_cache()
     assert sched.tree_cache.evictable_size() == 0
 
+
+
+def test_priority_reaches_the_priority_eviction_order(make_engine):
+    """Under `cache.eviction = priority` a low-priority request's cached prompt is evicted first."""
+    engine = make_engine(cache={"eviction": "priority", "max_total_tokens": 250})
+    cache = engine.scheduler.tree_cache
+    high, low = list(range(500, 600)), list(range(700, 800))
+    engine.generate(input_ids=high, sampling_params={"max_new_tokens": 1}, priority=5)
+    engine.generate(input_ids=low, sampling_params={"max_new_tokens": 1}, priority=0)
+    # A third request needs room: the evicted prompt must be the low-priority one.
+    engine.generate(input_ids=list(range(900, 980)), sampling_params={"max_new_tokens": 1})
+    assert len(cache.match_prefix("q", high)[0]) == 100
+    assert len(cache.match_prefix("q", low)[0]) < 100

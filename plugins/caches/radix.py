@@ -50,8 +50,7 @@ def _common_prefix_len(node_key: list[int], key: Sequence[int], start: int) -> i
 
 
 def _req_priority(req: "Req") -> int:
-    # `Req` has no priority field yet; requests without one are all equal.
-    return getattr(req, "priority", 0) or 0
+    return req.priority
 
 
 class TreeNode:
