@@ -12,14 +12,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from framework.config import Settings
 from framework.request import SamplingParams
 from framework.server.openai_api import register_openai_routes
 from framework.server.protocol import ApiError, ReqSpec, check_int, native_output, new_rid, parse_generate
-from framework.server.streaming import SSE_DONE, merge_streams, open_streams, read_json, sse
+from framework.server.streaming import SSE_DONE, merge_streams, open_streams, read_json, sse, stream_response
 from framework.server.tokenizer_manager import ClientDisconnected, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -151,23 +151,17 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
         firsts, iterators = await open_streams(tm, specs, request)
 
         async def events() -> AsyncIterator[str]:
-            try:
-                for i, out in enumerate(firsts):
-                    yield sse(_chunk(specs[i], out, i))
-                async for i, out in merge_streams(iterators):
-                    yield sse(_chunk(specs[i], out, i))
-                yield SSE_DONE
-            except ApiError as exc:
-                yield sse(exc.to_json())
-            finally:
-                for spec in specs:
-                    tm.release(spec.rid)
+            for i, out in enumerate(firsts):
+                yield sse(_chunk(specs[i], out, i))
+            async for i, out in merge_streams(iterators):
+                yield sse(_chunk(specs[i], out, i))
+            yield SSE_DONE
 
         def _chunk(spec: ReqSpec, out, i: int) -> dict:
             return native_output(out, spec, tm.decode_token, tm.visible_text(spec, out),
                                  index=i if batch.is_batch else None)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return stream_response(tm, specs, events())
 
     if settings.server.enable_metrics:
         @app.get("/metrics")

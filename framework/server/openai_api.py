@@ -11,13 +11,13 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from framework.messages import StrOutput
 from framework.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from framework.server.protocol import ApiError, GenerateBatch, ReqSpec, is_int, new_rid, sampling_params_from
-from framework.server.streaming import SSE_DONE, merge_streams, open_streams, read_json, sse
+from framework.server.streaming import SSE_DONE, merge_streams, open_streams, read_json, sse, stream_response
 from framework.server.tokenizer_manager import TokenizerManager
 
 
@@ -171,7 +171,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str, 
                            "choices": [], "usage": usage([f for f in finals if f is not None], batch.n)})
             yield SSE_DONE
 
-        return _stream_response(tm, specs, events())
+        return stream_response(tm, specs, events())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -245,22 +245,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str, 
                 yield frame([], usage=usage([f for f in finals if f is not None], batch.n))
             yield SSE_DONE
 
-        return _stream_response(tm, specs, events())
-
-
-def _stream_response(tm: TokenizerManager, specs: list[ReqSpec], events: AsyncIterator[str]) -> StreamingResponse:
-    async def guarded() -> AsyncIterator[str]:
-        try:
-            async for data in events:
-                yield data
-        except ApiError as exc:
-            yield sse(exc.to_json())
-        finally:
-            # Runs on completion and when the client goes away (the stream is cancelled).
-            for spec in specs:
-                tm.release(spec.rid)
-
-    return StreamingResponse(guarded(), media_type="text/event-stream")
+        return stream_response(tm, specs, events())
 
 
 def _validate(model, body: Any):

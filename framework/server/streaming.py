@@ -12,6 +12,8 @@ import asyncio
 import json
 from typing import Any, AsyncIterator
 
+from fastapi.responses import StreamingResponse
+
 from framework.messages import StrOutput
 from framework.server.protocol import ApiError, ReqSpec
 from framework.server.tokenizer_manager import TokenizerManager, gather_or_cancel
@@ -100,3 +102,20 @@ async def merge_streams(iterators: list[AsyncIterator[StrOutput]]) -> AsyncItera
     finally:
         for task in tasks:
             task.cancel()
+
+
+def stream_response(tm: TokenizerManager, specs: list[ReqSpec], events: AsyncIterator[str]):
+    """An SSE response over `events` that reports an ApiError as a last event and always
+    releases the requests, on completion and when the client goes away."""
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for data in events:
+                yield data
+        except ApiError as exc:
+            yield sse(exc.to_json())
+        finally:
+            # Runs on completion and when the client goes away (the stream is cancelled).
+            for spec in specs:
+                tm.release(spec.rid)
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
