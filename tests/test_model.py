@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from framework.batch import ForwardMode, ModelWorkerBatch, SamplingBatchInfo, idle_worker_batch
-from framework.model import ModelRunner, Sampler
+from framework.model import ModelRunner, Sampler, llama
 from framework.model.logits import LogitsOutput
 
 VOCAB = 1000
@@ -112,6 +112,17 @@ def test_prefill_batch_matches_hf(hf_model, runner):
     reqs = _new_reqs(runner, [7, 1, 23, 12])
     out = runner.forward(_batch(runner, reqs, [7, 1, 23, 12], ForwardMode.EXTEND))
     assert out.next_token_logits.shape == (4, VOCAB) and out.next_token_logits.dtype == torch.float32
+    _check_last(hf_model, out, reqs)
+
+
+@pytest.mark.parametrize("tile", [5, 16])
+def test_tiled_prefill_matches_hf(hf_model, runner, monkeypatch, tile):
+    """Large passes run the token-wise layer parts in tiles; tiles that cut through requests
+    must not change the result."""
+    monkeypatch.setattr(llama, "PREFILL_TILE", tile)
+    assert len(llama.token_tiles(7 + 1 + 23 + 12)) > 2
+    reqs = _new_reqs(runner, [7, 1, 23, 12])
+    out = runner.forward(_batch(runner, reqs, [7, 1, 23, 12], ForwardMode.EXTEND))
     _check_last(hf_model, out, reqs)
 
 

@@ -26,7 +26,7 @@ from framework.batch import ModelWorkerBatch
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.attention import AttentionMetadata, TorchNativeAttention
 from framework.model.config import ModelConfig
-from framework.model.rotary import RotaryEmbedding
+from framework.model.rotary import RopeTables, RotaryEmbedding
 
 
 def to_float32(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,8 @@ def to_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in fp32 and cast back before the weight, as HF llama does."""
+    """RMS norm computed in fp32 and cast back before the weight, as HF llama does (same ops in
+    the same order, so fp32 results are bit-identical); in place where the input is not touched."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -46,10 +47,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = to_float32(x)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        if x.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        xf = to_float32(x)  # a new tensor, normalized in place
+        xf.mul_(torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
+        return torch.empty_like(x).copy_(xf).mul_(self.weight)
 
 
 class LlamaAttention(nn.Module):
@@ -69,25 +71,18 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.backend = backend
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
-        batch: ModelWorkerBatch,
-        meta: AttentionMetadata,
-        kv_pool: TokenToKVPool,
+    def project(
+        self, hidden: torch.Tensor, rope: RopeTables, out_cache_loc: torch.Tensor, kv_pool: TokenToKVPool
     ) -> torch.Tensor:
+        """q/k/v of some tokens: rotates q and k, writes k/v into the pool; returns q [T, q_size]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        kv_pool.set_kv(self.layer_id, batch.out_cache_loc, k, v)
-        out = self.backend.forward(q.reshape(num_tokens, self.q_size), self.layer_id, meta, kv_pool)
-        return self.o_proj(out)
+        # q and k heads are rotated together: [T, heads + kv_heads, D] is a view of qkv.
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qk = rope.apply(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim))
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        kv_pool.set_kv(self.layer_id, out_cache_loc, qk[:, self.num_heads :], v)
+        return qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -99,10 +94,18 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + MLP with residuals.
+
+    Everything but attention itself works token by token, so a large pass runs it in tiles of
+    `PREFILL_TILE` tokens: on CPU an element-wise op on a [16384, 576] bf16 tensor streams from
+    memory and is ~7x slower than the same op over eight cache-resident [2048, 576] tiles
+    (measured here), while the GEMMs lose little at 2048 rows.
+    """
+
     def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttention):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, backend)
@@ -110,12 +113,28 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, rotary, batch, meta, kv_pool) -> torch.Tensor:
-        residual = hidden
-        hidden = self.self_attn(positions, self.input_layernorm(hidden), rotary, batch, meta, kv_pool)
-        hidden = residual + hidden
-        residual = hidden
-        return residual + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, rope, batch, meta, kv_pool) -> torch.Tensor:
+        attn = self.self_attn
+        tiles = token_tiles(hidden.shape[0])
+        q = [
+            attn.project(self.input_layernorm(hidden[t]), rope.tile(t), batch.out_cache_loc[t], kv_pool)
+            for t in tiles
+        ]
+        attn_out = attn.backend.forward(q[0] if len(q) == 1 else torch.cat(q), attn.layer_id, meta, kv_pool)
+        out = torch.empty_like(hidden)
+        for t in tiles:
+            # The sublayers return fresh tensors, so the residual adds can be in place.
+            h = attn.o_proj(attn_out[t]).add_(hidden[t])
+            torch.add(self.mlp(self.post_attention_layernorm(h)), h, out=out[t])
+        return out
+
+
+# Rows of the token-wise part of a layer processed at once (see LlamaDecoderLayer).
+PREFILL_TILE = 2048
+
+
+def token_tiles(num_tokens: int) -> list[slice]:
+    return [slice(i, min(i + PREFILL_TILE, num_tokens)) for i in range(0, max(num_tokens, 1), PREFILL_TILE)]
 
 
 class LlamaModel(nn.Module):
@@ -163,8 +182,9 @@ class LlamaForCausalLM(nn.Module):
         if hidden.shape[0] == 0:
             return hidden
         meta = self.attn_backend.prepare(batch, req_to_token_pool)
+        rope = self.model.rotary.tables(positions, hidden.dtype)
         for layer in self.model.layers:
-            hidden = layer(positions, hidden, self.model.rotary, batch, meta, kv_pool)
+            hidden = layer(hidden, rope, batch, meta, kv_pool)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

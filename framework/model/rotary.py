@@ -52,15 +52,40 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
         self._cos, self._sin = emb.cos(), emb.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, D], k: [T, kv_heads, D] -> rotated q, k (same dtype, like HF)."""
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeTables":
+        """cos/sin of `positions`, looked up once per forward pass and shared by all layers."""
         if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
             self._build(int(positions.max()) * 2)
-        cos = self._cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self._sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        half = self.head_dim // 2
+        # The table's two halves are equal (cat(freqs, freqs)); one half is enough.
+        cos = self._cos[positions, :half].unsqueeze(1).to(dtype)
+        sin = self._sin[positions, :half].unsqueeze(1).to(dtype)
+        return RopeTables(cos, sin)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class RopeTables:
+    """Per-pass cos/sin, [T, 1, head_dim / 2]."""
+
+    __slots__ = ("cos", "sin")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos = cos
+        self.sin = sin
+
+    def tile(self, rows: slice) -> "RopeTables":
+        return RopeTables(self.cos[rows], self.sin[rows])
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] (any strides) -> rotated, contiguous, same dtype.
+
+        HF's `x * cos + rotate_half(x) * sin` computed half by half: the first half is
+        x1*cos - x2*sin and the second x2*cos + x1*sin, the same roundings as HF's
+        `x1*cos + (-x2)*sin`, with no concatenated copy of x.
+        """
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out1, out2 = out[..., :half], out[..., half:]
+        torch.mul(x1, self.cos, out=out1).sub_(x2 * self.sin)
+        torch.mul(x2, self.cos, out=out2).add_(x1 * self.sin)
+        return out

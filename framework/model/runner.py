@@ -14,6 +14,7 @@ import torch
 from framework.batch import ModelWorkerBatch
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.config import ModelConfig
+from framework.model.cpu import tune_allocator
 from framework.model.llama import LlamaForCausalLM
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
@@ -103,6 +104,8 @@ class ModelRunner:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         torch.manual_seed(seed)
+        if device == "cpu":
+            tune_allocator()
         self.device = device
         self.dtype = dtype
         self.tokenizer = tokenizer
