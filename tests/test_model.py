@@ -182,6 +182,42 @@ def test_decode_cache_outgrows_its_headroom(hf_model, runner):
             torch.testing.assert_close(out.next_token_logits[i], refs[i][r.done - 1], atol=ATOL, rtol=0)
 
 
+def _decode_and_check(hf_model, runner, reqs, steps=1):
+    for _ in range(steps):
+        out = runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE))
+        for i, r in enumerate(reqs):
+            ref = _hf_logits(hf_model, r.tokens[: r.done])[-1]
+            torch.testing.assert_close(out.next_token_logits[i], ref, atol=ATOL, rtol=0)
+
+
+def test_decode_cache_kept_across_a_prefill(hf_model, runner):
+    """New requests prefilled between decode steps join the dense cache as a new group; the old
+    rows keep appending."""
+    old = _new_reqs(runner, [20 + 8, 9 + 8], seed=5)
+    runner.forward(_batch(runner, old, [20, 9], ForwardMode.EXTEND))
+    _decode_and_check(hf_model, runner, old, steps=2)
+    new = _new_reqs(runner, [4 + 8, 30 + 8], seed=6)
+    runner.forward(_batch(runner, new, [4, 30], ForwardMode.EXTEND))
+    _decode_and_check(hf_model, runner, old + new, steps=3)
+    _decode_and_check(hf_model, runner, [new[1], old[0], new[0]], steps=2)
+
+
+def test_decode_cache_slot_reused_by_a_one_token_prefill(hf_model, runner):
+    """A finished request's slot given to a new request whose prefill is one token on top of a
+    cached prefix (radix hit): the slot's old dense row has the matching length but the wrong KV."""
+    a, c = _new_reqs(runner, [9 + 2, 10], seed=7)
+    runner.forward(_batch(runner, [a, c], [9, 10], ForwardMode.EXTEND))
+    _decode_and_check(hf_model, runner, [a], steps=1)  # a's dense row now holds 10 positions
+    slot = a.slot  # a finished; the scheduler hands its request slot to b
+    b = Req(c.tokens[:10] + [1, 2, 3], slot)
+    req_to_token = runner.req_to_token_pool.req_to_token
+    req_to_token[slot, :10] = req_to_token[c.slot, :10]  # b's prefix is c's KV
+    b.done = 10
+    out = runner.forward(_batch(runner, [b], [1], ForwardMode.EXTEND))
+    torch.testing.assert_close(out.next_token_logits[0], _hf_logits(hf_model, b.tokens[:11])[-1], atol=ATOL, rtol=0)
+    _decode_and_check(hf_model, runner, [b], steps=2)
+
+
 def test_mixed_batch_matches_hf(hf_model, runner):
     running = _new_reqs(runner, [12, 6, 25], seed=1)
     new = _new_reqs(runner, [14, 9], seed=2)

@@ -105,12 +105,33 @@ class _DensePlan:
     append_dst: torch.Tensor | None  # append: rows of the flat dense buffer to write them to
     live_rows: torch.Tensor | None  # rows of the group in this batch; None: all, in order
     token_rows: torch.Tensor | None  # their rows in the pass; None: 0..n-1
+    grow_from: int | None = None  # append into a group that outgrew this capacity: copy it over first
 
 
 # Extra decode positions a dense group is allocated for before it has to be rebuilt.
 _DENSE_HEADROOM = 32
 # Rebuild once fewer than this fraction of a dense cache's rows are still decoding.
 _DENSE_MIN_LIVE = 0.75
+
+
+def _length_groups(lens: list[int], max_groups: int) -> list[list[int]]:
+    """Indices into `lens`, grouped by length (see _DECODE_GROUP_SPLIT), longest first."""
+    order = sorted(range(len(lens)), key=lambda j: -lens[j])
+    groups: list[list[int]] = []
+    for j in order:
+        if groups and (lens[j] >= _DECODE_GROUP_SPLIT * lens[groups[-1][0]] or len(groups) >= max_groups):
+            groups[-1].append(j)
+        else:
+            groups.append([j])
+    return groups
+
+
+def _grown(buf: torch.Tensor, cap: int) -> torch.Tensor:
+    """[n, kv_heads, old_cap, D] -> [n, kv_heads, cap, D], zero-padded (a contiguous copy, much
+    cheaper than gathering the KV from the pool again)."""
+    out = buf.new_zeros((buf.shape[0], buf.shape[1], cap, buf.shape[3]))
+    out[:, :, : buf.shape[2]] = buf
+    return out
 
 
 class TorchNativeAttention:
@@ -163,23 +184,18 @@ class TorchNativeAttention:
             token_start += ext_len
 
         meta = AttentionMetadata(num_tokens, [], extend_reqs)
-        if extend_reqs or not self.enable_dense_decode:
+        if not self.enable_dense_decode:
             self._dense = None
+        elif not batch.forward_mode.is_decode():
+            # A request in a prefill/mixed pass is (re)starting or skips the dense append: its
+            # rows, if any, are stale (its request slot may even be a new request's now).
+            self._forget(pool_indices.tolist())
         elif decode_reqs:
             meta.dense = self._prepare_dense(batch, req_to_token, seq_lens)
             return meta
         if decode_reqs:
             d_lens = [seq_lens[i] for i in decode_reqs]
-            order = sorted(range(len(decode_reqs)), key=lambda j: -d_lens[j])
-            groups: list[list[int]] = []
-            for j in order:
-                if groups and (
-                    d_lens[j] >= _DECODE_GROUP_SPLIT * d_lens[groups[-1][0]]
-                    or len(groups) >= _MAX_DECODE_GROUPS
-                ):
-                    groups[-1].append(j)
-                else:
-                    groups.append([j])
+            groups = _length_groups(d_lens, _MAX_DECODE_GROUPS)
             identity = len(groups) == 1 and decode_rows == list(range(num_tokens))
             head_offsets = torch.arange(self.num_kv_heads, dtype=torch.int64).view(1, -1, 1)
             for members in groups:
@@ -202,98 +218,103 @@ class TorchNativeAttention:
                 )
         return meta
 
+    def _forget(self, pool_list: list[int]) -> None:
+        if not self._dense:
+            return
+        gone = set(pool_list)
+        for group in self._dense:
+            group.pool_idx = [-1 if p in gone else p for p in group.pool_idx]
+
     def _prepare_dense(self, batch, req_to_token: torch.Tensor, seq_lens: list[int]) -> list[_DensePlan]:
-        """Plan a pure decode step over the dense cache: append the new token, or rebuild."""
+        """Plan a pure decode step over the dense cache.
+
+        Requests already in a dense group append their new position; requests new to the cache
+        (just prefilled) get a new group gathered from the pool. Everything is rebuilt when too
+        few rows are still live or there would be too many groups.
+        """
         pool_list = batch.req_pool_indices.tolist()
         new_locs = batch.out_cache_loc.tolist()
-        kvh = self.num_kv_heads
-        heads = torch.arange(kvh, dtype=torch.int64)
-        plans = self._try_append(pool_list, seq_lens, new_locs, heads) if self._dense else None
-        if plans is not None:
-            return plans
-        # Rebuild: group by length (see _DECODE_GROUP_SPLIT), longest first.
-        order = sorted(range(len(pool_list)), key=lambda j: -seq_lens[j])
-        groups: list[list[int]] = []
-        for j in order:
-            if groups and (
-                seq_lens[j] >= _DECODE_GROUP_SPLIT * seq_lens[groups[-1][0]]
-                or len(groups) >= _MAX_DECODE_GROUPS
-            ):
-                groups[-1].append(j)
-            else:
-                groups.append([j])
-        if len(groups) == 1:
-            groups = [list(range(len(pool_list)))]
-        self._dense = []
-        plans = []
-        for members in groups:
-            lens = [seq_lens[j] for j in members]
-            max_len = max(lens)
-            group = _DenseGroup(
-                [pool_list[j] for j in members], lens, [new_locs[j] for j in members],
-                max_len + _DENSE_HEADROOM,
-            )
-            self._dense.append(group)
-            lens_t = torch.tensor(lens, dtype=torch.int64)
-            valid = torch.arange(max_len).unsqueeze(0) < lens_t.unsqueeze(1)
-            kv_idx = req_to_token[torch.tensor(group.pool_idx, dtype=torch.int64), :max_len]
-            kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
-            gather_idx = (kv_idx.unsqueeze(1) * kvh + heads.view(1, -1, 1)).reshape(-1)
-            bias = self._dense_bias(lens_t, group.cap)
-            identity = members == list(range(len(pool_list)))
-            plans.append(_DensePlan(
-                group, max_len, bias, gather_idx, None, None,
-                live_rows=None if identity else torch.tensor(members, dtype=torch.int64),
-                token_rows=None,
-            ))
-        return plans
-
-    def _try_append(self, pool_list, seq_lens, new_locs, heads) -> list[_DensePlan] | None:
-        """Plans that append one token per live row, or None when the cache cannot serve."""
         where: dict[int, tuple[int, int]] = {}
-        total = 0
-        for gi, group in enumerate(self._dense):
-            total += len(group.pool_idx)
+        total_rows = 0
+        for gi, group in enumerate(self._dense or []):
+            total_rows += len(group.pool_idx)
             for r, p in enumerate(group.pool_idx):
-                where[p] = (gi, r)
-        if len(pool_list) < _DENSE_MIN_LIVE * total:
-            return None
-        per_group: list[list[tuple[int, int]]] = [[] for _ in self._dense]  # (row, batch index)
+                if p >= 0:
+                    where[p] = (gi, r)
+        per_group: list[list[tuple[int, int]]] = [[] for _ in self._dense or []]  # (row, batch index)
+        fresh: list[int] = []
         for j, p in enumerate(pool_list):
             loc = where.get(p)
-            if loc is None:
-                return None
-            group = self._dense[loc[0]]
-            r = loc[1]
-            if group.lens[r] + 1 != seq_lens[j] or seq_lens[j] > group.cap:
-                return None
-            per_group[loc[0]].append((r, j))
-        kvh = self.num_kv_heads
-        plans = []
-        for group, members in zip(self._dense, per_group):
-            if not members:
-                continue
-            rows = [r for r, _ in members]
-            js = [j for _, j in members]
-            for r, j in members:
-                group.lens[r] = seq_lens[j]
-                group.last_locs[r] = new_locs[j]
-            rows_t = torch.tensor(rows, dtype=torch.int64)
-            pos_t = torch.tensor([seq_lens[j] - 1 for j in js], dtype=torch.int64)
-            src = torch.tensor([new_locs[j] for j in js], dtype=torch.int64)
-            append_src = (src.unsqueeze(1) * kvh + heads).reshape(-1)
-            append_dst = (
-                ((rows_t.unsqueeze(1) * kvh + heads) * group.cap) + pos_t.unsqueeze(1)
-            ).reshape(-1)
-            max_len = max(group.lens)
-            bias = self._dense_bias(torch.tensor(group.lens, dtype=torch.int64), group.cap)
-            identity = len(self._dense) == 1 and rows == list(range(len(group.pool_idx))) and js == rows
-            plans.append(_DensePlan(
-                group, max_len, bias, None, append_src,
-                append_dst, None if identity else rows_t,
-                None if identity else torch.tensor(js, dtype=torch.int64),
-            ))
+            if loc is not None and self._dense[loc[0]].lens[loc[1]] + 1 == seq_lens[j]:
+                per_group[loc[0]].append((loc[1], j))
+            else:
+                fresh.append(j)
+        kept = [gi for gi, members in enumerate(per_group) if members]
+        fresh_groups = _length_groups([seq_lens[j] for j in fresh], _MAX_DECODE_GROUPS)
+        if (
+            len(pool_list) - len(fresh) < _DENSE_MIN_LIVE * total_rows
+            or len(kept) + len(fresh_groups) > _MAX_DECODE_GROUPS
+            or not kept
+        ):
+            self._dense = []
+            groups = _length_groups(seq_lens, _MAX_DECODE_GROUPS)
+            if len(groups) == 1:
+                groups = [list(range(len(pool_list)))]  # keep the batch order: no scatter needed
+            return [self._new_group(members, pool_list, seq_lens, new_locs, req_to_token) for members in groups]
+        alone = len(kept) == 1 and not fresh_groups
+        plans = [self._append_plan(self._dense[gi], per_group[gi], seq_lens, new_locs, alone) for gi in kept]
+        self._dense = [self._dense[gi] for gi in kept]
+        for members in fresh_groups:
+            plans.append(self._new_group([fresh[m] for m in members], pool_list, seq_lens, new_locs, req_to_token))
         return plans
+
+    def _new_group(self, members, pool_list, seq_lens, new_locs, req_to_token) -> _DensePlan:
+        """A dense group for batch rows `members`, gathered from the pool in this pass."""
+        kvh = self.num_kv_heads
+        lens = [seq_lens[j] for j in members]
+        max_len = max(lens)
+        group = _DenseGroup(
+            [pool_list[j] for j in members], lens, [new_locs[j] for j in members], max_len + _DENSE_HEADROOM
+        )
+        self._dense.append(group)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        valid = torch.arange(max_len).unsqueeze(0) < lens_t.unsqueeze(1)
+        kv_idx = req_to_token[torch.tensor(group.pool_idx, dtype=torch.int64), :max_len]
+        kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
+        heads = torch.arange(kvh, dtype=torch.int64).view(1, -1, 1)
+        gather_idx = (kv_idx.unsqueeze(1) * kvh + heads).reshape(-1)
+        identity = members == list(range(len(pool_list)))
+        return _DensePlan(
+            group, max_len, self._dense_bias(lens_t, group.cap), gather_idx, None, None,
+            live_rows=None if identity else torch.tensor(members, dtype=torch.int64), token_rows=None,
+        )
+
+    def _append_plan(self, group: _DenseGroup, members: list[tuple[int, int]], seq_lens, new_locs,
+                     alone: bool) -> _DensePlan:
+        """Append one position to each member row of `group` (grown first when out of room);
+        `alone`: the only plan of the pass."""
+        kvh = self.num_kv_heads
+        heads = torch.arange(kvh, dtype=torch.int64)
+        rows = [r for r, _ in members]
+        js = [j for _, j in members]
+        for r, j in members:
+            group.lens[r] = seq_lens[j]
+            group.last_locs[r] = new_locs[j]
+        grow_from = None
+        if max(group.lens) > group.cap:
+            grow_from, group.cap = group.cap, max(group.lens) + _DENSE_HEADROOM
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        pos_t = torch.tensor([seq_lens[j] - 1 for j in js], dtype=torch.int64)
+        src = torch.tensor([new_locs[j] for j in js], dtype=torch.int64)
+        append_src = (src.unsqueeze(1) * kvh + heads).reshape(-1)
+        append_dst = (((rows_t.unsqueeze(1) * kvh + heads) * group.cap) + pos_t.unsqueeze(1)).reshape(-1)
+        bias = self._dense_bias(torch.tensor(group.lens, dtype=torch.int64), group.cap)
+        identity = alone and rows == js == list(range(len(group.pool_idx)))
+        return _DensePlan(
+            group, max(group.lens), bias, None, append_src, append_dst,
+            None if identity else rows_t, None if identity else torch.tensor(js, dtype=torch.int64),
+            grow_from=grow_from,
+        )
 
     def _dense_bias(self, lens: torch.Tensor, cap: int) -> torch.Tensor:
         """[n * kv_heads, 1, cap] float32: 0 for each row's first lens[i] positions, else -inf."""
@@ -313,6 +334,9 @@ class TorchNativeAttention:
             group.k[layer_id], group.v[layer_id] = k_dense, v_dense
         else:
             k_dense, v_dense = group.k[layer_id], group.v[layer_id]
+            if plan.grow_from is not None:
+                k_dense, v_dense = _grown(k_dense, group.cap), _grown(v_dense, group.cap)
+                group.k[layer_id], group.v[layer_id] = k_dense, v_dense
             k_dense.view(-1, d).index_copy_(0, plan.append_dst, k_buf.view(-1, d).index_select(0, plan.append_src))
             v_dense.view(-1, d).index_copy_(0, plan.append_dst, v_buf.view(-1, d).index_select(0, plan.append_src))
         # Attend over the whole capacity: contiguous [n * kv_heads, cap, D] operands are several
