@@ -105,6 +105,8 @@ class ModelWorkerBatch:
     top_logprobs_nums: list[int] = field(default_factory=list)
     extend_logprob_start_lens: list[int] = field(default_factory=list)
     input_embeds: torch.Tensor | None = None
+    # DP attention: every rank's token count this pass, in rank order (reference L2).
+    global_num_tokens: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -150,6 +152,7 @@ class ScheduleBatch:
         self.decoding_reqs: list[Req] | None = None
         self.sampling_info: SamplingBatchInfo | None = None
         self.input_embeds: torch.Tensor | None = None
+        self.global_num_tokens: list[int] | None = None
         self.bid = 0
         self.stash = Stash()
 
@@ -264,6 +267,15 @@ class ScheduleBatch:
         self.seq_lens = torch.cat([self.seq_lens, running_batch.seq_lens])
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs)
 
+    # -- idle -----------------------------------------------------------------------------------
+
+    def prepare_for_idle(self) -> None:
+        """A pass with no requests, so this rank joins the others' collectives (reference L2)."""
+        self.forward_mode = ForwardMode.IDLE
+        empty = torch.empty((0,), dtype=torch.int64)
+        self.input_ids = self.positions = self.out_cache_loc = empty
+        self.extend_num_tokens = 0
+
     # -- decode ---------------------------------------------------------------------------------
 
     def check_decode_mem(self) -> bool:
@@ -360,6 +372,7 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             extend_logprob_start_lens=list(self.extend_logprob_start_lens),
             input_embeds=self.input_embeds,
+            global_num_tokens=self.global_num_tokens,
         )
 
 

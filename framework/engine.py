@@ -4,6 +4,9 @@
     engine = Engine("serve.toml")                      # or Engine(settings), or Engine(**overrides)
     out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
     out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
+
+The Engine is one scheduler in this process, so it runs a single rank: parallel.tp_size > 1 is a
+start-up error pointing to `batchyard serve`, which runs one scheduler process per rank.
 """
 
 from __future__ import annotations

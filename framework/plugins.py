@@ -45,6 +45,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("chunk", "plugins.caches.chunk"),
     ("radix", "plugins.caches.radix"),
     ("tp", "plugins.workers.tp"),
+    ("dp-attention", "plugins.workers.dp_attention"),
 )
 
 

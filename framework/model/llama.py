@@ -4,14 +4,15 @@ Weights load from `LlamaForCausalLM`-named checkpoints. q/k/v and gate/up are fu
 matmul each (fewer, larger GEMMs are faster on CPU); `load_weights` writes each HF tensor into its
 slice of the fused weight.
 
-Tensor-parallel plan (not implemented): split attention by KV-head groups and the MLP by the
-intermediate dimension.
-* `qkv_proj`: column-parallel; shard r holds its q heads, then its k heads, then its v heads, so
+Tensor parallelism (framework/distributed.py) shards at load time, each rank reading its slice
+of every HF tensor:
+* `qkv_proj`: column-parallel; rank r holds its q heads, then its k heads, then its v heads, so
   the fused weight is sharded per part (q, k, v) rather than as one block.
-* `o_proj`, `down_proj`: row-parallel, followed by an all-reduce of the output.
 * `gate_up_proj`: column-parallel, sharded per part (gate, up) like qkv.
-* `embed_tokens`: vocab-parallel with an all-reduce; `lm_head`: column-parallel with an
-  all-gather of the logits. The KV pool then holds `num_kv_heads // tp` heads per rank.
+* `o_proj`, `down_proj`: row-parallel, followed by an all-reduce of the output.
+* `embed_tokens` and `lm_head` stay replicated. The KV pool holds `num_kv_heads // tp` heads.
+With DP attention, attention is whole on every rank (its own requests) and only the MLP is
+sharded: it runs on all ranks' tokens (all-gathered), and each rank keeps its own rows.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.batch import ModelWorkerBatch
+from framework.distributed import ParallelContext
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.attention import AttentionMetadata, TorchNativeAttention
 from framework.model.config import ModelConfig
@@ -54,12 +56,33 @@ class RMSNorm(nn.Module):
         return torch.empty_like(x).copy_(xf).mul_(self.weight)
 
 
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input dimension is split over the ranks: `reduce(x @ W_r^T) + b`.
+
+    The parameters are named as nn.Linear's, so checkpoints load into it unchanged.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, par: ParallelContext, shard_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.par = par
+        self.shard_size = shard_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        # The bias is added once, after the sum of the ranks' partial products.
+        y = self.par.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttention):
+    def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttention, par: ParallelContext):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = config.num_heads // par.attn_tp_size
+        self.num_kv_heads = config.num_kv_heads // par.attn_tp_size
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -68,7 +91,7 @@ class LlamaAttention(nn.Module):
         )
         # Qwen2 has q/k/v bias but no o_proj bias; Llama's attention_bias covers both.
         o_bias = config.attention_bias and config.architecture == "LlamaForCausalLM"
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, par, par.attn_tp_size)
         self.backend = backend
 
     def project(
@@ -86,13 +109,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, par: ParallelContext):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.par = par
+        self.intermediate_size = config.intermediate_size // par.tp_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, False, par, par.tp_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ModelWorkerBatch) -> torch.Tensor:
+        if not self.par.gathers_mlp_tokens:
+            return self._mlp(x)
+        counts = batch.global_num_tokens
+        return self.par.own_rows(self._mlp(self.par.gather_rows(x, counts)), counts)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -103,19 +133,23 @@ class LlamaDecoderLayer(nn.Module):
     Everything but attention itself works token by token, so a large pass runs it in tiles of
     `PREFILL_TILE` tokens: on CPU an element-wise op on a [16384, 576] bf16 tensor streams from
     memory and is ~7x slower than the same op over eight cache-resident [2048, 576] tiles
-    (measured here), while the GEMMs lose little at 2048 rows.
+    (measured here), while the GEMMs lose little at 2048 rows. Under DP attention the MLP is one
+    collective call per layer (the ranks' tile counts would differ), so the pass is one tile.
     """
 
-    def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttention):
+    def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttention, par: ParallelContext):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_id, backend, par)
+        self.mlp = LlamaMLP(config, par)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden, rope, batch, meta, kv_pool) -> torch.Tensor:
+        if hidden.shape[0] == 0:
+            # An IDLE pass under DP attention: no attention, but the MLP joins the collectives.
+            return self.mlp(hidden, batch)
         attn = self.self_attn
-        tiles = token_tiles(hidden.shape[0])
+        tiles = [slice(None)] if self.mlp.par.gathers_mlp_tokens else token_tiles(hidden.shape[0])
         q = [
             attn.project(self.input_layernorm(hidden[t]), rope.tile(t), batch.out_cache_loc[t], kv_pool)
             for t in tiles
@@ -125,7 +159,7 @@ class LlamaDecoderLayer(nn.Module):
         for t in tiles:
             # The sublayers return fresh tensors, so the residual adds can be in place.
             h = attn.o_proj(attn_out[t]).add_(hidden[t])
-            torch.add(self.mlp(self.post_attention_layernorm(h)), h, out=out[t])
+            torch.add(self.mlp(self.post_attention_layernorm(h), batch), h, out=out[t])
         return out
 
 
@@ -138,11 +172,11 @@ def token_tiles(num_tokens: int) -> list[slice]:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: TorchNativeAttention):
+    def __init__(self, config: ModelConfig, backend: TorchNativeAttention, par: ParallelContext):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, backend, par) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
@@ -151,11 +185,15 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder plus LM head; `forward` returns final hidden states, `compute_logits` the logits."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, par: ParallelContext | None = None):
         super().__init__()
         self.config = config
-        self.attn_backend = TorchNativeAttention(config.num_heads, config.num_kv_heads, config.head_dim)
-        self.model = LlamaModel(config, self.attn_backend)
+        self.par = par or ParallelContext()
+        attn_shards = self.par.attn_tp_size
+        self.attn_backend = TorchNativeAttention(
+            config.num_heads // attn_shards, config.num_kv_heads // attn_shards, config.head_dim
+        )
+        self.model = LlamaModel(config, self.attn_backend, self.par)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -179,10 +217,13 @@ class LlamaForCausalLM(nn.Module):
             hidden = input_embeds.to(self.model.embed_tokens.weight.dtype)
         else:
             hidden = self.model.embed_tokens(input_ids)
-        if hidden.shape[0] == 0:
+        if hidden.shape[0] == 0 and not self.par.gathers_mlp_tokens:
             return hidden
-        meta = self.attn_backend.prepare(batch, req_to_token_pool)
-        rope = self.model.rotary.tables(positions, hidden.dtype)
+        if hidden.shape[0] == 0:  # an IDLE pass under DP attention (see LlamaDecoderLayer)
+            meta = rope = None
+        else:
+            meta = self.attn_backend.prepare(batch, req_to_token_pool)
+            rope = self.model.rotary.tables(positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, rope, batch, meta, kv_pool)
         return self.model.norm(hidden)
@@ -194,19 +235,26 @@ class LlamaForCausalLM(nn.Module):
     # -- weights --------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (partly fused) parameters; every parameter must be set."""
+        """Copy HF-named tensors into our (partly fused, partly sharded) parameters; every
+        parameter must be set. Each rank keeps its slice (see the module docstring)."""
         params = dict(self.named_parameters())
         attn = self.model.layers[0].self_attn if len(self.model.layers) else None
+        par = self.par
+        attn_shard = (par.attn_tp_rank, par.attn_tp_size)
+        mlp_shard = (par.tp_rank, par.tp_size)
+        # HF part -> (our fused parameter, offset in it, shard of the part's output rows).
         fused_parts = {}
         if attn is not None:
-            q, kv, inter = attn.q_size, attn.kv_size, self.config.intermediate_size
+            q, kv, inter = attn.q_size, attn.kv_size, self.model.layers[0].mlp.intermediate_size
             fused_parts = {
-                "q_proj": ("qkv_proj", 0, q),
-                "k_proj": ("qkv_proj", q, kv),
-                "v_proj": ("qkv_proj", q + kv, kv),
-                "gate_proj": ("gate_up_proj", 0, inter),
-                "up_proj": ("gate_up_proj", inter, inter),
+                "q_proj": ("qkv_proj", 0, attn_shard),
+                "k_proj": ("qkv_proj", q, attn_shard),
+                "v_proj": ("qkv_proj", q + kv, attn_shard),
+                "gate_proj": ("gate_up_proj", 0, mlp_shard),
+                "up_proj": ("gate_up_proj", inter, mlp_shard),
             }
+        # Row-parallel weights: shard of the input columns.
+        row_parallel = {"o_proj.weight": attn_shard, "down_proj.weight": mlp_shard}
         # Count rows written per parameter so a missing shard is caught, not left random.
         num_rows_loaded: dict[str, int] = {}
         for name, tensor in weights:
@@ -215,11 +263,14 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             target, start = name, None
-            for part, (fused, offset, size) in fused_parts.items():
+            for part, (fused, offset, shard) in fused_parts.items():
                 if f".{part}." in name:
-                    target = name.replace(part, fused)
-                    start = offset
+                    target, start = name.replace(part, fused), offset
+                    tensor = shard_of(tensor, 0, *shard)
                     break
+            for suffix, shard in row_parallel.items():
+                if name.endswith(suffix):
+                    tensor = shard_of(tensor, 1, *shard)
             if target not in params:
                 raise KeyError(f"Unexpected weight {name!r}")
             param = params[target]
@@ -232,3 +283,11 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n, p in params.items() if num_rows_loaded.get(n, 0) != p.shape[0]]
         if missing:
             raise ValueError(f"Weights missing or incomplete for: {missing[:8]}")
+
+
+def shard_of(tensor: torch.Tensor, dim: int, rank: int, num_shards: int) -> torch.Tensor:
+    """Rank `rank`'s equal slice of `tensor` along `dim`."""
+    if num_shards == 1:
+        return tensor
+    size = tensor.shape[dim] // num_shards
+    return tensor.narrow(dim, rank * size, size)

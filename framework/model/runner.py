@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import torch
 
 from framework.batch import ModelWorkerBatch
+from framework.distributed import check_model_fits, get_parallel_context
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.config import ModelConfig
 from framework.model.cpu import tune_allocator
@@ -113,7 +114,10 @@ class ModelRunner:
         cfg = self.model_config
         self.context_len = context_length or cfg.context_len
 
-        model = LlamaForCausalLM(cfg)
+        # Sharded at load time when this process is one rank of a tensor-parallel group.
+        self.par = get_parallel_context()
+        check_model_fits(cfg, self.par.tp_size, self.par.dp_attention)
+        model = LlamaForCausalLM(cfg, self.par)
         model.load_weights(weights)
         self.model = model.to(device=device, dtype=dtype).eval()
         self.sampler = Sampler()
@@ -126,7 +130,9 @@ class ModelRunner:
         max_running_requests: int | None,
     ) -> None:
         cfg = self.model_config
-        cell_size = TokenToKVPool.cell_size(cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, self.dtype)
+        # Each rank stores only its own KV heads.
+        self.num_local_kv_heads = cfg.num_kv_heads // self.par.attn_tp_size
+        cell_size = TokenToKVPool.cell_size(self.num_local_kv_heads, cfg.head_dim, cfg.num_layers, self.dtype)
         if max_total_tokens is None or kv_cache_memory_bytes is not None:
             budget = kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
             by_memory = budget // cell_size
@@ -151,7 +157,7 @@ class ModelRunner:
             size=max_num_reqs + 1, max_context_len=self.context_len + 4, device=self.device
         )
         self.token_to_kv_pool = TokenToKVPool(
-            self.max_total_num_tokens, self.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers,
+            self.max_total_num_tokens, self.dtype, self.num_local_kv_heads, cfg.head_dim, cfg.num_layers,
             device=self.device,
         )
 
@@ -162,6 +168,9 @@ class ModelRunner:
         """Run one pass; K/V of the batch's tokens land at `batch.out_cache_loc`."""
         vocab_size = self.model_config.vocab_size
         if batch.forward_mode.is_idle() or batch.batch_size == 0:
+            if self.par.gathers_mlp_tokens:
+                # DP attention: a pass with no tokens, so this rank joins the MLP collectives (L2).
+                self.model(batch.input_ids, batch.positions, batch, self.token_to_kv_pool, self.req_to_token_pool)
             return LogitsOutput(next_token_logits=torch.empty((0, vocab_size), dtype=torch.float32))
         hidden = self.model(
             batch.input_ids, batch.positions, batch, self.token_to_kv_pool, self.req_to_token_pool,

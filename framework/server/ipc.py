@@ -37,6 +37,10 @@ class IpcNames:
         names = cls(*(f"ipc://{os.path.join(folder, n)}" for n in ("tokenizer", "scheduler", "detokenizer")))
         return names, folder
 
+    def scheduler_of_rank(self, rank: int) -> str:
+        """The input socket of one DP-attention rank (each rank reads its own, reference A4)."""
+        return f"{self.scheduler}-rank{rank}"
+
 
 def make_socket(context: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
     """A PULL socket bound to `endpoint` or a PUSH socket connected to it."""

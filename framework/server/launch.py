@@ -1,10 +1,15 @@
 """`batchyard serve`: start the processes, serve HTTP, supervise, and shut down cleanly.
 
     main process   uvicorn + FastAPI + TokenizerManager (asyncio)
-    scheduler      framework.server.scheduler_process (spawned)
+    scheduler      framework.server.scheduler_process (spawned), one per tensor-parallel rank
+                   on this node: "scheduler" (rank 0), "scheduler-tp1", ...
+    router         framework.server.rank_router, with DP attention only
     detokenizer    framework.server.detokenizer (spawned)
 
-Start-up: the scheduler reports `SchedulerReady` over a pipe once the model and the pools are
+On a node with node_rank >= 1 the main process runs only that node's scheduler ranks and waits
+on them: no HTTP, tokenizer or detokenizer (reference A1).
+
+Start-up: every scheduler reports `SchedulerReady` over a pipe once the model and the pools are
 ready; only then does the HTTP server bind. While serving, a supervisor task checks the children
 a few times a second: if one dies, every request answers 503 and the server exits with status 1
 within about a second. SIGINT or SIGTERM stop the server with status 0; the children are always
@@ -19,17 +24,20 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import time
 
 import uvicorn
 
 from framework.config import Settings
+from framework.distributed import ParallelConfigError, check_layout, check_model_fits, node_ranks
 from framework.messages import SchedulerFailed, SchedulerReady
 from framework.metrics import ServerMetrics
 from framework.server.detokenizer import run_detokenizer_process
 from framework.server.http_server import ServerInfo, build_app
 from framework.server.ipc import IpcNames, configure_logging
-from framework.server.scheduler_process import run_scheduler_process
+from framework.server.rank_router import run_rank_router
+from framework.server.scheduler_process import run_scheduler_process, scheduler_process_name
 from framework.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("batchyard.server")
@@ -38,6 +46,24 @@ SUPERVISE_INTERVAL_S = 0.25
 # After a child dies: time for in-flight requests to get their 503 before the server stops.
 DEATH_GRACE_S = 0.5
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def dp_attention_settings(settings: Settings) -> Settings:
+    """The reference's DP-attention side effects (L1) on a copy of the settings: dp_size = tp_size,
+    half the prefill chunk, 0.3 x the schedule conservativeness. (The reference's chunk halving
+    raises a TypeError when chunked prefill is off; here it is simply skipped.)"""
+    settings = settings.model_copy(deep=True)
+    settings.parallel.dp_size = settings.parallel.tp_size
+    if settings.scheduler.chunked_prefill_size is not None:
+        settings.scheduler.chunked_prefill_size = max(1, settings.scheduler.chunked_prefill_size // 2)
+    settings.scheduler.schedule_conservativeness *= 0.3
+    return settings
 
 
 class Shutdown(Exception):
@@ -98,24 +124,24 @@ class Launcher:
 
         settings = self.settings
         par = settings.parallel
-        if (par.tp_size, par.dp_size, par.nnodes) != (1, 1, 1) or par.enable_dp_attention:
-            # One scheduler process per rank and the DP controller are not wired into serve yet.
-            logger.error("The server runs one scheduler: parallel.tp_size, dp_size and nnodes must be 1")
-            return 1
-        # Resolved here first so a first-time GGUF conversion happens once, not in two processes.
+        # Resolved here first so a first-time GGUF conversion happens once, not in every process.
         model_folder = resolve_model(settings.model.path)
+        if not self._check_parallel(model_folder):
+            return 1
         tokenizer_folder = settings.model.tokenizer_path or model_folder
         ipc, self.ipc_dir = IpcNames.in_new_temp_dir()
         ctx = multiprocessing.get_context("spawn")
-        reader, writer = ctx.Pipe(duplex=False)
-        self._start(ctx, "scheduler", run_scheduler_process, (settings, ipc, writer))
-        writer.close()  # so a scheduler that dies early gives EOF, not a hang
+        readers = self._start_schedulers(ctx, ipc)
+        if par.node_rank > 0:
+            return self._run_worker_node(readers)
+        if par.enable_dp_attention and par.tp_size > 1:
+            self._start(ctx, "router", run_rank_router, (ipc, par.tp_size, settings.server.log_level))
         self._start(ctx, "detokenizer", run_detokenizer_process, (tokenizer_folder, ipc, settings.server.log_level))
         tokenizer = load_tokenizer(tokenizer_folder)
         if tokenizer is None:
             logger.error("No tokenizer in %s; the server needs one (set model.tokenizer_path)", tokenizer_folder)
             return 1
-        ready = self._wait_ready(reader)
+        ready = self._wait_ready(readers)
         if ready is None:
             return 1
         logger.info(
@@ -133,26 +159,78 @@ class Launcher:
             logger.info("Stopped by %s", signal.Signals(self.stopped_by).name)
         return self.exit_code
 
+    def _check_parallel(self, model_folder: str) -> bool:
+        """Clear start-up errors for layouts that cannot work, before anything is spawned."""
+        from framework.model.config import ModelConfig
+        from framework.model.loader import load_hf_config
+
+        par = self.settings.parallel
+        try:
+            check_layout(par)
+            check_model_fits(ModelConfig.from_hf_config(load_hf_config(model_folder)), par.tp_size,
+                             par.enable_dp_attention)
+        except ParallelConfigError as exc:
+            logger.error("Cannot start the server: %s", exc)
+            return False
+        return True
+
+    def _start_schedulers(self, ctx, ipc: IpcNames) -> list:
+        """One scheduler process per rank of this node; returns their ready pipes."""
+        par = self.settings.parallel
+        settings = dp_attention_settings(self.settings) if par.enable_dp_attention else self.settings
+        # One node: the rendezvous is a free local port. Several: node 0's address, given by the user.
+        init_addr = par.dist_init_addr or f"127.0.0.1:{free_port()}"
+        readers = []
+        for rank in node_ranks(par):
+            reader, writer = ctx.Pipe(duplex=False)
+            name = scheduler_process_name(rank)
+            self._start(ctx, name, run_scheduler_process, (settings, ipc, writer, rank, init_addr))
+            writer.close()  # so a scheduler that dies early gives EOF, not a hang
+            readers.append((name, reader))
+        return readers
+
+    def _run_worker_node(self, readers) -> int:
+        """node_rank >= 1: serve the local ranks until a signal or until one of them exits."""
+        if self._wait_ready(readers) is None:
+            return 1
+        logger.info("Node %d: ranks %s ready", self.settings.parallel.node_rank, node_ranks(self.settings.parallel))
+        while True:
+            time.sleep(SUPERVISE_INTERVAL_S)
+            for name, proc in self.processes.items():
+                if not proc.is_alive():
+                    logger.error("The %s process exited (exit code %s); this node stops", name, proc.exitcode)
+                    return 1
+
     def _start(self, ctx, name: str, target, args) -> None:
         proc = ctx.Process(target=target, args=args, name=name)
         proc.start()
         self.processes[name] = proc
 
-    def _wait_ready(self, reader) -> SchedulerReady | None:
-        sched = self.processes["scheduler"]
+    def _wait_ready(self, readers) -> SchedulerReady | None:
+        """Every local scheduler's `SchedulerReady` (the first one's is returned), or None."""
+        ready = []
+        for name, reader in readers:
+            msg = self._wait_one_ready(name, reader)
+            if msg is None:
+                return None
+            ready.append(msg)
+        return ready[0]
+
+    def _wait_one_ready(self, name: str, reader) -> SchedulerReady | None:
+        sched = self.processes[name]
         while True:
             if reader.poll(0.5):
                 try:
                     msg = reader.recv()
                 except EOFError:
-                    msg = SchedulerFailed(f"the scheduler process exited (exit code {sched.exitcode})")
+                    msg = SchedulerFailed(f"the {name} process exited (exit code {sched.exitcode})")
                 if isinstance(msg, SchedulerReady):
                     return msg
                 logger.error("Scheduler start-up failed: %s", msg.message)
                 return None
-            for name, proc in self.processes.items():
+            for pname, proc in self.processes.items():
                 if not proc.is_alive():
-                    logger.error("The %s process exited during start-up (exit code %s)", name, proc.exitcode)
+                    logger.error("The %s process exited during start-up (exit code %s)", pname, proc.exitcode)
                     return None
 
     async def _serve(self, ipc: IpcNames, ready: SchedulerReady, tokenizer, info: ServerInfo) -> None:

@@ -3,6 +3,11 @@
 The loop blocks on its PULL socket whenever the scheduler has nothing to do, and drains it without
 blocking otherwise. It never busy-polls: a spinning process steals a core from the forward pass,
 which on a two-thread CPU forward costs a 3-4x slowdown.
+
+With tensor parallelism there is one such process per rank (reference A4): rank 0 alone reads the
+tokenizer's socket and broadcasts what it read, so every rank runs the same scheduling decisions;
+only rank 0 sends outputs. With DP attention every rank reads its own socket and sends its own
+outputs, and the ranks step together (see `dp_attention_event_loop`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any, Callable
 import zmq
 
 from framework.config import Settings
+from framework.distributed import ParallelContext, init_parallel
 from framework.messages import SchedulerFailed, SchedulerReady
 from framework.server.ipc import IpcNames, make_socket, setup_child_process
 
@@ -27,19 +33,32 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 2000
 
 
-def run_scheduler_process(settings: Settings, ipc: IpcNames, ready_writer: Any) -> None:
-    """Entry point of the spawned scheduler process (reference A7)."""
-    setup_child_process("scheduler", settings.server.log_level)
+# DP attention, all ranks idle: how long each waits for a request before the ranks check in again.
+DP_IDLE_POLL_MS = 50
+
+
+def run_scheduler_process(
+    settings: Settings, ipc: IpcNames, ready_writer: Any, tp_rank: int = 0, dist_init_addr: str | None = None
+) -> None:
+    """Entry point of the spawned scheduler process of rank `tp_rank` (reference A7)."""
+    setup_child_process(scheduler_process_name(tp_rank), settings.server.log_level)
     from framework.scheduler import Scheduler
 
+    dp_attention = settings.parallel.enable_dp_attention
+    talks_to_tokenizer = tp_rank == 0 or dp_attention
     context = zmq.Context()
-    recv_from_tokenizer = make_socket(context, zmq.PULL, ipc.scheduler)
-    send_to_detokenizer = make_socket(context, zmq.PUSH, ipc.detokenizer)
-    send_to_tokenizer = make_socket(context, zmq.PUSH, ipc.tokenizer)
+    recv_from_tokenizer = None
+    output_sink = reply_sink = None
     try:
-        scheduler = Scheduler(
-            settings, output_sink=send_to_detokenizer.send_pyobj, reply_sink=send_to_tokenizer.send_pyobj
-        )
+        par = init_parallel(settings, tp_rank, dist_init_addr or "")
+        if talks_to_tokenizer:
+            endpoint = ipc.scheduler_of_rank(tp_rank) if dp_attention else ipc.scheduler
+            recv_from_tokenizer = make_socket(context, zmq.PULL, endpoint)
+            output_sink = make_socket(context, zmq.PUSH, ipc.detokenizer).send_pyobj
+            reply_sink = make_socket(context, zmq.PUSH, ipc.tokenizer).send_pyobj
+        scheduler = Scheduler(settings, output_sink=output_sink, tp_rank=tp_rank, reply_sink=reply_sink)
+        if dp_attention and "dp-attention" not in scheduler.plugins.active:
+            raise ValueError("parallel.enable_dp_attention needs the dp-attention plugin (it is disabled)")
     except Exception as exc:
         logger.exception("Scheduler start-up failed")
         ready_writer.send(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
@@ -57,12 +76,21 @@ def run_scheduler_process(settings: Settings, ipc: IpcNames, ready_writer: Any) 
     timeout = settings.scheduler.watchdog_timeout
     Watchdog(scheduler, timeout, on_timeout=lambda stalled: _exit_on_watchdog(stalled, timeout)).start()
     try:
-        event_loop(scheduler, recv_from_tokenizer)
+        if par.tp_size == 1:
+            event_loop(scheduler, recv_from_tokenizer)
+        elif dp_attention:
+            dp_attention_event_loop(scheduler, recv_from_tokenizer, par)
+        else:
+            tp_event_loop(scheduler, recv_from_tokenizer, par)
     except Exception:
         # Reference Q3: any scheduler error takes the server down; the main process notices the
-        # exit and stops serving.
+        # exit and stops serving. A rank whose peer died lands here too (its collective fails).
         logger.exception("Scheduler hit an exception; the server stops")
         sys.exit(1)
+
+
+def scheduler_process_name(tp_rank: int) -> str:
+    return "scheduler" if tp_rank == 0 else f"scheduler-tp{tp_rank}"
 
 
 def event_loop(scheduler, sock: zmq.Socket) -> None:
@@ -74,12 +102,50 @@ def event_loop(scheduler, sock: zmq.Socket) -> None:
         scheduler.run_once()
 
 
-def _drain(scheduler, sock: zmq.Socket) -> None:
+def tp_event_loop(scheduler, sock: zmq.Socket | None, par: ParallelContext) -> None:
+    """Rank 0 reads (blocking while idle, as `event_loop`); every rank gets the same messages.
+
+    The other ranks wait in the broadcast, so every rank runs `run_once` the same number of times
+    on the same input: their batches, and so their collectives, match (reference A4).
+    """
+    poller = zmq.Poller()
+    if sock is not None:
+        poller.register(sock, zmq.POLLIN)
+    while True:
+        received = []
+        if sock is not None and (scheduler.has_work() or poller.poll(IDLE_POLL_MS)):
+            received = _recv_all(sock)
+        for msg in par.broadcast_pyobj(received):
+            scheduler.send(msg)
+        scheduler.run_once()
+
+
+def dp_attention_event_loop(scheduler, sock: zmq.Socket, par: ParallelContext) -> None:
+    """Each rank reads its own socket; all ranks call `run_once` in step (reference L2).
+
+    `run_once` is collective (the dp-attention plugin all-gathers token counts in prepare_batch),
+    so a rank may wait only when every rank is idle: the ranks first agree whether any has work.
+    """
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while True:
+        _drain(scheduler, sock)
+        if not par.any_true(scheduler.has_work()) and poller.poll(DP_IDLE_POLL_MS):
+            _drain(scheduler, sock)
+        scheduler.run_once()
+
+
+def _recv_all(sock: zmq.Socket) -> list[Any]:
+    received = []
     while True:
         try:
-            msg = sock.recv_pyobj(zmq.NOBLOCK)
+            received.append(sock.recv_pyobj(zmq.NOBLOCK))
         except zmq.Again:
-            return
+            return received
+
+
+def _drain(scheduler, sock: zmq.Socket) -> None:
+    for msg in _recv_all(sock):
         scheduler.send(msg)
 
 

@@ -1,5 +1,6 @@
 """The plain model worker (reference TpModelWorker): one forward pass per `launch`, in the caller's
-thread. With tp_size 1 it runs the whole model; tensor parallelism shards it across ranks."""
+thread. With tp_size 1 it runs the whole model; with tensor parallelism this process is one rank
+(framework/distributed.py) and its model holds that rank's shard."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import torch
 
 from framework import hookimpl
+from framework.distributed import get_parallel_context, local_device
 from framework.model.loader import resolve_model
 from framework.model.runner import ModelRunner
 from framework.worker import BatchResult, ResolvedHandle
@@ -65,13 +67,24 @@ class TpWorker:
         self.tokenizer = runner.tokenizer
         self.vocab_size = runner.model_config.vocab_size
         self.eos_token_ids = eos_ids_of(runner)
+        # Plain TP: every rank samples, and rank 0's ids are the ones all ranks continue from, so
+        # the ranks' requests can never drift apart (with DP attention each rank has its own).
+        par = runner.par
+        self.shares_sampled_ids = par.tp_size > 1 and not par.dp_attention
 
     @classmethod
     def from_settings(cls, settings) -> "TpWorker":
+        par = get_parallel_context()
+        if settings.parallel.tp_size != par.tp_size:
+            raise ValueError(
+                f"parallel.tp_size={settings.parallel.tp_size} needs one process per rank: use "
+                "`batchyard serve` (the in-process Engine runs a single rank)"
+            )
         if settings.worker.num_threads is not None:
             torch.set_num_threads(settings.worker.num_threads)
         folder = resolve_model(settings.model.path)
-        dtype = resolve_dtype(settings.model.dtype, settings.worker.device)
+        device = local_device(settings.worker.device, par.tp_rank, settings.parallel)
+        dtype = resolve_dtype(settings.model.dtype, device)
         runner = ModelRunner(
             folder,
             dtype=dtype,
@@ -79,7 +92,7 @@ class TpWorker:
             kv_cache_memory_bytes=None if settings.cache.max_total_tokens else settings.cache.kv_cache_memory_mb << 20,
             max_running_requests=settings.scheduler.max_running_requests,
             context_length=settings.model.context_length,
-            device=settings.worker.device,
+            device=device,
             seed=settings.model.random_seed,
         )
         logger.info(
@@ -91,6 +104,8 @@ class TpWorker:
     def forward_batch_generation(self, batch) -> BatchResult:
         logits_output = self.runner.forward(batch)
         next_token_ids = self.runner.sample(logits_output, batch)
+        if self.shares_sampled_ids:
+            next_token_ids = get_parallel_context().broadcast_from_first(next_token_ids.cpu())
         result = BatchResult(next_token_ids=next_token_ids.tolist())
         if batch.return_logprob:
             result.next_token_logprobs = logits_output.next_token_logprobs.tolist()
@@ -102,6 +117,7 @@ class TpWorker:
 
     def launch(self, batch) -> ResolvedHandle:
         if batch.forward_mode.is_idle():
+            self.runner.forward(batch)  # joins the DP-attention collectives; nothing to sample
             return ResolvedHandle(BatchResult(next_token_ids=[]))
         return ResolvedHandle(self.forward_batch_generation(batch))
 
