@@ -193,7 +193,9 @@ class Launcher:
         """node_rank >= 1: serve the local ranks until a signal or until one of them exits."""
         if self._wait_ready(readers) is None:
             return 1
-        logger.info("Node %d: ranks %s ready", self.settings.parallel.node_rank, node_ranks(self.settings.parallel))
+        pids = {name: proc.pid for name, proc in self.processes.items()}
+        logger.info("Node %d: ranks %s ready, processes %s", self.settings.parallel.node_rank,
+                    node_ranks(self.settings.parallel), pids)
         while True:
             time.sleep(SUPERVISE_INTERVAL_S)
             for name, proc in self.processes.items():
