@@ -108,15 +108,23 @@ class WorkerSettings(_Section):
 
 
 class ParallelSettings(_Section):
-    tp_size: int = Field(1, gt=0, description="Tensor-parallel size.")
+    tp_size: int = Field(
+        1, gt=0, description="Tensor-parallel size: one scheduler process per rank (batchyard serve only)."
+    )
     dp_size: int = Field(1, gt=0, description="Data-parallel replicas.")
-    enable_dp_attention: bool = Field(False, description="Data-parallel attention with tensor-parallel MLP.")
+    enable_dp_attention: bool = Field(
+        False, description="Data-parallel attention (each of the tp_size ranks has its own requests) with "
+        "tensor-parallel MLP; one node only."
+    )
     load_balance_method: Literal["round_robin", "shortest_queue"] = Field(
         "round_robin", description="How the data-parallel controller routes requests."
     )
-    nnodes: int = Field(1, gt=0, description="Number of machines.")
-    node_rank: int = Field(0, ge=0, description="This machine's rank.")
-    dist_init_addr: str | None = Field(None, description="host:port of the torch.distributed rendezvous.")
+    nnodes: int = Field(1, gt=0, description="Number of machines; each runs tp_size // nnodes ranks.")
+    node_rank: int = Field(0, ge=0, description="This machine's rank; node 0 runs the HTTP server and rank 0.")
+    dist_init_addr: str | None = Field(
+        None, description="host:port of the torch.distributed rendezvous on node 0 (required when nnodes > 1); "
+        "empty: a free local port."
+    )
 
 
 class ServerSettings(_Section):
