@@ -61,11 +61,6 @@ class ParallelContext:
         """Sum of `x` over the ranks (the row-parallel layers' reduction)."""
         if self.tp_size == 1:
             return x
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            # gloo reduces bf16 slowly or not at all depending on the build: sum in fp32.
-            y = x.float()
-            dist.all_reduce(y, group=self.device_group)
-            return y.to(x.dtype)
         dist.all_reduce(x, group=self.device_group)
         return x
 

@@ -174,3 +174,37 @@ def test_layout_errors(fields, message):
 def test_node_ranks():
     assert node_ranks(ParallelSettings(tp_size=4, nnodes=2, node_rank=1, dist_init_addr="h:1")) == [2, 3]
     assert node_ranks(ParallelSettings(tp_size=2)) == [0, 1]
+
+
+def test_dp_attention_plugin_on_one_rank_sets_global_counts(make_engine, prompts, single_rank_outputs):
+    """In one process the plugin's collectives are trivial, but it must still fill
+    `global_num_tokens` with this rank's count and never invent an IDLE batch."""
+    from framework import hookimpl
+
+    seen = []
+
+    class Recorder:
+        @hookimpl
+        def on_batch_result(self, batch, result, scheduler):
+            seen.append((batch.forward_mode.name, batch.global_num_tokens, batch.extend_num_tokens))
+
+    engine = make_engine(extra_plugins=(Recorder(),), parallel={"enable_dp_attention": True})
+    outputs = [o["output_ids"] for o in engine.generate(input_ids=prompts[:4], sampling_params=GREEDY)]
+    assert outputs == single_rank_outputs[:4]
+    assert seen and all(mode != "IDLE" for mode, _, _ in seen)
+    assert all(counts == [num_tokens] for _, counts, num_tokens in seen), seen
+
+
+def test_dp_attention_plugin_is_a_no_op_when_off(make_engine, prompts):
+    from framework import hookimpl
+
+    seen = []
+
+    class Recorder:
+        @hookimpl
+        def on_batch_result(self, batch, result, scheduler):
+            seen.append(batch.global_num_tokens)
+
+    engine = make_engine(extra_plugins=(Recorder(),))
+    engine.generate(input_ids=prompts[:2], sampling_params=GREEDY)
+    assert seen and all(counts is None for counts in seen)
