@@ -15,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -42,6 +43,10 @@ def run_scheduler_process(
 ) -> None:
     """Entry point of the spawned scheduler process of rank `tp_rank` (reference A7)."""
     setup_child_process(scheduler_process_name(tp_rank), settings.server.log_level)
+    if settings.parallel.tp_size > 1:
+        # A rank has nothing to flush, and a normal exit can wait on gloo's threads (a peer may be
+        # gone already): leave at once. The handler runs once any collective in flight returns.
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
     from framework.scheduler import Scheduler
 
     dp_attention = settings.parallel.enable_dp_attention
