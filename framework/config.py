@@ -112,7 +112,14 @@ class ParallelSettings(_Section):
     dp_size: int = Field(1, gt=0, description="Data-parallel replicas.")
     enable_dp_attention: bool = Field(False, description="Data-parallel attention with tensor-parallel MLP.")
     load_balance_method: Literal["round_robin", "shortest_queue"] = Field(
-        "round_robin", description="How the data-parallel controller routes requests."
+        "round_robin",
+        description="How the data-parallel controller routes requests: round_robin, or shortest_queue "
+        "(to the replica with the fewest unfinished requests).",
+    )
+    cpu_affinity: bool = Field(
+        True,
+        description="Pin each scheduler (rank or replica) process to its share of this process's CPU "
+        "cores and size torch's thread pool to it (worker.num_threads, when set, wins).",
     )
     nnodes: int = Field(1, gt=0, description="Number of machines.")
     node_rank: int = Field(0, ge=0, description="This machine's rank.")

@@ -97,6 +97,8 @@ class ControlMixin:
             req_slots_total=self.req_to_token_pool.size,
             num_sessions=len(self.sessions),
             forward_ct=self.forward_ct,
+            num_received_reqs=self.num_received_reqs,
+            dp_rank=self.dp_rank,
         )
 
     def send_reply(self, reply) -> None:

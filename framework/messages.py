@@ -6,7 +6,9 @@ the offline Engine.
 Server-mode routes (framework/server): TokenizerManager -> Scheduler: GenerateReqInput, AbortReq and
 the control requests; Scheduler -> Detokenizer: BatchTokenOut; Detokenizer -> TokenizerManager:
 BatchStrOut; Scheduler -> TokenizerManager: the control replies (``*Output``, SchedulerStats), each
-carrying the ``request_id`` of the request it answers.
+carrying the ``request_id`` of the request it answers. With data parallelism a controller stands
+between: TokenizerManager -> controller -> one or all replicas; the replicas' control replies and
+``ReplicaFinished`` reports go to the controller, which forwards (or combines) the replies.
 """
 
 from __future__ import annotations
@@ -147,6 +149,22 @@ class SchedulerStats:
     req_slots_total: int
     num_sessions: int
     forward_ct: int
+    num_received_reqs: int = 0
+    # The replica this scheduler is (None without data parallelism); a data-parallel
+    # controller's aggregate has None here and the replicas' own stats in `replicas`.
+    dp_rank: int | None = None
+    replicas: list["SchedulerStats"] = field(default_factory=list)
+
+
+@dataclass
+class ReplicaFinished:
+    """Replica -> data-parallel controller: these requests finished (their last output was sent).
+
+    The controller's load of a replica and its abort routing are the requests it sent there that
+    have not been reported finished."""
+
+    dp_rank: int
+    rids: list[str]
 
 
 @dataclass

@@ -48,8 +48,10 @@ class Scheduler(ControlMixin):
         tp_rank: int = 0,
         extra_plugins: tuple[Any, ...] = (),
         reply_sink: Callable[[Any], None] | None = None,
+        dp_rank: int | None = None,
     ):
         self.settings = settings
+        self.dp_rank = dp_rank
         self.reply_sink = reply_sink
         self.sessions = SessionController()
         self.tp_rank = tp_rank
@@ -93,6 +95,7 @@ class Scheduler(ControlMixin):
         self.cache_hit_tokens = 0
         self.cache_total_tokens = 0
         self.num_retractions = 0
+        self.num_received_reqs = 0
         self.new_token_ratio = NewTokenRatio(
             sched.init_new_token_ratio, sched.schedule_conservativeness,
             sched.min_new_token_ratio_factor, sched.new_token_ratio_decay_steps,
@@ -166,6 +169,7 @@ class Scheduler(ControlMixin):
         return None
 
     def handle_generate_request(self, msg: GenerateReqInput) -> None:
+        self.num_received_reqs += 1
         input_ids = msg.input_ids
         session_error = None
         if msg.session_id is not None:

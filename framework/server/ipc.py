@@ -37,6 +37,17 @@ class IpcNames:
         names = cls(*(f"ipc://{os.path.join(folder, n)}" for n in ("tokenizer", "scheduler", "detokenizer")))
         return names, folder
 
+    @property
+    def controller(self) -> str:
+        """Where the data-parallel controller collects the replicas' replies and reports."""
+        return f"{self.scheduler}-controller"
+
+    def for_replica(self, dp_rank: int) -> "IpcNames":
+        """A replica's endpoints behind the data-parallel controller: its own input socket, control
+        replies to the controller, outputs to the shared detokenizer."""
+        return IpcNames(tokenizer=self.controller, scheduler=f"{self.scheduler}-dp{dp_rank}",
+                        detokenizer=self.detokenizer)
+
 
 def make_socket(context: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
     """A PULL socket bound to `endpoint` or a PUSH socket connected to it."""

@@ -4,6 +4,11 @@
     scheduler      framework.server.scheduler_process (spawned)
     detokenizer    framework.server.detokenizer (spawned)
 
+With parallel.dp_size > 1 there is one scheduler process per replica (scheduler-dp0, ...) behind
+a data-parallel controller (framework.server.dp_controller, spawned), which owns the scheduler
+socket the TokenizerManager sends to. With the DP_RANK environment variable set, the server is that
+one replica of dp_size (an outside router runs and balances the others).
+
 Start-up: the scheduler reports `SchedulerReady` over a pipe once the model and the pools are
 ready; only then does the HTTP server bind. While serving, a supervisor task checks the children
 a few times a second: if one dies, every request answers 503 and the server exits with status 1
@@ -20,6 +25,7 @@ import os
 import shutil
 import signal
 import time
+from multiprocessing.connection import Connection, wait
 
 import uvicorn
 
@@ -27,9 +33,10 @@ from framework.config import Settings
 from framework.messages import SchedulerFailed, SchedulerReady
 from framework.metrics import ServerMetrics
 from framework.server.detokenizer import run_detokenizer_process
+from framework.server.dp_controller import run_dp_controller_process
 from framework.server.http_server import ServerInfo, build_app
 from framework.server.ipc import IpcNames, configure_logging
-from framework.server.scheduler_process import run_scheduler_process
+from framework.server.scheduler_process import dp_rank_from_env, run_scheduler_process
 from framework.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("batchyard.server")
@@ -98,30 +105,34 @@ class Launcher:
 
         settings = self.settings
         par = settings.parallel
-        if (par.tp_size, par.dp_size, par.nnodes) != (1, 1, 1) or par.enable_dp_attention:
-            # One scheduler process per rank and the DP controller are not wired into serve yet.
-            logger.error("The server runs one scheduler: parallel.tp_size, dp_size and nnodes must be 1")
+        if (par.tp_size, par.nnodes) != (1, 1) or par.enable_dp_attention:
+            # Tensor parallelism and DP attention are not wired into serve yet.
+            logger.error("The server runs whole-model replicas: parallel.tp_size and nnodes must be 1")
             return 1
+        env_rank = dp_rank_from_env()
+        if env_rank is not None and env_rank >= par.dp_size:
+            raise ValueError(f"DP_RANK={env_rank} names no replica: parallel.dp_size is {par.dp_size}")
         # Resolved here first so a first-time GGUF conversion happens once, not in two processes.
         model_folder = resolve_model(settings.model.path)
         tokenizer_folder = settings.model.tokenizer_path or model_folder
         ipc, self.ipc_dir = IpcNames.in_new_temp_dir()
         ctx = multiprocessing.get_context("spawn")
-        reader, writer = ctx.Pipe(duplex=False)
-        self._start(ctx, "scheduler", run_scheduler_process, (settings, ipc, writer))
-        writer.close()  # so a scheduler that dies early gives EOF, not a hang
+        readers = self._start_schedulers(ctx, ipc, serve_all_replicas=env_rank is None)
         self._start(ctx, "detokenizer", run_detokenizer_process, (tokenizer_folder, ipc, settings.server.log_level))
         tokenizer = load_tokenizer(tokenizer_folder)
         if tokenizer is None:
             logger.error("No tokenizer in %s; the server needs one (set model.tokenizer_path)", tokenizer_folder)
             return 1
-        ready = self._wait_ready(reader)
-        if ready is None:
+        readies = self._wait_ready(readers)
+        if readies is None:
             return 1
-        logger.info(
-            "Scheduler ready: max_total_num_tokens=%d, context_len=%d, max_req_input_len=%d",
-            ready.max_total_num_tokens, ready.context_len, ready.max_req_input_len,
-        )
+        for name, ready in readies.items():
+            logger.info(
+                "%s ready: max_total_num_tokens=%d, context_len=%d, max_req_input_len=%d", name.capitalize(),
+                ready.max_total_num_tokens, ready.context_len, ready.max_req_input_len,
+            )
+        # As in the reference, the first replica's limits stand for all (they are built alike).
+        ready = next(iter(readies.values()))
         info = ServerInfo(
             model_path=settings.model.path or model_folder, tokenizer_path=tokenizer_folder,
             model_name=served_model_name(settings),
@@ -138,22 +149,44 @@ class Launcher:
         proc.start()
         self.processes[name] = proc
 
-    def _wait_ready(self, reader) -> SchedulerReady | None:
-        sched = self.processes["scheduler"]
-        while True:
-            if reader.poll(0.5):
+    def _start_schedulers(self, ctx, ipc: IpcNames, serve_all_replicas: bool) -> dict[str, Connection]:
+        """The scheduler processes, and the data-parallel controller in front of dp_size > 1
+        replicas; returns each scheduler's ready pipe. With `serve_all_replicas` False (DP_RANK is
+        set: an outside router runs the others) this server is one replica."""
+        dp_size = self.settings.parallel.dp_size
+        if dp_size == 1 or not serve_all_replicas:
+            return {"scheduler": self._start_scheduler(ctx, "scheduler", ipc, None)}
+        replicas = [ipc.for_replica(d) for d in range(dp_size)]
+        self._start(ctx, "dp_controller", run_dp_controller_process,
+                    (self.settings, ipc, [r.scheduler for r in replicas]))
+        return {f"scheduler-dp{d}": self._start_scheduler(ctx, f"scheduler-dp{d}", r, d) for d, r in enumerate(replicas)}
+
+    def _start_scheduler(self, ctx, name: str, ipc: IpcNames, dp_rank: int | None) -> Connection:
+        reader, writer = ctx.Pipe(duplex=False)
+        self._start(ctx, name, run_scheduler_process, (self.settings, ipc, writer, dp_rank))
+        writer.close()  # so a scheduler that dies early gives EOF, not a hang
+        return reader
+
+    def _wait_ready(self, readers: dict[str, Connection]) -> dict[str, SchedulerReady] | None:
+        """Every scheduler's SchedulerReady, by process name; None (logged) if one fails."""
+        names = {conn: name for name, conn in readers.items()}
+        readies: dict[str, SchedulerReady] = {}
+        while len(readies) < len(readers):
+            for conn in wait([c for c, n in names.items() if n not in readies], timeout=0.5):
+                name = names[conn]
                 try:
-                    msg = reader.recv()
+                    msg = conn.recv()
                 except EOFError:
-                    msg = SchedulerFailed(f"the scheduler process exited (exit code {sched.exitcode})")
-                if isinstance(msg, SchedulerReady):
-                    return msg
-                logger.error("Scheduler start-up failed: %s", msg.message)
-                return None
+                    msg = SchedulerFailed(f"the {name} process exited (exit code {self.processes[name].exitcode})")
+                if not isinstance(msg, SchedulerReady):
+                    logger.error("Scheduler start-up failed: %s", msg.message)
+                    return None
+                readies[name] = msg
             for name, proc in self.processes.items():
                 if not proc.is_alive():
                     logger.error("The %s process exited during start-up (exit code %s)", name, proc.exitcode)
                     return None
+        return {name: readies[name] for name in readers}
 
     async def _serve(self, ipc: IpcNames, ready: SchedulerReady, tokenizer, info: ServerInfo) -> None:
         settings = self.settings

@@ -19,7 +19,9 @@ import zmq
 
 from framework.config import Settings
 from framework.messages import SchedulerFailed, SchedulerReady
+from framework.server.dp_controller import reporting_finished
 from framework.server.ipc import IpcNames, make_socket, setup_child_process
+from framework.server.placement import pin_scheduler_process
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +29,29 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 2000
 
 
-def run_scheduler_process(settings: Settings, ipc: IpcNames, ready_writer: Any) -> None:
-    """Entry point of the spawned scheduler process (reference A7)."""
-    setup_child_process("scheduler", settings.server.log_level)
+def run_scheduler_process(settings: Settings, ipc: IpcNames, ready_writer: Any, dp_rank: int | None = None) -> None:
+    """Entry point of the spawned scheduler process (reference A7).
+
+    `dp_rank` is given for a replica behind the data-parallel controller: `ipc.tokenizer` is then
+    the controller, which also gets the replica's `ReplicaFinished` reports. Without it, the
+    `DP_RANK` environment variable names the replica this scheduler is (an outside router started
+    it); it picks the process's core share and names the replica in logs and stats."""
+    behind_controller = dp_rank is not None
+    dp_rank = dp_rank_from_env() if dp_rank is None else dp_rank
+    setup_child_process("scheduler" if dp_rank is None else f"scheduler DP{dp_rank}", settings.server.log_level)
+    pin_scheduler_process(settings.parallel, dp_rank)
     from framework.scheduler import Scheduler
 
     context = zmq.Context()
     recv_from_tokenizer = make_socket(context, zmq.PULL, ipc.scheduler)
     send_to_detokenizer = make_socket(context, zmq.PUSH, ipc.detokenizer)
     send_to_tokenizer = make_socket(context, zmq.PUSH, ipc.tokenizer)
+    output_sink = send_to_detokenizer.send_pyobj
+    if behind_controller:
+        output_sink = reporting_finished(output_sink, send_to_tokenizer.send_pyobj, dp_rank)
     try:
         scheduler = Scheduler(
-            settings, output_sink=send_to_detokenizer.send_pyobj, reply_sink=send_to_tokenizer.send_pyobj
+            settings, output_sink=output_sink, reply_sink=send_to_tokenizer.send_pyobj, dp_rank=dp_rank
         )
     except Exception as exc:
         logger.exception("Scheduler start-up failed")
@@ -63,6 +76,20 @@ def run_scheduler_process(settings: Settings, ipc: IpcNames, ready_writer: Any) 
         # exit and stops serving.
         logger.exception("Scheduler hit an exception; the server stops")
         sys.exit(1)
+
+
+def dp_rank_from_env() -> int | None:
+    """The replica named by `DP_RANK` (reference 4.6: read only when set), or None."""
+    value = os.environ.get("DP_RANK")
+    if value is None:
+        return None
+    try:
+        rank = int(value)
+    except ValueError:
+        raise ValueError(f"DP_RANK must be an integer, got {value!r}") from None
+    if rank < 0:
+        raise ValueError(f"DP_RANK must be >= 0, got {rank}")
+    return rank
 
 
 def event_loop(scheduler, sock: zmq.Socket) -> None:
