@@ -175,6 +175,7 @@ class DataParallelController:
             self.collector.expect(request_id, len(replicas))
         for replica in replicas:
             self.send_to_replicas[replica].send_pyobj(msg)
+        logger.debug("%s -> replicas %s; loads %s", type(msg).__name__, replicas, self.router.loads)
 
     def on_replica_message(self, msg: Any) -> None:
         if isinstance(msg, ReplicaFinished):
