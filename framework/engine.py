@@ -56,6 +56,12 @@ class Engine:
             self.settings = settings
         else:
             self.settings = Settings.load(settings, **overrides)
+        par = self.settings.parallel
+        if par.dp_size > 1 and not par.enable_dp_attention:
+            raise ValueError(
+                f"parallel.dp_size={par.dp_size} runs one scheduler process per replica: use "
+                "`batchyard serve` (the in-process Engine is one replica)"
+            )
         self._outputs: dict[str, ReqOutput] = {}
         self.scheduler = Scheduler(self.settings, output_sink=self._collect, extra_plugins=extra_plugins)
         self.tokenizer = self.scheduler.tokenizer

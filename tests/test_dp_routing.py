@@ -221,3 +221,10 @@ def _pin_and_report(parallel, dp_rank):
 
     pinned = pin_scheduler_process(parallel, dp_rank)
     return pinned, sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+
+
+def test_engine_refuses_data_parallel_replicas():
+    from framework.engine import Engine
+
+    with pytest.raises(ValueError, match="batchyard serve"):
+        Engine(parallel={"dp_size": 2})
