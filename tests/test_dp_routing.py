@@ -24,7 +24,6 @@ from framework.request import FinishLength, SamplingParams
 from framework.server.dp_controller import (
     DataParallelController,
     ReplicaRouter,
-    ReplyCollector,
     combine_stats,
     reporting_finished,
 )
@@ -151,7 +150,7 @@ def test_controller_merges_broadcast_replies_and_passes_single_ones():
 
 
 def test_controller_counts_finished_reports_without_forwarding_them():
-    controller, tokenizer, replicas = make_controller(2, "shortest_queue")
+    controller, tokenizer, _ = make_controller(2, "shortest_queue")
     for rid in ("a", "b", "c"):
         controller.dispatch(gen(rid))
     assert controller.router.loads == [2, 1]

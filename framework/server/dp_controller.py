@@ -41,7 +41,7 @@ from framework.messages import (
     ReplicaFinished,
     SchedulerStats,
 )
-from framework.server.ipc import IpcNames, make_socket, setup_child_process
+from framework.server.ipc import IpcNames, make_socket, recv_waiting, setup_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,8 @@ class DataParallelController:
         while True:
             for sock, _ in poller.poll(POLL_MS):
                 handle = self.dispatch if sock is self.recv_requests else self.on_replica_message
-                _drain(sock, handle)
+                for msg in recv_waiting(sock):
+                    handle(msg)
 
     def dispatch(self, msg: Any) -> None:
         replicas = self.router.route(msg)
@@ -184,15 +185,6 @@ class DataParallelController:
         reply = self.collector.add(msg)
         if reply is not None:
             self.send_to_tokenizer.send_pyobj(reply)
-
-
-def _drain(sock: zmq.Socket, handle: Callable[[Any], None]) -> None:
-    while True:
-        try:
-            msg = sock.recv_pyobj(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        handle(msg)
 
 
 def reporting_finished(output_sink: Callable[[BatchTokenOut], None], report: Callable[[Any], None],

@@ -63,6 +63,16 @@ def make_socket(context: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
     return sock
 
 
+def recv_waiting(sock: zmq.Socket) -> list:
+    """Every message waiting on a PULL socket, without blocking."""
+    received = []
+    while True:
+        try:
+            received.append(sock.recv_pyobj(zmq.NOBLOCK))
+        except zmq.Again:
+            return received
+
+
 def configure_logging(level: str) -> None:
     """One readable line per record: time, process, level, logger."""
     logging.basicConfig(

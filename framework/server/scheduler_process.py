@@ -20,7 +20,7 @@ import zmq
 from framework.config import Settings
 from framework.messages import SchedulerFailed, SchedulerReady
 from framework.server.dp_controller import reporting_finished
-from framework.server.ipc import IpcNames, make_socket, setup_child_process
+from framework.server.ipc import IpcNames, make_socket, recv_waiting, setup_child_process
 from framework.server.placement import pin_scheduler_process
 
 logger = logging.getLogger(__name__)
@@ -102,11 +102,7 @@ def event_loop(scheduler, sock: zmq.Socket) -> None:
 
 
 def _drain(scheduler, sock: zmq.Socket) -> None:
-    while True:
-        try:
-            msg = sock.recv_pyobj(zmq.NOBLOCK)
-        except zmq.Again:
-            return
+    for msg in recv_waiting(sock):
         scheduler.send(msg)
 
 
