@@ -39,7 +39,6 @@ def run_scheduler_process(settings: Settings, ipc: IpcNames, ready_writer: Any, 
     behind_controller = dp_rank is not None
     dp_rank = dp_rank_from_env() if dp_rank is None else dp_rank
     setup_child_process("scheduler" if dp_rank is None else f"scheduler DP{dp_rank}", settings.server.log_level)
-    pin_scheduler_process(settings.parallel, dp_rank)
     from framework.scheduler import Scheduler
 
     context = zmq.Context()
@@ -50,6 +49,7 @@ def run_scheduler_process(settings: Settings, ipc: IpcNames, ready_writer: Any, 
     if behind_controller:
         output_sink = reporting_finished(output_sink, send_to_tokenizer.send_pyobj, dp_rank)
     try:
+        pin_scheduler_process(settings.parallel, dp_rank)  # before the model loads, so its threads fit
         scheduler = Scheduler(
             settings, output_sink=output_sink, reply_sink=send_to_tokenizer.send_pyobj, dp_rank=dp_rank
         )
