@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from framework.multimodal import ImageInputs
 from framework.request import Req, Stash, StashKey
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ class ModelWorkerBatch:
     top_logprobs_nums: list[int] = field(default_factory=list)
     extend_logprob_start_lens: list[int] = field(default_factory=list)
     input_embeds: torch.Tensor | None = None
+    # Extend passes of multimodal requests: per request, its ImageInputs or None.
+    image_inputs: list[ImageInputs | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -150,6 +153,7 @@ class ScheduleBatch:
         self.decoding_reqs: list[Req] | None = None
         self.sampling_info: SamplingBatchInfo | None = None
         self.input_embeds: torch.Tensor | None = None
+        self.image_inputs: list[ImageInputs | None] | None = None
         self.bid = 0
         self.stash = Stash()
 
@@ -244,6 +248,8 @@ class ScheduleBatch:
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
         self.out_cache_loc = out_cache_loc
         self.sampling_info = SamplingBatchInfo.from_reqs(reqs)
+        images = [r.image_inputs for r in reqs]
+        self.image_inputs = images if any(images) else None
 
     def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
         """Append the running decode requests to this prefill batch as 1-token extends (H3)."""
@@ -263,6 +269,8 @@ class ScheduleBatch:
         self.req_pool_indices = torch.cat([self.req_pool_indices, running_batch.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, running_batch.seq_lens])
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs)
+        if self.image_inputs is not None:
+            self.image_inputs = self.image_inputs + [None] * running_bs
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -277,6 +285,7 @@ class ScheduleBatch:
     def prepare_for_decode(self) -> None:
         """One new token per request: its input is the last sampled id (reference P6)."""
         self.forward_mode = ForwardMode.DECODE
+        self.image_inputs = None
         bs = self.batch_size()
         self.input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
         self.out_cache_loc = self.alloc_token_slots(bs)
@@ -360,6 +369,7 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             extend_logprob_start_lens=list(self.extend_logprob_start_lens),
             input_embeds=self.input_embeds,
+            image_inputs=self.image_inputs,
         )
 
 

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from framework.config import Settings
+from framework.images import ImageProcessor, images_per_prompt
 from framework.messages import AbortReq, BatchTokenOut, GenerateReqInput, ReqOutput
+from framework.model.loader import resolve_model
+from framework.multimodal import ImageInputs
 from framework.request import FinishMatchedStr, FinishMatchedToken, SamplingParams
 from framework.scheduler import Scheduler
 
@@ -66,6 +69,7 @@ class Engine:
         self.scheduler = Scheduler(self.settings, output_sink=self._collect, extra_plugins=extra_plugins)
         self.tokenizer = self.scheduler.tokenizer
         self._rid_counter = itertools.count()
+        self._image_processor: ImageProcessor | None = None
 
     def _collect(self, batch_out: BatchTokenOut) -> None:
         for out in batch_out.outputs:
@@ -82,13 +86,17 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         priority: int = 0,
+        image_data: Any = None,
     ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
 
         Give either `prompt` (text) or `input_ids`. `sampling_params` is one dict for all prompts or
         one per prompt. `priority` (larger is more important) is kept by the radix cache's
-        `priority` eviction order. Raises ValueError naming the problem for bad input; nothing is
-        left queued.
+        `priority` eviction order. `image_data` (multimodal models): for one prompt an image or a
+        list of images, for a batch one entry per prompt; an image is a data URL, a file path,
+        base64 text or a PIL image, and each goes where the prompt has an image token. An image
+        request longer than the context is answered with `finish_reason` abort (AA3). Raises
+        ValueError naming the problem for bad input; nothing is left queued.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -115,8 +123,9 @@ class Engine:
         else:
             param_dicts = [sampling_params] * len(id_lists)
 
+        images = self._image_inputs(images_per_prompt(image_data, len(id_lists), not single))
         messages = []
-        for ids, text, pd in zip(id_lists, texts, param_dicts):
+        for ids, text, pd, image_inputs in zip(id_lists, texts, param_dicts, images):
             if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
                 raise ValueError("input_ids must be lists of integers")
             vocab = self.scheduler.worker.vocab_size
@@ -135,7 +144,7 @@ class Engine:
                     rid=f"engine-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
                     sampling_params=params, input_text=text, return_logprob=return_logprob,
                     logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                    priority=priority,
+                    priority=priority, image_inputs=image_inputs,
                 )
             )
         for msg in messages:
@@ -149,6 +158,15 @@ class Engine:
             raise
         results = [self._to_dict(self._outputs.pop(rid)) for rid in rids]
         return results[0] if single else results
+
+    def _image_inputs(self, per_prompt: list[list | None]) -> list[ImageInputs | None]:
+        if all(images is None for images in per_prompt):
+            return per_prompt
+        if self.scheduler.worker.image_info is None:
+            raise ValueError("image_data: this model does not take images")
+        if self._image_processor is None:
+            self._image_processor = ImageProcessor.from_model_folder(resolve_model(self.settings.model.path))
+        return [None if images is None else self._image_processor.process(images) for images in per_prompt]
 
     def _run_until_done(self, rids: list[str]) -> None:
         pending = set(rids)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from framework.multimodal import ImageInputs
 from framework.request import FinishReason, SamplingParams
 
 
@@ -34,6 +35,7 @@ class GenerateReqInput:
     session_id: str | None = None
     session_rid: str | None = None
     priority: int = 0
+    image_inputs: ImageInputs | None = None
 
 
 @dataclass

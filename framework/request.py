@@ -246,6 +246,8 @@ class Req:
         self.eos_token_ids = eos_token_ids or set()
         self.session_id = session_id
         self.stream = stream
+        # Images of a multimodal request; origin_input_ids then holds their pad ids (AA3).
+        self.image_inputs: Any = None
 
         # Memory state.
         self.req_pool_idx: int | None = None

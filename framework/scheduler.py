@@ -27,6 +27,7 @@ from framework.messages import (
     OpenSessionReq,
     ReqOutput,
 )
+from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
 from framework.plugins import PluginManager
 from framework.request import FinishAbort, Req, Stash
 from framework.control import ControlMixin
@@ -185,11 +186,12 @@ class Scheduler(ControlMixin):
             priority=msg.priority,
         )
         req.tokenizer = self.tokenizer
+        image_error = self.attach_images(req, msg.image_inputs) if msg.image_inputs is not None else None
         if req.logprob_start_len == -1:
             # Over the whole input, session history included (the reference counts only the new
             # segment, which limits a continued request's prefix hit when it asks for logprobs).
             req.logprob_start_len = len(req.origin_input_ids) - 1
-        error = session_error or self.validate_input(req.origin_input_ids)
+        error = session_error or image_error or self.validate_input(req.origin_input_ids)
         if error is not None:
             # Rejected before it takes any memory (the reference prefills first, QUIRK 5).
             req.finished_reason = FinishAbort(error)
@@ -204,6 +206,21 @@ class Scheduler(ControlMixin):
         )
         self.waiting_queue.append(req)
         self.hooks.on_request_received(req, self)
+
+    def attach_images(self, req: Req, images: ImageInputs) -> str | None:
+        """Expand the prompt's image tokens into hash-derived pad ids (AA3); why not, or None."""
+        info = getattr(self.worker, "image_info", None)
+        if info is None:
+            return "image_data: this model does not take images"
+        try:
+            req.origin_input_ids = expand_image_tokens(req.origin_input_ids, images, info, self.worker.vocab_size)
+        except ValueError as exc:
+            return str(exc)
+        req.image_inputs = images
+        if len(req.origin_input_ids) > self.max_req_input_len:
+            # An image cannot be truncated; refused before it takes memory (QUIRK 5 fixed).
+            return IMAGE_TOO_LONG_MESSAGE
+        return None
 
     # -- batch selection (reference D) ------------------------------------------------------------
 

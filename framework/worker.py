@@ -59,6 +59,8 @@ class Worker(Protocol):
     tokenizer: Any
     eos_token_ids: set[int]
     vocab_size: int
+    #: Set by multimodal models (framework.multimodal.ImageTokenInfo); None otherwise.
+    image_info: Any
 
     def launch(self, batch: "ModelWorkerBatch") -> ResultHandle: ...
 

@@ -13,9 +13,8 @@ import torch
 
 from framework.batch import ModelWorkerBatch
 from framework.memory import ReqToTokenPool, TokenToKVPool
-from framework.model.config import ModelConfig
 from framework.model.cpu import tune_allocator
-from framework.model.llama import LlamaForCausalLM
+from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
 from framework.model.sampler import Sampler
@@ -109,15 +108,18 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.tokenizer = tokenizer
-        self.model_config = ModelConfig.from_hf_config(hf_config)
+        self.model_config, self.model = self._load_model(hf_config, weights)
         cfg = self.model_config
         self.context_len = context_length or cfg.context_len
-
-        model = LlamaForCausalLM(cfg)
-        model.load_weights(weights)
-        self.model = model.to(device=device, dtype=dtype).eval()
+        # Set for multimodal models: the scheduler expands image tokens with it.
+        self.image_info = getattr(self.model, "image_info", None)
         self.sampler = Sampler()
         self._init_memory_pools(max_total_tokens, kv_cache_memory_bytes, max_running_requests)
+
+    def _load_model(self, hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]]):
+        model_config, model = build_model(hf_config)
+        model.load_weights(weights)
+        return model_config, model.to(device=self.device, dtype=self.dtype).eval()
 
     def _init_memory_pools(
         self,

@@ -32,6 +32,7 @@ class ServerInfo:
     model_path: str
     tokenizer_path: str
     model_name: str
+    model_folder: str = ""  # the resolved local folder the scheduler loaded
     process_ids: dict[str, int] = field(default_factory=dict)
 
 
@@ -143,6 +144,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         batch = parse_generate(await read_json(request, max_bytes), tm.tokenize, tm.tokenizer)
+        await tm.process_images(batch.specs)
         specs = await tm.expand_parallel(batch, request)
         if not batch.stream:
             outs = await tm.run_all(specs, request)

@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 import uvicorn
 
 from framework.config import Settings
+from framework.images import ImageProcessor
 from framework.messages import SchedulerFailed, SchedulerReady
 from framework.metrics import ServerMetrics
 from framework.server.detokenizer import run_detokenizer_process
@@ -135,6 +136,7 @@ class Launcher:
         ready = next(iter(readies.values()))
         info = ServerInfo(
             model_path=settings.model.path or model_folder, tokenizer_path=tokenizer_folder,
+            model_folder=model_folder,
             model_name=served_model_name(settings),
             process_ids={"main": os.getpid(), **{n: p.pid for n, p in self.processes.items()}},
         )
@@ -191,7 +193,8 @@ class Launcher:
     async def _serve(self, ipc: IpcNames, ready: SchedulerReady, tokenizer, info: ServerInfo) -> None:
         settings = self.settings
         tm = TokenizerManager(ipc, ready, tokenizer, ServerMetrics(info.model_name),
-                              log_requests=settings.server.log_requests)
+                              log_requests=settings.server.log_requests,
+                              image_processor=ImageProcessor.from_model_folder(info.model_folder))
         tm.start()
         config = uvicorn.Config(
             build_app(tm, settings, info), host=settings.server.host, port=settings.server.port,

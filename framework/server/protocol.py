@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from framework.images import ImageError, images_per_prompt
 from framework.messages import GenerateReqInput
 from framework.request import SamplingParams
 
@@ -20,10 +21,10 @@ if TYPE_CHECKING:
 
 GENERATE_FIELDS = {
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "return_text_in_logprobs", "stream", "session",
+    "top_logprobs_num", "return_text_in_logprobs", "stream", "session", "image_data",
 }
 # Fields of the reference this build does not serve: a clear 400 instead of silently ignoring them.
-UNSUPPORTED_FIELDS = {"input_embeds", "image_data", "modalities", "lora_path"}
+UNSUPPORTED_FIELDS = {"input_embeds", "modalities", "lora_path"}
 
 
 class ApiError(Exception):
@@ -45,6 +46,8 @@ class ReqSpec(GenerateReqInput):
     tokenizer side needs."""
 
     return_text_in_logprobs: bool = False
+    # The request's images as sent (data URLs, paths, base64); preprocessed into `image_inputs`.
+    image_data: list[str] | None = None
 
     def to_message(self) -> GenerateReqInput:
         """The scheduler's part of the spec (the tokenizer-side fields stay here)."""
@@ -199,6 +202,13 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
             raise ApiError("session: must be [session_id, session_rid or null]")
         session_id, session_rid = session
 
+    try:
+        images = images_per_prompt(body.get("image_data"), count, is_batch)
+    except ImageError as exc:
+        raise ApiError(str(exc)) from None
+    if session_id is not None and images[0] is not None:
+        raise ApiError("image_data: a session request cannot carry images")
+
     specs = []
     for i in range(count):
         name = f"sampling_params[{i}]" if is_batch and isinstance(body.get("sampling_params"), list) else "sampling_params"
@@ -214,7 +224,7 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
                 logprob_start_len=start,
                 top_logprobs_num=check_int("top_logprobs_num", top_nums[i], minimum=0),
                 return_text_in_logprobs=with_text, stream=stream,
-                session_id=session_id, session_rid=session_rid,
+                session_id=session_id, session_rid=session_rid, image_data=images[i],
             )
         )
     ns = {s.sampling_params.n for s in specs}

@@ -33,6 +33,7 @@ from framework.messages import (
     SchedulerStats,
     StrOutput,
 )
+from framework.images import ImageError, ImageProcessor
 from framework.metrics import ServerMetrics
 from framework.request import FinishAbort
 from framework.server.ipc import IpcNames, make_socket
@@ -98,8 +99,9 @@ def is_rejected(out: StrOutput) -> bool:
 
 class TokenizerManager:
     def __init__(self, ipc: IpcNames, ready: SchedulerReady, tokenizer: Any, metrics: ServerMetrics,
-                 log_requests: bool = False):
+                 log_requests: bool = False, image_processor: ImageProcessor | None = None):
         self.ready = ready
+        self.image_processor = image_processor
         self.log_requests = log_requests
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -294,6 +296,19 @@ class TokenizerManager:
         finally:
             for spec in specs:
                 self.release(spec.rid)
+
+    async def process_images(self, specs: list[ReqSpec]) -> None:
+        """Decode and preprocess the specs' images into `image_inputs`, off the event loop (AA2)."""
+        if all(spec.image_data is None for spec in specs):
+            return
+        if self.image_processor is None:
+            raise ApiError("image_data: this model does not take images")
+        for spec in specs:
+            if spec.image_data is not None:
+                try:
+                    spec.image_inputs = await asyncio.to_thread(self.image_processor.process, spec.image_data)
+                except ImageError as exc:
+                    raise ApiError(str(exc)) from None
 
     async def expand_parallel(self, batch: GenerateBatch, request: Any = None) -> list[ReqSpec]:
         """The n samples of every prompt, prompt-major (reference AD5).

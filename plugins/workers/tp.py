@@ -65,6 +65,7 @@ class TpWorker:
         self.tokenizer = runner.tokenizer
         self.vocab_size = runner.model_config.vocab_size
         self.eos_token_ids = eos_ids_of(runner)
+        self.image_info = runner.image_info
 
     @classmethod
     def from_settings(cls, settings) -> "TpWorker":
