@@ -134,6 +134,10 @@ class ServerSettings(_Section):
     enable_metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
     log_requests: bool = Field(False, description="Log every finished request.")
     log_level: str = Field("info", description="Log level.")
+    profile_dir: str | None = Field(
+        None, description="Directory for the torch profiler traces of /start_profile and /stop_profile; "
+        "empty: <tempdir>/batchyard-profiles.",
+    )
 
 
 class PluginSelection(_Section):

@@ -47,12 +47,16 @@ class ControlMixin:
                     self.stream_output([req])
                     return
 
-    def flush_cache(self) -> bool:
-        # Finished requests may still sit in the running or last batch until the next round
-        # filters them; their KV is already released, so they do not block a flush.
+    def has_requests(self) -> bool:
+        """Requests are waiting or running. Finished ones may still sit in the running or last
+        batch until the next round filters them; their KV is already released, so they do not
+        count."""
         batches = (self.running_batch, self.last_batch)
         running = any(not r.finished() for b in batches if b is not None for r in b.reqs)
-        if self.waiting_queue or self.being_chunked_req or running or self.result_queue:
+        return bool(self.waiting_queue or self.being_chunked_req or running or self.result_queue)
+
+    def flush_cache(self) -> bool:
+        if self.has_requests():
             logger.warning("Cache not flushed: there are running or waiting requests.")
             return False
         self.running_batch = self.last_batch = None
@@ -62,6 +66,27 @@ class ControlMixin:
         self.cache_hit_tokens = self.cache_total_tokens = 0
         logger.info("Cache flushed.")
         return True
+
+    def update_weights(self, model_path: str) -> tuple[bool, str]:
+        """New weights for the running worker, then an empty cache: the cached KV was computed
+        by the old weights (R4). Refused while requests run, which would mix the two."""
+        if self.has_requests():
+            return False, "Cannot update weights while requests are running or waiting; try again when idle."
+        success, message = self.worker.update_weights(model_path)
+        if success:
+            flushed = self.flush_cache()
+            assert flushed, "idle scheduler must flush"
+            logger.info("Weights updated from %s", model_path)
+        else:
+            logger.warning("Weight update failed: %s", message)
+        return success, message
+
+    def profile(self, action: str) -> tuple[bool, str]:
+        if action == "start":
+            return self.profiler.start()
+        if action == "stop":
+            return self.profiler.stop()
+        return False, f"unknown profile action {action!r}"
 
     def open_session(self, msg: OpenSessionReq) -> OpenSessionReqOutput:
         if not self.sessions.open(msg.session_id, msg.capacity_of_str_len):

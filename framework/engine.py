@@ -191,6 +191,27 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
+    def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
+        """Load the weights of `model_path` (same architecture) without a restart; the prefix
+        cache is flushed. On failure the old weights keep serving. Returns (success, message)."""
+        return self.scheduler.update_weights(model_path)
+
+    def start_profile(self) -> str:
+        """Start the torch profiler (traces go to `server.profile_dir`); raises ValueError if
+        it is already running."""
+        return self._checked(self.scheduler.profile("start"))
+
+    def stop_profile(self) -> str:
+        """Stop the profiler and write its trace; returns the trace file's path."""
+        return self._checked(self.scheduler.profile("stop"))
+
+    @staticmethod
+    def _checked(reply: tuple[bool, str]) -> str:
+        success, message = reply
+        if not success:
+            raise ValueError(message)
+        return message
+
     def shutdown(self) -> None:
         self.scheduler.shutdown()
 

@@ -127,6 +127,36 @@ class CloseSessionReqOutput:
 
 
 @dataclass
+class UpdateWeightsReq:
+    """Load new weights from a local folder into the running worker (reference R4)."""
+
+    model_path: str
+    request_id: str | None = None
+
+
+@dataclass
+class UpdateWeightsReqOutput:
+    request_id: str | None
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class ProfileReq:
+    """Start or stop the torch profiler in the scheduler process (reference R5)."""
+
+    action: str  # "start" or "stop"
+    request_id: str | None = None
+
+
+@dataclass
+class ProfileReqOutput:
+    request_id: str | None
+    success: bool
+    message: str = ""  # on a successful stop: the trace file's path
+
+
+@dataclass
 class GetStatsReq:
     """Ask for a SchedulerStats snapshot (for /get_server_info and /metrics)."""
 

@@ -25,10 +25,15 @@ from framework.messages import (
     GenerateReqInput,
     GetStatsReq,
     OpenSessionReq,
+    ProfileReq,
+    ProfileReqOutput,
     ReqOutput,
+    UpdateWeightsReq,
+    UpdateWeightsReqOutput,
 )
 from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
 from framework.plugins import PluginManager
+from framework.profiling import TorchProfiler
 from framework.request import FinishAbort, Req, Stash
 from framework.control import ControlMixin
 from framework.sessions import SessionController, SessionError
@@ -103,6 +108,7 @@ class Scheduler(ControlMixin):
         )
         self.inbox: collections.deque[Any] = collections.deque()
         self.stash = Stash()  # per-plugin scheduler-wide state
+        self.profiler = TorchProfiler(settings.server.profile_dir)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -154,6 +160,10 @@ class Scheduler(ControlMixin):
                 self.send_reply(self.close_session(msg))
             elif isinstance(msg, GetStatsReq):
                 self.send_reply(self.get_stats(msg.request_id))
+            elif isinstance(msg, UpdateWeightsReq):
+                self.send_reply(UpdateWeightsReqOutput(msg.request_id, *self.update_weights(msg.model_path)))
+            elif isinstance(msg, ProfileReq):
+                self.send_reply(ProfileReqOutput(msg.request_id, *self.profile(msg.action)))
             else:
                 # The reference raises here and kills the server; an unknown message is logged.
                 logger.error("scheduler received an unknown message: %r", type(msg).__name__)

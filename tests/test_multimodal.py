@@ -203,3 +203,116 @@ def test_bad_image_input(make_llava_engine, prompt, image_data, error):
 def test_text_model_refuses_images(make_engine):
     with pytest.raises(ValueError, match="does not take images"):
         make_engine().generate("Hello", GREEDY, image_data=png_data_url(1))
+
+
+# -- over HTTP: images, weight updates and the profiler on one server ------------------------------
+
+POOL_TOKENS = 60  # room for one image request, not for three images
+
+
+@pytest.fixture(scope="module")
+def llava_server(llava_folder, tmp_path_factory):
+    from tests.conftest_server import running_server, tiny_server_args
+
+    profile_dir = tmp_path_factory.mktemp("profiles")
+    args = tiny_server_args(llava_folder) + [
+        "--cache.max-total-tokens", str(POOL_TOKENS), "--server.profile-dir", str(profile_dir),
+    ]
+    with running_server(args, tmp_path_factory.mktemp("llava-server") / "server.log") as srv:
+        srv.profile_dir = profile_dir
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(llava_server):
+    import httpx
+
+    with httpx.Client(base_url=llava_server.url, timeout=60.0) as client:
+        yield client
+
+
+def post_generate(http, image_data, prompt=None, **sampling):
+    body = {"text": prompt or image_prompt(), "image_data": image_data, "sampling_params": {**GREEDY, **sampling}}
+    return http.post("/generate", json=body)
+
+
+def assert_server_idle(http):
+    stats = http.get("/get_server_info").json()["scheduler_stats"]
+    assert stats["kv_available"] + stats["kv_evictable"] == stats["max_total_num_tokens"]
+    assert stats["req_slots_free"] == stats["req_slots_total"]
+
+
+def test_http_image_requests_share_the_cache_by_image(http, llava_tokenizer):
+    prefix_len = llava_tokenizer.encode(image_prompt()).index(llava_tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    first = post_generate(http, png_data_url(11))
+    assert first.status_code == 200, first.text
+    again = post_generate(http, png_data_url(11)).json()
+    other = post_generate(http, png_data_url(12)).json()
+    assert again["meta_info"]["cached_tokens"] >= prefix_len + NUM_IMAGE_TOKENS
+    assert again["output_ids"] == first.json()["output_ids"]
+    assert other["meta_info"]["cached_tokens"] <= prefix_len
+    assert_server_idle(http)
+
+
+def test_http_image_request_longer_than_the_pool(http):
+    from framework.multimodal import IMAGE_TOO_LONG_MESSAGE
+
+    resp = post_generate(http, [png_data_url(i) for i in range(3)], prompt=image_prompt(3))
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == IMAGE_TOO_LONG_MESSAGE
+    assert_server_idle(http)
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        ({"text": image_prompt(), "image_data": "bm90IGFuIGltYWdl"}, "not a readable image"),
+        ({"text": image_prompt(), "image_data": [png_data_url(1)] * 2}, "1 image token"),
+        ({"text": [image_prompt()] * 2, "image_data": [png_data_url(1)]}, "one entry per prompt"),
+        ({"text": image_prompt(), "image_data": 7}, "must be a non-empty string"),
+    ],
+)
+def test_http_bad_image_input(http, body, error):
+    resp = http.post("/generate", json=body)
+    assert resp.status_code == 400 and error in resp.json()["error"]["message"], resp.text
+
+
+def test_http_update_weights_from_disk(http, llava_folder, llava_tokenizer, tmp_path_factory):
+    from framework.engine import Engine
+    from tests.conftest import tiny_settings
+
+    new_folder = build_llava_folder(tmp_path_factory.mktemp("tiny-llava-b"), llava_tokenizer, seed=1)
+    with Engine(tiny_settings(new_folder)) as fresh:
+        expected = fresh.generate(image_prompt(), GREEDY, image_data=png_data_url(13))["output_ids"]
+    before = post_generate(http, png_data_url(13)).json()["output_ids"]
+    assert before != expected
+
+    resp = http.post("/update_weights_from_disk", json={"model_path": new_folder})
+    assert resp.status_code == 200 and resp.json()["success"] is True, resp.text
+    assert post_generate(http, png_data_url(13)).json()["output_ids"] == expected
+    assert http.get("/get_model_info").json()["model_path"] == new_folder
+
+    for body, error in [
+        ({"model_path": str(tmp_path_factory.mktemp("nothing") / "missing")}, "Failed to load weights"),
+        ({"model_path": 3}, "model_path"),
+        ({"model_path": new_folder, "load_format": "pt"}, "load_format"),
+    ]:
+        resp = http.post("/update_weights_from_disk", json=body)
+        assert resp.status_code == 400 and error in resp.text, resp.text
+    assert post_generate(http, png_data_url(13)).json()["output_ids"] == expected
+    # Back to the first weights, through the reference's older route name.
+    resp = http.post("/update_weights", json={"model_path": llava_folder})
+    assert resp.status_code == 200, resp.text
+    assert post_generate(http, png_data_url(13)).json()["output_ids"] == before
+    assert_server_idle(http)
+
+
+def test_http_profile(http, llava_server):
+    assert http.post("/stop_profile").status_code == 400
+    assert http.post("/start_profile").status_code == 200
+    assert http.post("/start_profile").status_code == 400
+    assert post_generate(http, png_data_url(14)).status_code == 200
+    resp = http.get("/stop_profile")
+    assert resp.status_code == 200, resp.text
+    traces = list(llava_server.profile_dir.iterdir())
+    assert len(traces) == 1 and traces[0].stat().st_size > 0 and str(traces[0]) in resp.text

@@ -15,7 +15,8 @@ from framework.batch import ModelWorkerBatch
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.cpu import tune_allocator
 from framework.model.llava import build_model
-from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer
+from framework.model.config import ModelConfig
+from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
 from framework.model.sampler import Sampler
 
@@ -120,6 +121,41 @@ class ModelRunner:
         model_config, model = build_model(hf_config)
         model.load_weights(weights)
         return model_config, model.to(device=self.device, dtype=self.dtype).eval()
+
+    def update_weights(self, model_path: str) -> tuple[bool, str]:
+        """Load a checkpoint of the same architecture in place of the current weights (R4).
+
+        The new model is built and loaded aside and swapped in only when everything fits, so on
+        any error the old weights keep serving. Returns (success, message).
+        """
+        try:
+            folder = resolve_model(model_path)
+            hf_config = load_hf_config(folder)
+            model_config, model = self._load_model(hf_config, iter_safetensors(folder))
+        except Exception as exc:  # noqa: BLE001 - any load failure is reported, the old weights stay
+            return False, f"Failed to load weights from {model_path}: {type(exc).__name__}: {exc}"
+        mismatch = self._shape_mismatch(model_config, model)
+        if mismatch:
+            return False, f"Cannot update weights from {model_path}: {mismatch}; the old weights are kept"
+        self.model = model
+        self.model_path = model_path
+        return True, f"Updated weights from {model_path}"
+
+    def _shape_mismatch(self, new_config: ModelConfig, new_model: torch.nn.Module) -> str | None:
+        """Why `new_model` cannot replace the current one (the KV pool and the scheduler's limits
+        were sized for it), or None."""
+        for name in ("architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim"):
+            old, new = getattr(self.model_config, name), getattr(new_config, name)
+            if old != new:
+                return f"{name} differs ({old} != {new})"
+        if type(new_model) is not type(self.model):
+            return f"model class differs ({type(self.model).__name__} != {type(new_model).__name__})"
+        old_shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        new_shapes = {n: p.shape for n, p in new_model.named_parameters()}
+        if old_shapes != new_shapes:
+            differ = sorted(n for n in old_shapes.keys() | new_shapes.keys() if old_shapes.get(n) != new_shapes.get(n))
+            return f"parameter shapes differ ({', '.join(differ[:3])})"
+        return None
 
     def _init_memory_pools(
         self,

@@ -24,6 +24,9 @@ from framework.server.tokenizer_manager import ClientDisconnected, TokenizerMana
 
 logger = logging.getLogger(__name__)
 
+# /update_weights_from_disk: weights load from safetensors folders (or a GGUF, converted once).
+LOAD_FORMATS = {None, "auto", "safetensors", "gguf"}
+
 
 @dataclass
 class ServerInfo:
@@ -124,6 +127,28 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
         if not reply.success:
             raise ApiError(reply.message)
         return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/update_weights_from_disk")
+    @app.post("/update_weights")  # the reference's 0.3.6 name
+    async def update_weights_from_disk(request: Request):
+        body = _object_with(await read_json(request, max_bytes), {"model_path", "load_format"})
+        model_path = body.get("model_path")
+        if not isinstance(model_path, str) or not model_path:
+            raise ApiError("model_path: must be a non-empty string")
+        if body.get("load_format") not in LOAD_FORMATS:
+            raise ApiError(f"load_format: must be one of {sorted(f for f in LOAD_FORMATS if f)} or null")
+        success, message = await tm.update_weights_from_disk(model_path)
+        if success:
+            info.model_path = model_path
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile():
+        return PlainTextResponse(await tm.profile("start") + "\n")
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile():
+        return PlainTextResponse(f"Profiling stopped; trace written to {await tm.profile('stop')}\n")
 
     @app.api_route("/open_session", methods=["GET", "POST"])
     async def open_session(request: Request):

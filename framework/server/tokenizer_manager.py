@@ -29,9 +29,11 @@ from framework.messages import (
     FlushCacheReq,
     GetStatsReq,
     OpenSessionReq,
+    ProfileReq,
     SchedulerReady,
     SchedulerStats,
     StrOutput,
+    UpdateWeightsReq,
 )
 from framework.images import ImageError, ImageProcessor
 from framework.metrics import ServerMetrics
@@ -44,6 +46,8 @@ logger = logging.getLogger(__name__)
 # How often a waiting non-streamed request checks whether its client is still there.
 DISCONNECT_CHECK_S = 1.0
 CONTROL_TIMEOUT_S = 60.0
+# How often a weight update checks whether the requests in flight have finished.
+UPDATE_POLL_S = 0.01
 
 
 class ClientDisconnected(Exception):
@@ -109,6 +113,7 @@ class TokenizerManager:
         self.pending: dict[str, asyncio.Future] = {}
         self.open_sessions: set[str] = set()
         self.dead_reason: str | None = None
+        self.model_update_lock = asyncio.Lock()
         # Sends never block (unbounded HWM), so a plain socket serves the event loop.
         self._sync_context = zmq.Context()
         self.send_to_scheduler = make_socket(self._sync_context, zmq.PUSH, ipc.scheduler)
@@ -315,6 +320,7 @@ class TokenizerManager:
 
         With n > 1 each prompt is first run once with max_new_tokens = 0, so its KV is in the
         prefix cache and the n samples share it instead of each prefilling the prompt."""
+        await self.wait_for_weight_update()
         if batch.n == 1:
             return batch.specs
         warmups = [
@@ -369,6 +375,31 @@ class TokenizerManager:
             raise ApiError(reply.message)
         self.open_sessions.add(session_id)
         return session_id
+
+    async def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
+        """New weights in the scheduler (R4). New requests wait while an update runs; the update
+        waits for the requests in flight to finish, up to CONTROL_TIMEOUT_S."""
+        if self.model_update_lock.locked():
+            return False, "Another update is in progress. Please try again later."
+        async with self.model_update_lock:
+            deadline = time.monotonic() + CONTROL_TIMEOUT_S
+            while self.states:
+                if time.monotonic() > deadline:
+                    return False, "Requests are still running; the weights were not updated."
+                await asyncio.sleep(UPDATE_POLL_S)
+            reply = await self.control(lambda rid: UpdateWeightsReq(model_path, rid))
+        return reply.success, reply.message
+
+    async def wait_for_weight_update(self) -> None:
+        if self.model_update_lock.locked():
+            async with self.model_update_lock:
+                pass
+
+    async def profile(self, action: str) -> str:
+        reply = await self.control(lambda rid: ProfileReq(action, rid))
+        if not reply.success:
+            raise ApiError(reply.message)
+        return reply.message
 
     async def close_session(self, session_id: str) -> None:
         reply = await self.control(lambda rid: CloseSessionReq(session_id, rid))

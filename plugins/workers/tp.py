@@ -106,6 +106,9 @@ class TpWorker:
             return ResolvedHandle(BatchResult(next_token_ids=[]))
         return ResolvedHandle(self.forward_batch_generation(batch))
 
+    def update_weights(self, model_path: str) -> tuple[bool, str]:
+        return self.runner.update_weights(model_path)
+
     def shutdown(self) -> None:
         pass
 
