@@ -84,13 +84,29 @@ def make_llava_engine(llava_folder):
         engine.shutdown()
 
 
-def test_llava_matches_transformers(make_llava_engine, llava_folder, llava_tokenizer):
+@pytest.fixture(scope="module")
+def shared_engine(llava_folder):
+    """One engine for the tests that need no settings of their own (an engine takes ~1 s)."""
+    from framework.engine import Engine
+
+    with Engine(tiny_settings(llava_folder)) as engine:
+        yield engine
+
+
+@pytest.fixture
+def llava_engine(shared_engine):
+    shared_engine.flush_cache()
+    yield shared_engine
+    assert_no_leak(shared_engine)
+
+
+def test_llava_matches_transformers(llava_engine, llava_folder, llava_tokenizer):
     """Greedy outputs equal transformers' LlavaForConditionalGeneration on the same pixels."""
     from transformers import LlavaForConditionalGeneration
 
     from framework.images import ImageProcessor, open_image
 
-    engine = make_llava_engine()
+    engine = llava_engine
     image = png_data_url(1)
     out = engine.generate(image_prompt(), GREEDY, image_data=image)
     assert out["meta_info"]["prompt_tokens"] == len(llava_tokenizer.encode(image_prompt())) - 1 + NUM_IMAGE_TOKENS
@@ -113,8 +129,8 @@ def test_llava_matches_transformers(make_llava_engine, llava_folder, llava_token
     check_greedy_equal(out["output_ids"], ref, ref_logprobs)
 
 
-def test_same_image_shares_prefix_different_image_does_not(make_llava_engine, llava_tokenizer):
-    engine = make_llava_engine()
+def test_same_image_shares_prefix_different_image_does_not(llava_engine, llava_tokenizer):
+    engine = llava_engine
     prompt = image_prompt()
     prefix_len = llava_tokenizer.encode(prompt).index(llava_tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
     first = engine.generate(prompt, GREEDY, image_data=png_data_url(1))
@@ -128,8 +144,8 @@ def test_same_image_shares_prefix_different_image_does_not(make_llava_engine, ll
     assert other["meta_info"]["cached_tokens"] <= prefix_len
 
 
-def test_different_images_give_different_logits(make_llava_engine):
-    engine = make_llava_engine()
+def test_different_images_give_different_logits(llava_engine):
+    engine = llava_engine
     outs = [
         engine.generate(image_prompt(), {"temperature": 0, "max_new_tokens": 1}, image_data=png_data_url(seed),
                         return_logprob=True, top_logprobs_num=5)
@@ -157,9 +173,9 @@ def test_pad_ids_follow_the_image_hash():
         expand_image_tokens([1, 2], ImageInputs(torch.zeros(1, 3, 2, 2), [5]), info, 1000)
 
 
-def test_chunk_boundaries_inside_an_image(make_llava_engine):
+def test_chunk_boundaries_inside_an_image(llava_engine, make_llava_engine):
     """Chunked prefill splits an image's rows across chunks; the output is unchanged."""
-    whole = make_llava_engine().generate(image_prompt(2), GREEDY, image_data=[png_data_url(5), png_data_url(6)])
+    whole = llava_engine.generate(image_prompt(2), GREEDY, image_data=[png_data_url(5), png_data_url(6)])
     chunked = make_llava_engine(scheduler={"chunked_prefill_size": 7}).generate(
         image_prompt(2), GREEDY, image_data=[png_data_url(5), png_data_url(6)]
     )
@@ -189,8 +205,8 @@ def test_image_request_longer_than_the_pool_is_aborted(make_llava_engine):
         (image_prompt(1), 42, "must be a non-empty string"),
     ],
 )
-def test_bad_image_input(make_llava_engine, prompt, image_data, error):
-    engine = make_llava_engine()
+def test_bad_image_input(llava_engine, prompt, image_data, error):
+    engine = llava_engine
     try:
         out = engine.generate(prompt, GREEDY, image_data=image_data)
     except ValueError as exc:
