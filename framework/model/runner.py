@@ -137,7 +137,7 @@ class ModelRunner:
         mismatch = self._shape_mismatch(model_config, model)
         if mismatch:
             return False, f"Cannot update weights from {model_path}: {mismatch}; the old weights are kept"
-        self.model = model
+        self.model, self.model_config = model, model_config
         self.model_path = model_path
         return True, f"Updated weights from {model_path}"
 
