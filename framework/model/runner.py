@@ -14,8 +14,8 @@ import torch
 from framework.batch import ModelWorkerBatch
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.cpu import tune_allocator
-from framework.model.llava import build_model
 from framework.model.config import ModelConfig
+from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
 from framework.model.sampler import Sampler
