@@ -68,7 +68,10 @@ def decode_step(penalties: BatchPenalties, reqs: list[Req], gen: torch.Generator
 
 def test_penalties_match_transformers_through_filter_and_merge():
     gen = torch.Generator().manual_seed(0)
-    prompt = lambda: torch.randint(0, VOCAB, (6,), generator=gen).tolist()  # noqa: E731
+
+    def prompt() -> list[int]:
+        return torch.randint(0, VOCAB, (6,), generator=gen).tolist()
+
     reqs = [
         make_req("rep+freq", prompt(), repetition_penalty=1.3, frequency_penalty=0.5),
         make_req("plain", prompt()),
@@ -178,7 +181,8 @@ def assert_equal_to_reference(hf_model, prompts, params_list, outputs, refs, eos
     for prompt, params, ours, ref in zip(prompts, params_list, outputs, refs):
         ties += check_greedy_equal(
             ours, ref,
-            lambda prefix: torch.log_softmax(hf_penalized_logits(hf_model, prompt, prefix, params, eos), -1),
+            lambda prefix, prompt=prompt, params=params: torch.log_softmax(
+                hf_penalized_logits(hf_model, prompt, prefix, params, eos), -1),
         )
     return ties
 
