@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from framework.multimodal import ImageInputs
+from framework.penalties import BatchPenalties
 from framework.request import Req, Stash, StashKey
 
 if TYPE_CHECKING:
@@ -49,27 +50,19 @@ class SamplingBatchInfo:
     top_ps: torch.Tensor  # [bs] float32
     top_ks: torch.Tensor  # [bs] int64
     min_ps: torch.Tensor  # [bs] float32
+    # Per row: None, or the 64-bit key of this step's draw for a seeded request (`step_seed`).
     seeds: list[int | None]
     is_all_greedy: bool
     need_min_p_sampling: bool
-    # min_new_tokens: per request, the stop token ids to mask while output is still too short.
-    min_new_tokens_masks: list[list[int] | None] = field(default_factory=list)
+    # Frequency / presence / repetition / min_new_tokens state of the batch, when some row uses it.
+    penalties: BatchPenalties | None = None
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req]) -> "SamplingBatchInfo":
+    def from_reqs(cls, reqs: list[Req], penalties: BatchPenalties | None = None) -> "SamplingBatchInfo":
         params = [r.sampling_params for r in reqs]
-        seeds = []
-        for r in reqs:
-            seed = r.sampling_params.seed
-            # A seeded request draws a different but reproducible value at every step.
-            seeds.append(None if seed is None else seed + len(r.output_ids))
-        masks = []
-        for r in reqs:
-            p = r.sampling_params
-            if not p.ignore_eos and len(r.output_ids) < p.min_new_tokens:
-                masks.append(sorted(set(p.stop_token_ids) | r.eos_token_ids))
-            else:
-                masks.append(None)
+        seeds = [None if p.seed is None else step_seed(p.seed, len(r.output_ids)) for r, p in zip(reqs, params)]
+        if penalties is not None:
+            assert penalties.batch_size == len(reqs), "penalty rows out of step with the batch"
         return cls(
             temperatures=torch.tensor([[p.temperature] for p in params], dtype=torch.float32),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
@@ -80,8 +73,27 @@ class SamplingBatchInfo:
             # Recomputed on every batch, so the reference's stale flag after merge/filter (QUIRK 13)
             # cannot happen here.
             need_min_p_sampling=any(p.min_p > 0 for p in params),
-            min_new_tokens_masks=masks,
+            penalties=penalties if penalties is not None and penalties.is_active else None,
         )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The 64-bit key of a seeded request's draw for its `step`-th output token.
+
+    A counter-based scheme: the key depends on (seed, step) only, so a seeded request draws the
+    same random numbers whatever else is in the batch, on any device, and after a retraction
+    (the step is its output length). splitmix64 keeps nearby seeds and steps uncorrelated."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
 
 
 @dataclass
@@ -133,6 +145,7 @@ class ScheduleBatch:
         token_to_kv_pool: "TokenToKVPool",
         tree_cache: "BasePrefixCache",
         forward_mode: ForwardMode = ForwardMode.EXTEND,
+        vocab_size: int | None = None,
     ):
         self.reqs = reqs
         self.req_to_token_pool = req_to_token_pool
@@ -152,6 +165,9 @@ class ScheduleBatch:
         self.extend_logprob_start_lens: list[int] = []
         self.decoding_reqs: list[Req] | None = None
         self.sampling_info: SamplingBatchInfo | None = None
+        # Needed to build penalty rows; None only for batches that never carry penalties.
+        self.vocab_size = vocab_size
+        self.penalties = BatchPenalties(len(reqs), vocab_size)
         self.input_embeds: torch.Tensor | None = None
         self.image_inputs: list[ImageInputs | None] | None = None
         self.bid = 0
@@ -247,7 +263,10 @@ class ScheduleBatch:
         self.req_pool_indices = torch.tensor(pool_indices, dtype=torch.int64)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
         self.out_cache_loc = out_cache_loc
-        self.sampling_info = SamplingBatchInfo.from_reqs(reqs)
+        # Built from each request's prompt and existing outputs, so a retracted request's counts
+        # are complete again when it re-enters.
+        self.penalties = BatchPenalties.from_reqs(reqs, self.vocab_size)
+        self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.penalties)
         images = [r.image_inputs for r in reqs]
         self.image_inputs = images if any(images) else None
 
@@ -268,7 +287,8 @@ class ScheduleBatch:
         self.reqs = self.reqs + running_batch.reqs
         self.req_pool_indices = torch.cat([self.req_pool_indices, running_batch.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, running_batch.seq_lens])
-        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs)
+        self.penalties = self.penalties.merge(running_batch.penalties)
+        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.penalties)
         if self.image_inputs is not None:
             self.image_inputs = self.image_inputs + [None] * running_bs
 
@@ -297,7 +317,9 @@ class ScheduleBatch:
         self.extend_lens = [1] * bs
         self.extend_num_tokens = bs
         self.extend_logprob_start_lens = [0] * bs
-        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs)
+        # The one penalty update per step: the tokens sampled by the previous step.
+        self.penalties.cumulate_output_tokens(self.input_ids)
+        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.penalties)
 
     # -- membership -----------------------------------------------------------------------------
 
@@ -313,6 +335,7 @@ class ScheduleBatch:
             ]
         if len(keep_indices) == 0:
             self.reqs = []
+            self.penalties = BatchPenalties(0, self.vocab_size)
             self.req_pool_indices = torch.empty((0,), dtype=torch.int64)
             self.seq_lens = torch.empty((0,), dtype=torch.int64)
             self.output_ids = None
@@ -321,6 +344,7 @@ class ScheduleBatch:
             return
         index = torch.tensor(keep_indices, dtype=torch.int64)
         self.reqs = [self.reqs[i] for i in keep_indices]
+        self.penalties = self.penalties.filter(keep_indices)
         self.req_pool_indices = self.req_pool_indices[index]
         self.seq_lens = self.seq_lens[index]
         self.out_cache_loc = None
@@ -329,6 +353,9 @@ class ScheduleBatch:
 
     def merge_batch(self, other: "ScheduleBatch") -> None:
         self.reqs = self.reqs + other.reqs
+        self.penalties = self.penalties.merge(other.penalties)
+        if self.vocab_size is None:
+            self.vocab_size = other.vocab_size
         self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
         self.out_cache_loc = None
@@ -341,7 +368,7 @@ class ScheduleBatch:
         """A shallow copy that keeps what result processing needs while the next batch is built."""
         new = ScheduleBatch(
             list(self.reqs), self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache,
-            self.forward_mode,
+            self.forward_mode, self.vocab_size,
         )
         new.out_cache_loc = self.out_cache_loc
         new.decoding_reqs = self.decoding_reqs

@@ -165,8 +165,9 @@ class SamplingParams:
             raise ValueError(f"sampling_params.frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"sampling_params.presence_penalty: must be in [-2, 2], got {self.presence_penalty}")
-        if not 0.0 <= self.repetition_penalty <= 2.0:
-            raise ValueError(f"sampling_params.repetition_penalty: must be in [0, 2], got {self.repetition_penalty}")
+        # The reference allows 0, which divides positive logits by zero (inf logits, NaN probabilities).
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"sampling_params.repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
         if self.min_new_tokens < 0:
             raise ValueError(f"sampling_params.min_new_tokens: must be >= 0, got {self.min_new_tokens}")
         if self.n < 1:
@@ -181,10 +182,13 @@ class SamplingParams:
                 )
         if self.regex is not None and self.json_schema is not None:
             raise ValueError("sampling_params: regex and json_schema cannot both be set")
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+        if self.stop_token_ids is not None and not (
+            isinstance(self.stop_token_ids, (list, tuple, set))
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)
         ):
-            raise ValueError("sampling_params.stop_token_ids: must be a list of integers")
+            raise ValueError("sampling_params.stop_token_ids: must be a list of non-negative integers")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"sampling_params.seed: must be an integer or null, got {self.seed!r}")
 
     def normalize(self, tokenizer=None) -> None:
         """Greedy when temperature ~ 0; top_k -1 means all; stop strings and their max token length."""

@@ -296,7 +296,10 @@ class Scheduler(ControlMixin):
             self.being_chunked_req.is_being_chunked += 1
         self.log_prefill_stats(adder, can_run_list, running_bs)
 
-        new_batch = ScheduleBatch(can_run_list, self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache)
+        new_batch = ScheduleBatch(
+            can_run_list, self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache,
+            vocab_size=self.worker.vocab_size,
+        )
         new_batch.prepare_for_extend()
         if (
             self.is_mixed_chunk

@@ -150,6 +150,61 @@ def test_stop_string_trimmed_and_held_back(http):
     assert chunks[-1]["text"] == expected
 
 
+# -- sampling parameters ----------------------------------------------------------------------------
+
+SEEDED = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "seed": 11}
+
+
+def test_parallel_samples_with_a_seed(http):
+    samples = [p["output_ids"] for p in generate(http, text="Seeds", sampling_params={**SEEDED, "n": 3})]
+    assert len(samples) == 3 and len({tuple(s) for s in samples}) > 1  # sample j draws with seed + j
+    again = [p["output_ids"] for p in generate(http, text="Seeds", sampling_params={**SEEDED, "n": 3})]
+    assert again == samples
+    # Sample 0 is what n = 1 gives with the same seed.
+    assert generate(http, text="Seeds", sampling_params=SEEDED)["output_ids"] == samples[0]
+
+
+def test_stop_token_ids_stop_and_are_trimmed(http, default_tokenizer):
+    params = {**GREEDY, "max_new_tokens": 12, "ignore_eos": True}
+    ref = generate(http, text="Stop tokens", sampling_params=params)["output_ids"]
+    stop = ref[3]
+    out = generate(http, text="Stop tokens", sampling_params={**params, "ignore_eos": False, "stop_token_ids": [stop]})
+    assert out["output_ids"] == ref[: ref.index(stop) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == default_tokenizer.decode(ref[: ref.index(stop)])
+
+
+def test_skip_special_tokens_false_shows_them(http, default_tokenizer):
+    """A repetition penalty below 1 boosts the prompt's tokens, so a prompt of one special token
+    makes the model emit it."""
+    boost = {**GREEDY, "max_new_tokens": 3, "ignore_eos": True, "repetition_penalty": 0.05}
+    shown = []
+    for special in default_tokenizer.all_special_ids:
+        out = generate(http, input_ids=[special] * 4, sampling_params={**boost, "skip_special_tokens": False})
+        if special in out["output_ids"]:
+            shown.append((special, out))
+    assert shown, "no special token was generated"
+    for special, out in shown:
+        assert default_tokenizer.decode([special]) in out["text"]
+        hidden = generate(http, input_ids=[special] * 4, sampling_params=boost)
+        assert hidden["output_ids"] == out["output_ids"]
+        assert default_tokenizer.decode([special]) not in hidden["text"]
+
+
+def test_openai_penalties_and_seed_map_to_native(oai, http):
+    native = generate(http, text="Penalties", sampling_params={
+        "temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "frequency_penalty": 1.5,
+        "presence_penalty": 0.5, "repetition_penalty": 1.4})
+    resp = oai.completions.create(model=MODEL, prompt="Penalties", max_tokens=10, temperature=0,
+                                  frequency_penalty=1.5, presence_penalty=0.5,
+                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.4})
+    assert resp.choices[0].text == native["text"]
+    seeded = generate(http, text="Penalties", sampling_params={**SEEDED, "seed": 5, "n": 2})
+    resp = oai.completions.create(model=MODEL, prompt="Penalties", max_tokens=8, temperature=1.0, seed=5, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in resp.choices] == [s["text"] for s in seeded]
+
+
 # -- OpenAI API -------------------------------------------------------------------------------------
 
 
@@ -254,6 +309,19 @@ BAD_REQUESTS = {
     "top_p > 1": (_gen(sampling_params={"top_p": 1.5}), 400),
     "max_new_tokens < 0": (_gen(sampling_params={"max_new_tokens": -1}), 400),
     "n = 0": (_gen(sampling_params={"n": 0}), 400),
+    "n wrong type": (_gen(sampling_params={"n": 1.5}), 400),
+    "frequency_penalty > 2": (_gen(sampling_params={"frequency_penalty": 2.5}), 400),
+    "presence_penalty < -2": (_gen(sampling_params={"presence_penalty": -3}), 400),
+    "presence_penalty wrong type": (_gen(sampling_params={"presence_penalty": "a lot"}), 400),
+    "repetition_penalty = 0": (_gen(sampling_params={"repetition_penalty": 0}), 400),
+    "repetition_penalty > 2": (_gen(sampling_params={"repetition_penalty": 2.5}), 400),
+    "min_new_tokens < 0": (_gen(sampling_params={"min_new_tokens": -1}), 400),
+    "min_new_tokens > max_new_tokens": (_gen(sampling_params={"min_new_tokens": 9, "max_new_tokens": 3}), 400),
+    "stop_token_ids not a list": (_gen(sampling_params={"stop_token_ids": 5}), 400),
+    "stop_token_ids negative": (_gen(sampling_params={"stop_token_ids": [-1]}), 400),
+    "seed wrong type": (_gen(sampling_params={"seed": "lucky"}), 400),
+    "skip_special_tokens not bool": (_gen(sampling_params={"skip_special_tokens": "no"}), 400),
+    "spaces_between_special_tokens not bool": (_gen(sampling_params={"spaces_between_special_tokens": 0}), 400),
     "stream not bool": (_gen(stream="yes"), 400),
     "prompt over context": (("/generate", json.dumps({"input_ids": [5] * 3000}).encode()), 400),
     "unknown session": (_gen(session=["no-such-session", None]), 400),
@@ -263,6 +331,13 @@ BAD_REQUESTS = {
     "openai temperature < 0": (_cmpl(temperature=-1.0), 400),
     "openai top_p = 0": (_cmpl(top_p=0.0), 400),
     "openai max_tokens wrong type": (_cmpl(max_tokens="ten"), 400),
+    "openai frequency_penalty > 2": (_cmpl(frequency_penalty=5.0), 400),
+    "openai presence_penalty wrong type": (_cmpl(presence_penalty="high"), 400),
+    "openai repetition_penalty = 0": (_cmpl(repetition_penalty=0.0), 400),
+    "openai seed wrong type": (_cmpl(seed="x"), 400),
+    "openai n = 0": (_cmpl(n=0), 400),
+    "openai min_tokens > max_tokens": (_cmpl(min_tokens=20, max_tokens=4), 400),
+    "chat stop_token_ids wrong type": (_chat(stop_token_ids=["a"]), 400),
     "openai no model": (("/v1/completions", b'{"prompt": "hi"}'), 400),
     "openai prompt over context": (("/v1/completions", json.dumps({"model": MODEL, "prompt": [7] * 3000}).encode()), 400),
     "chat bad role": (("/v1/chat/completions", json.dumps(

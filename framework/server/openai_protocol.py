@@ -27,7 +27,7 @@ class _SamplingExtras(_Strict):
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # accepted and ignored, as in the reference
     n: int = 1
-    seed: int | None = None  # accepted and ignored, as in the reference
+    seed: int | None = None  # the reference ignores it; here it seeds the sampler
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -42,6 +42,7 @@ class _SamplingExtras(_Strict):
     no_stop_trim: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     regex: str | None = None
     json_schema: str | None = None
 
@@ -54,6 +55,7 @@ class _SamplingExtras(_Strict):
             "regex": self.regex, "json_schema": self.json_schema, "n": self.n,
             "no_stop_trim": self.no_stop_trim, "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens, "seed": self.seed,
         }
 
 

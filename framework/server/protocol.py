@@ -55,8 +55,12 @@ class ReqSpec(GenerateReqInput):
         return GenerateReqInput(**fields)
 
     def copy_for_sample(self, j: int) -> "ReqSpec":
-        """The j-th of n parallel samples: own rid and its own copy of the sampling params."""
-        return replace(self, rid=f"{self.rid}-{j}", sampling_params=replace(self.sampling_params))
+        """The j-th of n parallel samples: own rid and its own copy of the sampling params. With a
+        seed, sample j draws with seed + j: the samples differ, and sample 0 is the n = 1 answer."""
+        params = replace(self.sampling_params)
+        if params.seed is not None:
+            params.seed += j
+        return replace(self, rid=f"{self.rid}-{j}", sampling_params=params)
 
 
 @dataclass
