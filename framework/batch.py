@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -61,11 +62,11 @@ class SamplingBatchInfo:
         for r in reqs:
             seed = r.sampling_params.seed
             # A seeded request draws a different but reproducible value at every step.
-            seeds.append(None if seed is None else seed + len(r.output_ids))
+            seeds.append(None if seed is None else seed + r.num_sampled_tokens())
         masks = []
         for r in reqs:
             p = r.sampling_params
-            if not p.ignore_eos and len(r.output_ids) < p.min_new_tokens:
+            if not p.ignore_eos and r.num_sampled_tokens() < p.min_new_tokens:
                 masks.append(sorted(set(p.stop_token_ids) | r.eos_token_ids))
             else:
                 masks.append(None)
@@ -105,6 +106,9 @@ class ModelWorkerBatch:
     top_logprobs_nums: list[int] = field(default_factory=list)
     extend_logprob_start_lens: list[int] = field(default_factory=list)
     input_embeds: torch.Tensor | None = None
+    # Set by the scheduler when it builds this batch's grammar vocab mask while the batch is in
+    # flight (overlap worker, reference C2/W5): sampling waits for it. None: nothing to wait for.
+    vocab_mask_ready: threading.Event | None = None
 
     @property
     def batch_size(self) -> int:
@@ -163,6 +167,10 @@ class ScheduleBatch:
 
     def is_empty(self) -> bool:
         return len(self.reqs) == 0
+
+    def token_end(self, i: int) -> int:
+        """End of request `i`'s tokens in this pass's token-major tensors (`out_cache_loc`)."""
+        return sum(self.extend_lens[: i + 1])
 
     @property
     def return_logprob(self) -> bool:
@@ -275,10 +283,11 @@ class ScheduleBatch:
         return self.token_to_kv_pool.available_size() >= bs
 
     def prepare_for_decode(self) -> None:
-        """One new token per request: its input is the last sampled id (reference P6)."""
+        """One new token per request: its input is the last sampled id, a placeholder while that id
+        is still in flight on a pipelined worker (reference P6, K5)."""
         self.forward_mode = ForwardMode.DECODE
         bs = self.batch_size()
-        self.input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
+        self.input_ids = torch.tensor([r.last_token_id() for r in self.reqs], dtype=torch.int64)
         self.out_cache_loc = self.alloc_token_slots(bs)
         # seq_lens before this step is the position of the new token.
         self.positions = self.seq_lens.clone()

@@ -50,11 +50,14 @@ class ControlMixin:
     def flush_cache(self) -> bool:
         # Finished requests may still sit in the running or last batch until the next round
         # filters them; their KV is already released, so they do not block a flush.
-        batches = (self.running_batch, self.last_batch)
+        batches = (self.running_batch, self.last_batch, *(b for b, _ in self.result_queue))
         running = any(not r.finished() for b in batches if b is not None for r in b.reqs)
-        if self.waiting_queue or self.being_chunked_req or running or self.result_queue:
+        if self.waiting_queue or self.being_chunked_req or running:
             logger.warning("Cache not flushed: there are running or waiting requests.")
             return False
+        # A pipelined worker may still run a batch of finished requests: let it free their slots.
+        while self.result_queue:
+            self.process_batch_result(*self.result_queue.popleft())
         self.running_batch = self.last_batch = None
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
