@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,7 @@ class SamplingBatchInfo:
     @classmethod
     def from_reqs(cls, reqs: list[Req], penalties: BatchPenalties | None = None) -> "SamplingBatchInfo":
         params = [r.sampling_params for r in reqs]
-        seeds = [None if p.seed is None else step_seed(p.seed, len(r.output_ids)) for r, p in zip(reqs, params)]
+        seeds = [None if p.seed is None else step_seed(p.seed, r.num_sampled_tokens()) for r, p in zip(reqs, params)]
         if penalties is not None:
             assert penalties.batch_size == len(reqs), "penalty rows out of step with the batch"
         return cls(
@@ -120,6 +121,9 @@ class ModelWorkerBatch:
     input_embeds: torch.Tensor | None = None
     # Extend passes of multimodal requests: per request, its ImageInputs or None.
     image_inputs: list[ImageInputs | None] | None = None
+    # Set by the scheduler when it builds this batch's grammar vocab mask while the batch is in
+    # flight (overlap worker, reference C2/W5): sampling waits for it. None: nothing to wait for.
+    vocab_mask_ready: threading.Event | None = None
 
     @property
     def batch_size(self) -> int:
@@ -183,6 +187,10 @@ class ScheduleBatch:
 
     def is_empty(self) -> bool:
         return len(self.reqs) == 0
+
+    def token_end(self, i: int) -> int:
+        """End of request `i`'s tokens in this pass's token-major tensors (`out_cache_loc`)."""
+        return sum(self.extend_lens[: i + 1])
 
     @property
     def return_logprob(self) -> bool:
@@ -303,11 +311,12 @@ class ScheduleBatch:
         return self.token_to_kv_pool.available_size() >= bs
 
     def prepare_for_decode(self) -> None:
-        """One new token per request: its input is the last sampled id (reference P6)."""
+        """One new token per request: its input is the last sampled id, a placeholder while that id
+        is still in flight on a pipelined worker (reference P6, K5)."""
         self.forward_mode = ForwardMode.DECODE
         self.image_inputs = None
         bs = self.batch_size()
-        self.input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
+        self.input_ids = torch.tensor([r.last_token_id() for r in self.reqs], dtype=torch.int64)
         self.out_cache_loc = self.alloc_token_slots(bs)
         # seq_lens before this step is the position of the new token.
         self.positions = self.seq_lens.clone()

@@ -105,6 +105,11 @@ class WorkerSettings(_Section):
     )
     device: str = Field("cpu", description="Torch device.")
     num_threads: int | None = Field(None, gt=0, description="Intra-op threads for the forward pass; empty: all cores.")
+    overlap_penalties: Literal["ignore", "fallback"] = Field(
+        "ignore",
+        description="Frequency/presence/repetition penalties with the overlap worker: ignore (0.3.6: "
+        "warn and drop them per request) or fallback (start the plain tp worker so they apply).",
+    )
 
 
 class ParallelSettings(_Section):
@@ -143,7 +148,9 @@ class ServerSettings(_Section):
 class PluginSelection(_Section):
     policy: str = Field("lpm", description="Scheduling policy plugin (lpm, fcfs, dfs-weight, lof, random, ...).")
     cache: str = Field("radix", description="Prefix cache plugin (radix, chunk, ...).")
-    worker: str = Field("tp", description="Model worker plugin (tp, ...).")
+    worker: str = Field(
+        "tp", description="Model worker plugin (tp, overlap, ...); overlap falls back to tp where it cannot run."
+    )
     disable: list[str] = Field(default_factory=list, description="Observer/default plugins to leave inactive.")
 
 

@@ -49,16 +49,19 @@ class ControlMixin:
 
     def has_requests(self) -> bool:
         """Requests are waiting or running. Finished ones may still sit in the running or last
-        batch until the next round filters them; their KV is already released, so they do not
-        count."""
-        batches = (self.running_batch, self.last_batch)
+        batch (or a batch whose result is pending) until the next round filters them; their KV is
+        already released, so they do not count."""
+        batches = (self.running_batch, self.last_batch, *(b for b, _ in self.result_queue))
         running = any(not r.finished() for b in batches if b is not None for r in b.reqs)
-        return bool(self.waiting_queue or self.being_chunked_req or running or self.result_queue)
+        return bool(self.waiting_queue or self.being_chunked_req or running)
 
     def flush_cache(self) -> bool:
         if self.has_requests():
             logger.warning("Cache not flushed: there are running or waiting requests.")
             return False
+        # A pipelined worker may still run a batch of finished requests: let it free their slots.
+        while self.result_queue:
+            self.process_batch_result(*self.result_queue.popleft())
         self.running_batch = self.last_batch = None
         self.tree_cache.reset()
         self.req_to_token_pool.clear()

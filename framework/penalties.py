@@ -176,13 +176,13 @@ class MinNewTokensPenalizer(_Penalizer):
 
     @staticmethod
     def is_needed_by(req):
-        return len(req.output_ids) < req.sampling_params.min_new_tokens
+        return req.num_sampled_tokens() < req.sampling_params.min_new_tokens
 
     @classmethod
     def from_reqs(cls, reqs, vocab_size):
         return cls(
             min_new_tokens=torch.tensor([r.sampling_params.min_new_tokens for r in reqs], dtype=torch.int64),
-            num_output_tokens=torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64),
+            num_output_tokens=torch.tensor([r.num_sampled_tokens() for r in reqs], dtype=torch.int64),
             stop_tokens=_token_mask(
                 [sorted(set(r.sampling_params.stop_token_ids or ()) | r.eos_token_ids) for r in reqs], vocab_size
             ),

@@ -126,6 +126,14 @@ class SamplingParams:
     stop_strs: list[str] = field(default_factory=list)
     stop_str_max_len: int = 0
 
+    def has_output_penalties(self) -> bool:
+        """Frequency, presence or repetition penalty set (they need every sampled token)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def drop_output_penalties(self) -> None:
+        self.frequency_penalty = self.presence_penalty = 0.0
+        self.repetition_penalty = 1.0
+
     @classmethod
     def from_dict(cls, data: dict | None) -> "SamplingParams":
         """Build from a user dict; unknown keys are an error naming them."""
@@ -245,6 +253,9 @@ class Req:
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.output_ids: list[int] = []
+        # The id of the token sampled by a launched batch whose result is not processed yet: a
+        # placeholder from a pipelined worker (reference K5), or None when `output_ids` is current.
+        self.future_token_id: int | None = None
         self.fill_ids: list[int] = []
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids or set()
@@ -296,6 +307,14 @@ class Req:
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    def num_sampled_tokens(self) -> int:
+        """Output tokens sampled so far, the one still in flight included."""
+        return len(self.output_ids) + (self.future_token_id is not None)
+
+    def last_token_id(self) -> int:
+        """The input of this request's next decode step: the in-flight token, else the last output."""
+        return self.future_token_id if self.future_token_id is not None else self.output_ids[-1]
+
     def init_next_round_input(self, tree_cache=None) -> None:
         """Set `fill_ids` and, when a cache is given, match the prefix (reference D4 step 8)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
@@ -345,6 +364,8 @@ class Req:
         self.last_node = None
         self.extend_input_len = 0
         self.is_retracted = True
+        # The in-flight token is dropped: it is recomputed by the re-prefill.
+        self.future_token_id = None
         # No prompt logprobs on the re-prefill.
         self.logprob_start_len = 10**9
 

@@ -102,6 +102,7 @@ class Scheduler(ControlMixin):
         self.cache_total_tokens = 0
         self.num_retractions = 0
         self.num_received_reqs = 0
+        self.num_late_finish_frees = 0  # KV slots of requests that finished one step late (K6)
         self.new_token_ratio = NewTokenRatio(
             sched.init_new_token_ratio, sched.schedule_conservativeness,
             sched.min_new_token_ratio_factor, sched.new_token_ratio_decay_steps,
@@ -210,6 +211,14 @@ class Scheduler(ControlMixin):
         if msg.session_id is not None:
             self.sessions.record(msg.session_id, req)
         params = req.sampling_params
+        if params.has_output_penalties() and not self.worker.supports_output_penalties:
+            # Reference W4: under the overlap scheduler these penalties are ignored with a warning.
+            logger.warning(
+                "Request %s: frequency/presence/repetition penalties are ignored by the %s worker "
+                "(set worker.overlap_penalties = \"fallback\" to apply them).",
+                req.rid, self.settings.plugins.worker,
+            )
+            params.drop_output_penalties()
         params.max_new_tokens = min(
             params.max_new_tokens if params.max_new_tokens is not None else 1 << 30,
             self.max_req_len - len(req.origin_input_ids) - 1,
@@ -347,7 +356,11 @@ class Scheduler(ControlMixin):
 
     def run_batch(self, batch: ScheduleBatch) -> ResultHandle:
         self.forward_ct += 1
-        return self.worker.launch(batch.get_model_worker_batch())
+        handle = self.worker.launch(batch.get_model_worker_batch())
+        # The next decode step may be built before this result is processed (pipelined worker).
+        for req, token_id in zip(batch.reqs, handle.next_token_ids):
+            req.future_token_id = token_id
+        return handle
 
     def process_batch_result(self, batch: ScheduleBatch, handle: ResultHandle) -> None:
         result = handle.result()
@@ -355,21 +368,24 @@ class Scheduler(ControlMixin):
             self.hooks.on_batch_result(batch, result, self)
             return
         if batch.forward_mode.is_decode():
-            self.process_batch_result_decode(batch, result)
+            self.process_batch_result_decode(batch, result, handle.next_token_ids)
         else:
-            self.process_batch_result_prefill(batch, result)
+            self.process_batch_result_prefill(batch, result, handle.next_token_ids)
         self.hooks.on_batch_result(batch, result, self)
 
-    def process_batch_result_prefill(self, batch: ScheduleBatch, result: BatchResult) -> None:
+    def process_batch_result_prefill(self, batch: ScheduleBatch, result: BatchResult, launched: list[int]) -> None:
         decoding = {id(r) for r in batch.decoding_reqs} if batch.decoding_reqs else set()
         for i, req in enumerate(batch.reqs):
-            if req.is_retracted or req.finished():
+            if req.is_retracted:
                 continue
             if req.is_being_chunked > 0:
                 # A middle chunk: its sampled token is discarded.
                 req.is_being_chunked -= 1
                 continue
-            req.output_ids.append(result.next_token_ids[i])
+            if req.finished():
+                self.free_late_finished_slot(batch, i)
+                continue
+            self.append_token(req, result.next_token_ids[i], launched[i])
             self.add_logprobs(req, i, result, is_prefill=id(req) not in decoding)
             req.check_finished()
             if req.finished():
@@ -380,12 +396,15 @@ class Scheduler(ControlMixin):
             self.note_decode_step(len(decoding))
         self.stream_output(batch.reqs)
 
-    def process_batch_result_decode(self, batch: ScheduleBatch, result: BatchResult) -> None:
+    def process_batch_result_decode(self, batch: ScheduleBatch, result: BatchResult, launched: list[int]) -> None:
         self.token_to_kv_pool.free_group_begin()
         for i, req in enumerate(batch.reqs):
-            if req.is_retracted or req.finished():
+            if req.is_retracted:
                 continue
-            req.output_ids.append(result.next_token_ids[i])
+            if req.finished():
+                self.free_late_finished_slot(batch, i)
+                continue
+            self.append_token(req, result.next_token_ids[i], launched[i])
             self.add_logprobs(req, i, result, is_prefill=False)
             req.check_finished()
             if req.finished():
@@ -395,6 +414,20 @@ class Scheduler(ControlMixin):
         self.stream_output(batch.reqs)
         if self.running_batch is not None and self.running_batch.is_empty():
             self.running_batch = None
+
+    def append_token(self, req: Req, token_id: int, launched_id: int) -> None:
+        req.output_ids.append(token_id)
+        # Unless a later batch, launched meanwhile, already holds the request's next placeholder.
+        if req.future_token_id == launched_id:
+            req.future_token_id = None
+
+    def free_late_finished_slot(self, batch: ScheduleBatch, i: int) -> None:
+        """Request `i` finished (or was aborted) while this batch was in flight, so the batch gave
+        it a KV slot for a token it will never keep: free that slot, exactly once. Only a pipelined
+        worker gets here; `cache_finished_req` covers `(origin + output)[:-1]` (reference K6)."""
+        end = batch.token_end(i)
+        self.token_to_kv_pool.free(batch.out_cache_loc[end - 1 : end])
+        self.num_late_finish_frees += 1
 
     def note_decode_step(self, num_tokens: int) -> None:
         self.forward_ct_decode = (self.forward_ct_decode + 1) % (1 << 30)

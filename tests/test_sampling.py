@@ -191,6 +191,18 @@ def greedy(**extra) -> dict:
     return {"temperature": 0, "max_new_tokens": NEW, "min_new_tokens": NEW, "ignore_eos": True, **extra}
 
 
+@pytest.fixture
+def make_engine(make_engine):
+    """Penalties apply only on the plain worker (the overlap worker drops them, as 0.3.6): ask for
+    the documented fallback."""
+
+    def factory(extra_plugins=(), **sections):
+        sections.setdefault("worker", {}).setdefault("overlap_penalties", "fallback")
+        return make_engine(extra_plugins, **sections)
+
+    return factory
+
+
 @pytest.fixture(scope="module")
 def prompts(sharegpt_prompts):
     return [p[:64] for p in sharegpt_prompts[:12]]

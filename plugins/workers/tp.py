@@ -54,6 +54,7 @@ class TpWorker:
     """Runs one batch at a time; `launch` returns an already-resolved handle."""
 
     is_pipelined = False
+    supports_output_penalties = True
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -90,7 +91,10 @@ class TpWorker:
         return cls(runner)
 
     def forward_batch_generation(self, batch) -> BatchResult:
-        logits_output = self.runner.forward(batch)
+        return self.sample(self.runner.forward(batch), batch)
+
+    def sample(self, logits_output, batch) -> BatchResult:
+        """The next tokens (and logprobs) from a forward pass's logits."""
         next_token_ids = self.runner.sample(logits_output, batch)
         result = BatchResult(next_token_ids=next_token_ids.tolist())
         if batch.return_logprob:
