@@ -53,6 +53,8 @@ class SamplingBatchInfo:
     need_min_p_sampling: bool
     # min_new_tokens: per request, the stop token ids to mask while output is still too short.
     min_new_tokens_masks: list[list[int] | None] = field(default_factory=list)
+    # Structured output: xgrammar bitmask [bs, ceil(vocab / 32)] int32, or None (framework/grammar.py).
+    vocab_mask: torch.Tensor | None = None
 
     @classmethod
     def from_reqs(cls, reqs: list[Req]) -> "SamplingBatchInfo":

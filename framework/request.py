@@ -185,6 +185,10 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
         ):
             raise ValueError("sampling_params.stop_token_ids: must be a list of integers")
+        if self.regex is not None or self.json_schema is not None:
+            from framework.grammar import check_grammar_params  # imports xgrammar, only when used
+
+            check_grammar_params(self)
 
     def normalize(self, tokenizer=None) -> None:
         """Greedy when temperature ~ 0; top_k -1 means all; stop strings and their max token length."""
