@@ -129,7 +129,10 @@ class GrammarBackend:
         compiler = self._get_compiler()
         try:
             if kind == "json":
-                return compiler.compile_json_schema(text)
+                # One fixed layout (json.dumps's compact separators), as the reference's xgrammar
+                # had: free whitespace lets a model pad forever and leaves jump-forward only
+                # fragments to append.
+                return compiler.compile_json_schema(text, any_whitespace=False)
             return compiler.compile_regex(text)
         except RuntimeError as exc:
             raise GrammarError(f"{kind}: invalid: {_short_message(exc)}") from None
