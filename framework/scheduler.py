@@ -89,6 +89,9 @@ class Scheduler(ControlMixin):
         # The mask of batch N+1 needs batch N's tokens, which a pipelined worker has not returned
         # yet when N+1 is launched; jump-forward is off there, as in the reference.
         self.enable_jump_forward = sched.enable_jump_forward and not self.worker.is_pipelined
+        # TP ranks must admit the same requests: they wait for each compilation instead of the
+        # reference's all-reduce of the ready count (X2).
+        self.wait_for_grammars = settings.parallel.tp_size > 1
 
         # Running state (reference B4).
         self.waiting_queue: list[Req] = []
@@ -243,7 +246,7 @@ class Scheduler(ControlMixin):
         num_ready = 0
         for req in self.grammar_queue:
             future = req.stash[GRAMMAR_FUTURE_KEY]
-            if not future.done():
+            if not future.done() and not self.wait_for_grammars:
                 break
             num_ready += 1
             del req.stash[GRAMMAR_FUTURE_KEY]
