@@ -57,6 +57,8 @@ class SamplingBatchInfo:
     need_min_p_sampling: bool
     # Frequency / presence / repetition / min_new_tokens state of the batch, when some row uses it.
     penalties: BatchPenalties | None = None
+    # Structured output: xgrammar bitmask [bs, ceil(vocab / 32)] int32, or None (framework/grammar.py).
+    vocab_mask: torch.Tensor | None = None
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], penalties: BatchPenalties | None = None) -> "SamplingBatchInfo":

@@ -77,6 +77,14 @@ class SchedulerSettings(_Section):
         False, description="Test only: retract on every decode step with more than 10 requests."
     )
     stream_interval: int = Field(1, gt=0, description="Stream every this many decode steps.")
+    enable_jump_forward: bool = Field(
+        False,
+        description="Structured output: append the text a grammar forces without a forward pass per "
+        "token (retokenized, re-prefilled). Ignored with a pipelined (overlap) worker.",
+    )
+    grammar_compile_threads: int = Field(
+        1, gt=0, description="Threads compiling json_schema/regex grammars off the scheduler loop."
+    )
     check_leaks: bool = Field(
         False, description="Raise instead of warning when the idle check finds leaked KV or request slots."
     )

@@ -25,14 +25,15 @@ class ControlMixin:
 
     def abort_request(self, rid: str) -> None:
         """Abort wherever the request is; it is reported as aborted (the reference is silent for
-        waiting requests and misses the chunked one, QUIRK 4)."""
-        for i, req in enumerate(self.waiting_queue):
-            if req.rid == rid:
-                del self.waiting_queue[i]
-                req.finished_reason = FinishAbort("Aborted by the client.")
-                self.hooks.on_request_finished(req, self)
-                self.stream_output([req])
-                return
+        waiting requests and misses the chunked one and the grammar queue, QUIRK 4)."""
+        for queue in (self.waiting_queue, self.grammar_queue):
+            for i, req in enumerate(queue):
+                if req.rid == rid:
+                    del queue[i]
+                    req.finished_reason = FinishAbort("Aborted by the client.")
+                    self.hooks.on_request_finished(req, self)
+                    self.stream_output([req])
+                    return
         if self.being_chunked_req is not None and self.being_chunked_req.rid == rid:
             # Released when the next round takes it out of the last batch (D1).
             self.being_chunked_req.finished_reason = FinishAbort("Aborted by the client.")
@@ -64,6 +65,7 @@ class ControlMixin:
             self.process_batch_result(*self.result_queue.popleft())
         self.running_batch = self.last_batch = None
         self.tree_cache.reset()
+        self.grammar_backend.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool.clear()
         self.cache_hit_tokens = self.cache_total_tokens = 0

@@ -197,6 +197,10 @@ class SamplingParams:
             raise ValueError("sampling_params.stop_token_ids: must be a list of non-negative integers")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"sampling_params.seed: must be an integer or null, got {self.seed!r}")
+        if self.regex is not None or self.json_schema is not None:
+            from framework.grammar import check_grammar_params  # imports xgrammar, only when used
+
+            check_grammar_params(self)
 
     def normalize(self, tokenizer=None) -> None:
         """Greedy when temperature ~ 0; top_k -1 means all; stop strings and their max token length."""

@@ -31,10 +31,14 @@ from framework.messages import (
     UpdateWeightsReq,
     UpdateWeightsReqOutput,
 )
+from framework.grammar import (
+    GRAMMAR_FUTURE_KEY, GRAMMAR_KEY, GrammarBackend, accept_last_token, batch_vocab_mask, grammar_key,
+    grammar_of, jump_forward_ids,
+)
 from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
 from framework.plugins import PluginManager
 from framework.profiling import TorchProfiler
-from framework.request import FinishAbort, Req, Stash
+from framework.request import FinishAbort, FinishMatchedToken, Req, Stash, StashKey
 from framework.control import ControlMixin
 from framework.sessions import SessionController, SessionError
 from framework.worker import BatchResult, ResultHandle
@@ -85,9 +89,20 @@ class Scheduler(ControlMixin):
         assert self.max_req_input_len > 0, "context or KV pool too small"
         self.force_retract = sched.force_retract
         self.retract_decode_steps = sched.retract_decode_steps
+        self.grammar_backend = GrammarBackend(
+            self.tokenizer, self.worker.vocab_size, sched.grammar_compile_threads
+        )
+        # The mask of batch N+1 needs batch N's tokens, which a pipelined worker has not returned
+        # yet when N+1 is launched; jump-forward is off there, as in the reference.
+        self.enable_jump_forward = sched.enable_jump_forward and not self.worker.is_pipelined
+        # TP ranks must admit the same requests: they wait for each compilation instead of the
+        # reference's all-reduce of the ready count (X2).
+        self.wait_for_grammars = settings.parallel.tp_size > 1
 
         # Running state (reference B4).
         self.waiting_queue: list[Req] = []
+        # Requests whose grammar is still compiling, in arrival order (reference X1, X2).
+        self.grammar_queue: list[Req] = []
         self.running_batch: ScheduleBatch | None = None
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
@@ -132,7 +147,8 @@ class Scheduler(ControlMixin):
 
     def has_work(self) -> bool:
         return bool(
-            self.inbox or self.waiting_queue or self.result_queue or self.being_chunked_req
+            self.inbox or self.waiting_queue or self.grammar_queue or self.result_queue
+            or self.being_chunked_req
             or (self.running_batch is not None and not self.running_batch.is_empty())
             or (self.last_batch is not None and not self.last_batch.is_empty())
         )
@@ -168,6 +184,8 @@ class Scheduler(ControlMixin):
             else:
                 # The reference raises here and kills the server; an unknown message is logged.
                 logger.error("scheduler received an unknown message: %r", type(msg).__name__)
+        if self.grammar_queue:
+            self.move_ready_grammar_requests()
 
     def validate_input(self, input_ids: list[int]) -> str | None:
         """Why a prompt cannot be served, or None."""
@@ -205,8 +223,7 @@ class Scheduler(ControlMixin):
         error = session_error or image_error or self.validate_input(req.origin_input_ids)
         if error is not None:
             # Rejected before it takes any memory (the reference prefills first, QUIRK 5).
-            req.finished_reason = FinishAbort(error)
-            self.stream_output([req])
+            self.reject(req, error)
             return
         if msg.session_id is not None:
             self.sessions.record(msg.session_id, req)
@@ -223,6 +240,18 @@ class Scheduler(ControlMixin):
             params.max_new_tokens if params.max_new_tokens is not None else 1 << 30,
             self.max_req_len - len(req.origin_input_ids) - 1,
         )
+        key = grammar_key(params)
+        if key is not None:
+            if self.worker.is_pipelined:
+                self.reject(req, "json_schema/regex are not supported with a pipelined (overlap) worker yet.")
+                return
+            req.stash[GRAMMAR_FUTURE_KEY] = self.grammar_backend.submit(key)
+            self.grammar_queue.append(req)
+            self.move_ready_grammar_requests()
+            return
+        self.enqueue(req)
+
+    def enqueue(self, req: Req) -> None:
         self.waiting_queue.append(req)
         self.hooks.on_request_received(req, self)
 
@@ -240,6 +269,30 @@ class Scheduler(ControlMixin):
             # An image cannot be truncated; refused before it takes memory (QUIRK 5 fixed).
             return IMAGE_TOO_LONG_MESSAGE
         return None
+
+    def reject(self, req: Req, message: str) -> None:
+        """Finish a request that never took memory, reporting `message`."""
+        req.finished_reason = FinishAbort(message)
+        self.stream_output([req])
+
+    def move_ready_grammar_requests(self) -> None:
+        """Move requests whose grammar is compiled to the waiting queue, in order; stop at the
+        first still compiling (the reference's head-of-line order, without its 50 ms wait).
+        A grammar that failed to compile finishes its request with the error."""
+        num_ready = 0
+        for req in self.grammar_queue:
+            future = req.stash[GRAMMAR_FUTURE_KEY]
+            if not future.done() and not self.wait_for_grammars:
+                break
+            num_ready += 1
+            del req.stash[GRAMMAR_FUTURE_KEY]
+            try:
+                req.stash[GRAMMAR_KEY] = self.grammar_backend.make_grammar(future)
+            except Exception as exc:  # a compile error belongs to this request alone
+                self.reject(req, f"Grammar compilation failed: {exc}")
+                continue
+            self.enqueue(req)
+        del self.grammar_queue[:num_ready]
 
     # -- batch selection (reference D) ------------------------------------------------------------
 
@@ -342,10 +395,39 @@ class Scheduler(ControlMixin):
                 self.waiting_queue.extend(retracted)
         else:
             self.new_token_ratio.step()
+        if self.enable_jump_forward:
+            self.jump_forward(batch)
+            if batch.is_empty():
+                self.batch_is_full = False
+                return None
         if batch.batch_size() < initial_bs:
             self.batch_is_full = False
         batch.prepare_for_decode()
         return batch
+
+    def jump_forward(self, batch: ScheduleBatch) -> None:
+        """Requests whose grammar forces the next characters get them appended, retokenized, and
+        go back to waiting to be re-prefilled over their cached prefix (reference J)."""
+        keep = []
+        for i, req in enumerate(batch.reqs):
+            # Logprobs of jumped tokens would need the reference's re-derivation (J2 step 5).
+            if grammar_of(req) is None or req.return_logprob:
+                keep.append(i)
+                continue
+            old_len = len(req.output_ids)
+            new_ids = jump_forward_ids(req, self.tokenizer)
+            if new_ids is None:
+                keep.append(i)
+                continue
+            # Cache the tokens computed so far; the slot and the lock are released.
+            self.tree_cache.cache_finished_req(req)
+            req.output_ids = new_ids
+            req.stash[JUMPED_TOKENS_KEY] = req.stash.get(JUMPED_TOKENS_KEY, 0) + len(new_ids) - old_len
+            req.reset_for_retract()
+            req.vid += 1  # the detokenizer restarts this request's incremental state
+            self.waiting_queue.append(req)
+        if len(keep) < batch.batch_size():
+            batch.filter_batch(keep_indices=keep)
 
     def retract_req(self, req: Req, kv_len: int) -> None:
         """Release a running request's memory and send it back to waiting (used by on_decode_oom)."""
@@ -356,6 +438,8 @@ class Scheduler(ControlMixin):
 
     def run_batch(self, batch: ScheduleBatch) -> ResultHandle:
         self.forward_ct += 1
+        if batch.sampling_info is not None:
+            batch.sampling_info.vocab_mask = batch_vocab_mask(batch.reqs, self.worker.vocab_size)
         handle = self.worker.launch(batch.get_model_worker_batch())
         # The next decode step may be built before this result is processed (pipelined worker).
         for req, token_id in zip(batch.reqs, handle.next_token_ids):
@@ -387,7 +471,7 @@ class Scheduler(ControlMixin):
                 continue
             self.append_token(req, result.next_token_ids[i], launched[i])
             self.add_logprobs(req, i, result, is_prefill=id(req) not in decoding)
-            req.check_finished()
+            self.check_finished(req)
             if req.finished():
                 self.finish_req(req)
             elif id(req) not in decoding:
@@ -406,7 +490,7 @@ class Scheduler(ControlMixin):
                 continue
             self.append_token(req, result.next_token_ids[i], launched[i])
             self.add_logprobs(req, i, result, is_prefill=False)
-            req.check_finished()
+            self.check_finished(req)
             if req.finished():
                 self.finish_req(req)
         self.token_to_kv_pool.free_group_end()
@@ -428,6 +512,13 @@ class Scheduler(ControlMixin):
         end = batch.token_end(i)
         self.token_to_kv_pool.free(batch.out_cache_loc[end - 1 : end])
         self.num_late_finish_frees += 1
+
+    def check_finished(self, req: Req) -> None:
+        """The grammar accepts the new token first (after the logprobs, as in the reference); a
+        completed grammar finishes the request."""
+        if accept_last_token(req) and not req.finished():
+            req.finished_reason = FinishMatchedToken(matched=req.output_ids[-1])
+        req.check_finished()
 
     def note_decode_step(self, num_tokens: int) -> None:
         self.forward_ct_decode = (self.forward_ct_decode + 1) % (1 << 30)
@@ -476,6 +567,7 @@ class Scheduler(ControlMixin):
             "id": req.rid,
             "prompt_tokens": len(req.origin_input_ids),
             "completion_tokens": len(req.output_ids),
+            "completion_tokens_wo_jump_forward": len(req.output_ids) - req.stash.get(JUMPED_TOKENS_KEY, 0),
             "cached_tokens": req.cached_tokens,
             "finish_reason": req.finished_reason.to_json() if req.finished_reason else None,
         }
@@ -561,5 +653,10 @@ class Scheduler(ControlMixin):
         )
 
     def shutdown(self) -> None:
+        self.grammar_backend.shutdown()
         self.worker.shutdown()
+
+
+# Output tokens appended by jump-forward rather than sampled.
+JUMPED_TOKENS_KEY = StashKey("jumped_tokens")
 

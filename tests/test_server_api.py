@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -345,6 +346,13 @@ BAD_REQUESTS = {
     "chat no messages": (("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode()), 400),
     "chat top_p > 1": (_chat(top_p=2.0), 400),
     "chat malformed json": (("/v1/chat/completions", b"{not json"), 400),
+    "bad regex": (_gen(sampling_params={"regex": "(abc"}), 400),
+    "bad json_schema": (_gen(sampling_params={"json_schema": '{"type": "objectx"}'}), 400),
+    "openai bad regex": (_cmpl(regex="[z-a]"), 400),
+    "chat bad response_format schema": (_chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}), 400),
+    "chat response_format without schema": (_chat(response_format={"type": "json_schema"}), 400),
+    "chat response_format and regex": (_chat(response_format={"type": "json_object"}, regex="a"), 400),
     "close unknown session": (("/close_session", b'{"session_id": "nope"}'), 400),
     "open_session wrong type": (("/open_session", b'{"capacity_of_str_len": "big"}'), 400),
 }
@@ -401,3 +409,24 @@ def test_metrics_parse_and_move(http):
     assert moved("batchyard:time_to_first_token_seconds_count") == 1
     assert moved("batchyard:inter_token_latency_seconds_count") == 4
     assert after["batchyard:kv_available_tokens"] + after["batchyard:kv_evictable_tokens"] == 20000
+
+
+def test_structured_output_over_http(http, oai):
+    """regex on /generate and /v1/completions, response_format on chat (tiny random weights)."""
+    regex = r"(yes|no), [0-9]{2,4}"
+    out = generate(http, text="Reply:", sampling_params={"temperature": 0, "max_new_tokens": 32, "regex": regex})
+    assert re.fullmatch(regex, out["text"]), out["text"]
+    cmpl = oai.completions.create(model=MODEL, prompt="Reply:", max_tokens=32, temperature=0,
+                                  extra_body={"regex": regex})
+    assert re.fullmatch(regex, cmpl.choices[0].text), cmpl.choices[0].text
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    choice = chat.choices[0]
+    if choice.finish_reason == "stop":  # random weights may spend the budget on whitespace
+        assert isinstance(json.loads(choice.message.content)["ok"], bool)
+    else:
+        assert choice.message.content.lstrip().startswith("{")

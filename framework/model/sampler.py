@@ -1,6 +1,6 @@
 """Next-token sampling from logits (reference W5, pytorch backend semantics).
 
-Order: penalties (framework/penalties.py) -> (all greedy: argmax) -> temperature -> softmax (fp32) -> top-k,
+Order: grammar vocab mask -> penalties (framework/penalties.py) -> (all greedy: argmax) -> temperature -> softmax (fp32) -> top-k,
 top-p, min-p on the sorted candidates -> one inverse-CDF draw per row. top-p uses the cumulative mass of the full
 distribution (computed before the top-k cut), and min-p is relative to the most likely token, as in
 the reference. Rows with top_k <= 1 are always argmax, whatever the rest of the batch does.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from framework.batch import SamplingBatchInfo
+from framework.grammar import apply_vocab_mask
 
 # Candidates taken by the partial sort before falling back to sorting the whole vocabulary.
 _NUM_CANDIDATES = 512
@@ -24,6 +25,7 @@ class Sampler:
         bs, vocab_size = logits.shape
         if bs == 0:
             return torch.empty((0,), dtype=torch.int64)
+        logits = apply_vocab_mask(logits, info.vocab_mask)
         if info.penalties is not None:
             logits = info.penalties.apply(logits)  # a copy: the caller keeps the raw logits for logprobs
         greedy_ids = logits.argmax(dim=-1)

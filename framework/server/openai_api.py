@@ -176,8 +176,6 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str, 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = _validate(ChatCompletionRequest, await read_json(request, max_bytes))
-        if req.response_format is not None and req.response_format.type == "json_schema":
-            raise ApiError("response_format: json_schema (constrained decoding) is not supported")
         ids = _chat_input_ids(tm, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         batch = _batch(tm, req, [(ids, None)], req.sampling_dict(max_tokens, req.temperature),

@@ -6,9 +6,12 @@ Unknown fields are ignored, as in the reference, so newer clients keep working.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from framework.server.protocol import ApiError
 
 
 class _Strict(BaseModel):
@@ -17,6 +20,11 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class _SamplingExtras(_Strict):
@@ -45,6 +53,7 @@ class _SamplingExtras(_Strict):
     spaces_between_special_tokens: bool = True
     regex: str | None = None
     json_schema: str | None = None
+    response_format: ResponseFormat | None = None
 
     def sampling_dict(self, max_new_tokens: int | None, temperature: float) -> dict[str, Any]:
         return {
@@ -52,11 +61,29 @@ class _SamplingExtras(_Strict):
             "stop": self.stop, "stop_token_ids": self.stop_token_ids, "top_p": self.top_p,
             "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-            "regex": self.regex, "json_schema": self.json_schema, "n": self.n,
+            "regex": self.regex, "json_schema": self.json_schema_of_response_format(), "n": self.n,
             "no_stop_trim": self.no_stop_trim, "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens, "seed": self.seed,
         }
+
+
+    def json_schema_of_response_format(self) -> str | None:
+        """The JSON schema string that `response_format` asks for, else the `json_schema` extension.
+
+        `json_object` is any JSON object (the reference ignores it). Bad combinations are an ApiError (400).
+        """
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return self.json_schema
+        if self.json_schema is not None or self.regex is not None:
+            raise ApiError("response_format: cannot be combined with json_schema or regex")
+        if fmt.type == "json_object":
+            return json.dumps({"type": "object"})
+        spec = fmt.json_schema
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError("response_format.json_schema.schema: required, a JSON schema object")
+        return json.dumps(spec["schema"])
 
 
 class CompletionRequest(_SamplingExtras):
@@ -80,16 +107,10 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_SamplingExtras):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    response_format: ResponseFormat | None = None
     temperature: float = 0.7

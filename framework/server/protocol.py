@@ -121,8 +121,6 @@ def sampling_params_from(data: Any, tokenizer: Any, name: str = "sampling_params
         for flag in ("no_stop_trim", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(params, flag), bool):
                 raise ValueError(f"sampling_params.{flag}: must be true or false")
-        if params.regex is not None or params.json_schema is not None:
-            raise ValueError("sampling_params: regex and json_schema (constrained decoding) are not supported")
         params.verify()
         params.normalize(tokenizer)
     except (TypeError, ValueError) as exc:
