@@ -104,7 +104,12 @@ class ModelWorkerBatch:
     return_logprob: bool = False
     top_logprobs_nums: list[int] = field(default_factory=list)
     extend_logprob_start_lens: list[int] = field(default_factory=list)
+    # input_embeds requests: the supplied vectors [num_supplied, hidden] float32, one per True of
+    # `input_embeds_mask` [num_tokens] in token order; the other tokens embed their input id.
     input_embeds: torch.Tensor | None = None
+    input_embeds_mask: torch.Tensor | None = None
+    # An embedding model's batch: pool each request's last hidden state, do not sample.
+    is_embedding: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -150,6 +155,7 @@ class ScheduleBatch:
         self.decoding_reqs: list[Req] | None = None
         self.sampling_info: SamplingBatchInfo | None = None
         self.input_embeds: torch.Tensor | None = None
+        self.input_embeds_mask: torch.Tensor | None = None
         self.bid = 0
         self.stash = Stash()
 
@@ -167,6 +173,11 @@ class ScheduleBatch:
     @property
     def return_logprob(self) -> bool:
         return any(r.return_logprob for r in self.reqs)
+
+    @property
+    def is_embedding(self) -> bool:
+        # An embedding model serves embedding requests only, so a batch is all or nothing.
+        return bool(self.reqs) and self.reqs[0].is_embedding
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -244,6 +255,7 @@ class ScheduleBatch:
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
         self.out_cache_loc = out_cache_loc
         self.sampling_info = SamplingBatchInfo.from_reqs(reqs)
+        self.input_embeds, self.input_embeds_mask = gather_input_embeds(reqs, self.prefix_lens, positions)
 
     def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
         """Append the running decode requests to this prefill batch as 1-token extends (H3)."""
@@ -263,6 +275,10 @@ class ScheduleBatch:
         self.req_pool_indices = torch.cat([self.req_pool_indices, running_batch.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, running_batch.seq_lens])
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs)
+        if self.input_embeds_mask is not None:
+            self.input_embeds_mask = torch.cat(
+                [self.input_embeds_mask, torch.zeros(running_bs, dtype=torch.bool)]
+            )
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -277,6 +293,7 @@ class ScheduleBatch:
     def prepare_for_decode(self) -> None:
         """One new token per request: its input is the last sampled id (reference P6)."""
         self.forward_mode = ForwardMode.DECODE
+        self.input_embeds = self.input_embeds_mask = None  # decode inputs are sampled ids
         bs = self.batch_size()
         self.input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
         self.out_cache_loc = self.alloc_token_slots(bs)
@@ -360,7 +377,30 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             extend_logprob_start_lens=list(self.extend_logprob_start_lens),
             input_embeds=self.input_embeds,
+            input_embeds_mask=self.input_embeds_mask,
+            is_embedding=self.is_embedding,
         )
+
+
+def gather_input_embeds(
+    reqs: list[Req], prefix_lens: list[int], positions: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The supplied vectors of an extend pass and the mask of the tokens they replace, or
+    (None, None) when no request brought input_embeds. `positions[i]` are request i's positions
+    in this pass; those below its input_embeds length take its vectors (later positions, e.g.
+    output tokens re-prefilled after a retraction, are ordinary ids)."""
+    if all(r.input_embeds is None for r in reqs):
+        return None, None
+    rows: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    for req, pre_len, pos in zip(reqs, prefix_lens, positions):
+        if req.input_embeds is None:
+            masks.append(torch.zeros(len(pos), dtype=torch.bool))
+            continue
+        num_embeds = len(req.input_embeds)
+        masks.append(pos < num_embeds)
+        rows.append(req.input_embeds[pre_len : min(pre_len + len(pos), num_embeds)])
+    return torch.cat(rows), torch.cat(masks)
 
 
 def idle_worker_batch() -> ModelWorkerBatch:

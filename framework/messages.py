@@ -19,7 +19,8 @@ from framework.request import FinishReason, SamplingParams
 
 @dataclass
 class GenerateReqInput:
-    """A tokenized generation request (TokenizedGenerateReqInput)."""
+    """A tokenized request (TokenizedGenerateReqInput; with `is_embedding`, the reference's
+    TokenizedEmbeddingReqInput: a prefill whose output is the pooled hidden state)."""
 
     rid: str
     input_ids: list[int]
@@ -32,6 +33,9 @@ class GenerateReqInput:
     session_id: str | None = None
     session_rid: str | None = None
     priority: int = 0
+    is_embedding: bool = False
+    # [len(input_ids), hidden] float32 prompt vectors; input_ids are then placeholders (zeros).
+    input_embeds: Any = None
 
 
 @dataclass
@@ -54,6 +58,7 @@ class ReqOutput:
     output_ids: list[int]  # all output ids so far
     finished_reason: FinishReason | None
     meta_info: dict[str, Any]
+    embedding: list[float] | None = None  # an embedding request's output
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -77,6 +82,7 @@ class StrOutput:
     output_ids: list[int]
     finished_reason: FinishReason | None
     meta_info: dict[str, Any]
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -158,6 +164,8 @@ class SchedulerReady:
     context_len: int
     vocab_size: int
     pid: int
+    hidden_size: int = 0
+    is_generation: bool = True
 
 
 @dataclass

@@ -27,6 +27,8 @@ class BatchResult:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
     normalized_prompt_logprobs: list[float] | None = None
+    # An embedding batch's pooled vectors (its next_token_ids are empty).
+    embeddings: list[list[float]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -59,6 +61,10 @@ class Worker(Protocol):
     tokenizer: Any
     eos_token_ids: set[int]
     vocab_size: int
+    hidden_size: int
+    #: False for an embedding model: its batches are embedding batches (`batch.is_embedding`),
+    #: answered with `BatchResult.embeddings`.
+    is_generation: bool
 
     def launch(self, batch: "ModelWorkerBatch") -> ResultHandle: ...
 
