@@ -2,7 +2,7 @@
 
 Embeddings are compared with transformers' last hidden state of the last token, L2-normalized, on
 the same weights; input_embeds requests with the same prompts given as token ids. Every engine is
-leak-checked by the `make_engine` fixture.
+leak-checked by its fixture.
 """
 
 from __future__ import annotations
@@ -12,55 +12,23 @@ import dataclasses
 import pytest
 import torch
 
+from framework import hookimpl
 from framework.engine import Engine
 from framework.messages import GenerateReqInput
 from framework.request import SamplingParams
-from framework import hookimpl
-from tests.conftest import TINY_CONFIG, assert_no_leak, check_greedy_equal, hf_next_logprobs, tiny_settings
+from tests.conftest import (
+    TINY_CONFIG,
+    assert_no_leak,
+    assert_same_direction,
+    check_greedy_equal,
+    hf_embedding,
+    hf_next_logprobs,
+    tiny_settings,
+)
 
 PROMPTS = [list(range(10, 15)), list(range(200, 237)), [7] * 3 + list(range(500, 560)), [42]]
 NEW = 10
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="session")
-def tiny_embedding_folder(tmp_path_factory, default_tokenizer) -> str:
-    """A tiny random `LlamaModel` (a decoder without LM head: an embedding model) as an HF folder."""
-    from transformers import LlamaConfig, LlamaModel
-
-    folder = tmp_path_factory.mktemp("tiny-llama-embedding")
-    config = LlamaConfig(vocab_size=len(default_tokenizer), **TINY_CONFIG)
-    torch.manual_seed(1)
-    model = LlamaModel(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    default_tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="session")
-def hf_embedder(tiny_embedding_folder):
-    from transformers import AutoModel
-
-    return AutoModel.from_pretrained(tiny_embedding_folder, dtype=torch.float32).eval()
-
-
-def hf_embedding(decoder, ids: list[int]) -> torch.Tensor:
-    """The reference: transformers' last hidden state of the last token, normalized."""
-    with torch.no_grad():
-        hidden = decoder(torch.tensor([ids])).last_hidden_state[0, -1]
-    return torch.nn.functional.normalize(hidden.float(), dim=0)
-
-
-def assert_same_direction(ours: list[float], ref: torch.Tensor, min_cosine: float = 0.999) -> None:
-    vec = torch.tensor(ours)
-    assert vec.shape == ref.shape
-    assert abs(float(vec.norm()) - 1.0) < 1e-4
-    cosine = float(torch.dot(vec, ref))
-    assert cosine >= min_cosine, f"cosine {cosine:.6f}"
 
 
 @pytest.fixture
@@ -78,11 +46,28 @@ def make_embedder(tiny_embedding_folder):
         engine.shutdown()
 
 
+@pytest.fixture(scope="module")
+def embedder(tiny_embedding_folder):
+    """One embedding engine shared by the cheap tests; each of them leaves it leak-free."""
+    engine = Engine(tiny_settings(tiny_embedding_folder))
+    yield engine
+    assert_no_leak(engine)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_folder):
+    engine = Engine(tiny_settings(tiny_model_folder))
+    yield engine
+    assert_no_leak(engine)
+    engine.shutdown()
+
+
 # -- embedding models -----------------------------------------------------------------------------
 
 
-def test_encode_matches_transformers_single_and_batch(make_embedder, hf_embedder, default_tokenizer):
-    engine = make_embedder()
+def test_encode_matches_transformers_single_and_batch(embedder, hf_embedder, default_tokenizer):
+    engine = embedder
     single = engine.encode("The quick brown fox")
     ids = default_tokenizer.encode("The quick brown fox")
     assert_same_direction(single["embedding"], hf_embedding(hf_embedder, ids))
@@ -123,8 +108,8 @@ def test_a_causal_checkpoint_served_as_an_embedding_model(tiny_model_folder, hf_
         engine.shutdown()
 
 
-def test_encode_on_a_generation_model_is_refused(make_engine):
-    engine = make_engine()
+def test_encode_on_a_generation_model_is_refused(generator):
+    engine = generator
     with pytest.raises(ValueError, match="does not appear to be an embedding model"):
         engine.encode(input_ids=PROMPTS[0])
     assert engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["meta_info"]["completion_tokens"] == NEW
@@ -139,11 +124,11 @@ def test_encode_on_a_generation_model_is_refused(make_engine):
         ({"input_ids": list(range(3000))}, "longer than"),
     ],
 )
-def test_encode_bad_input(make_embedder, kwargs, message):
-    engine = make_embedder()
+def test_encode_bad_input(embedder, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        engine.encode(**kwargs)
-    assert len(engine.encode(input_ids=[1, 2, 3])["embedding"]) == TINY_CONFIG["hidden_size"]
+        embedder.encode(**kwargs)
+    assert_no_leak(embedder)
+    assert len(embedder.encode(input_ids=[1, 2, 3])["embedding"]) == TINY_CONFIG["hidden_size"]
 
 
 # -- input_embeds ---------------------------------------------------------------------------------
@@ -155,7 +140,7 @@ def embeds_of(hf_model, ids: list[int]) -> list[list[float]]:
 
 def assert_matches_ids_run(hf_tiny, prompts, by_embeds: list[list[int]], by_ids: list[list[int]]) -> None:
     for prompt, ours, ref in zip(prompts, by_embeds, by_ids):
-        check_greedy_equal(ours, ref, lambda prefix: hf_next_logprobs(hf_tiny, prompt + prefix))
+        check_greedy_equal(ours, ref, lambda prefix, prompt=prompt: hf_next_logprobs(hf_tiny, prompt + prefix))
 
 
 def test_input_embeds_equals_the_same_prompt_as_ids(make_engine, hf_tiny):
@@ -218,15 +203,24 @@ def test_input_embeds_and_ids_in_one_batch_with_retraction(make_engine, hf_tiny)
         ({"input_embeds": [[0.0] * 64] * 3, "return_logprob": True, "logprob_start_len": 0}, "no tokens to score"),
     ],
 )
-def test_input_embeds_bad_input(make_engine, kwargs, message):
-    engine = make_engine()
+def test_input_embeds_bad_input(generator, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        engine.generate(sampling_params=GREEDY, **kwargs)
-    out = engine.generate(input_embeds=[[0.1] * 64] * 3, sampling_params=GREEDY, return_logprob=True)
+        generator.generate(sampling_params=GREEDY, **kwargs)
+    assert_no_leak(generator)
+    out = generator.generate(input_embeds=[[0.1] * 64] * 3, sampling_params=GREEDY, return_logprob=True)
     assert len(out["meta_info"]["output_token_logprobs"]) == NEW
 
 
-def test_input_embeds_on_an_embedding_model_is_refused(make_embedder):
-    engine = make_embedder()
+def test_input_embeds_with_a_session_is_refused(generator):
+    engine = generator
+    params = SamplingParams(max_new_tokens=2)
+    params.normalize(None)
+    msg = GenerateReqInput(rid="s", input_ids=[0], sampling_params=params, session_id="any",
+                           input_embeds=torch.zeros(1, 64))
+    with pytest.raises(ValueError, match="a session request takes text or input_ids"):
+        engine._run([msg], single=True)
+
+
+def test_input_embeds_on_an_embedding_model_is_refused(embedder):
     with pytest.raises(ValueError, match="is an embedding model"):
-        engine.generate(input_embeds=[[0.0] * 64], sampling_params=GREEDY)
+        embedder.generate(input_embeds=[[0.0] * 64], sampling_params=GREEDY)
