@@ -186,7 +186,8 @@ class ModelRunner:
         if batch.input_embeds is None:
             return None
         embeds = self.model.model.embed_tokens(batch.input_ids)
-        embeds[batch.input_embeds_mask.to(embeds.device)] = batch.input_embeds.to(device=embeds.device, dtype=embeds.dtype)
+        supplied = batch.input_embeds.to(device=embeds.device, dtype=embeds.dtype)
+        embeds[batch.input_embeds_mask.to(embeds.device)] = supplied
         return embeds
 
     @torch.inference_mode()
