@@ -227,7 +227,7 @@ class Scheduler(ControlMixin):
                 last.filter_batch(being_chunked_req=req)
                 if req.finished():  # aborted between two chunks
                     self.being_chunked_req = None
-                    self.finish_req(req)
+                    self.finish_req(req, token_ids=req.fill_ids)  # only its chunks so far have KV
                     self.stream_output([req])
                 else:
                     self.tree_cache.cache_unfinished_req(req)
@@ -399,16 +399,18 @@ class Scheduler(ControlMixin):
         if self.forward_ct_decode % self.settings.scheduler.decode_log_interval == 0:
             self.log_decode_stats()
 
-    def finish_req(self, req: Req) -> None:
+    def finish_req(self, req: Req, token_ids: list[int] | None = None) -> None:
+        """Release a finished request's KV to the cache; `token_ids` are those with KV when not
+        the cache's default (origin + output minus the last sampled token)."""
         if req.input_embeds is not None:
             # Its KV is keyed by placeholder ids, useless to any other request: all of it goes
             # back, as for a retraction (it never matched a prefix and is never chunked).
             self.tree_cache.retract_req(req, kv_len=req.seqlen() - 1)
-        elif req.is_embedding:
-            # No output token: the whole prompt has KV (the reference appends a dummy 0 instead).
-            self.tree_cache.cache_finished_req(req, token_ids=req.origin_input_ids)
         else:
-            self.tree_cache.cache_finished_req(req)
+            if token_ids is None and req.is_embedding:
+                # No output token: the whole prompt has KV (the reference appends a dummy 0 instead).
+                token_ids = req.origin_input_ids
+            self.tree_cache.cache_finished_req(req, token_ids)
         self.hooks.on_request_finished(req, self)
 
     def add_logprobs(self, req: Req, i: int, result: BatchResult, is_prefill: bool) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from framework import hookimpl
 from framework.engine import Engine
-from framework.messages import GenerateReqInput
+from framework.messages import AbortReq, GenerateReqInput
 from framework.request import SamplingParams
 from tests.conftest import (
     TINY_CONFIG,
@@ -106,6 +106,31 @@ def test_a_causal_checkpoint_served_as_an_embedding_model(tiny_model_folder, hf_
         assert_no_leak(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("is_embedding", [False, True], ids=["generation", "embedding"])
+def test_abort_between_chunks_caches_only_the_computed_chunks(make_engine, hf_tiny, is_embedding):
+    engine = make_engine(model={"is_embedding": is_embedding}, scheduler={"chunked_prefill_size": 16})
+    prompt = list(range(100, 160))
+    params = SamplingParams(max_new_tokens=0 if is_embedding else 4)
+    params.normalize(None)
+    engine.scheduler.send(GenerateReqInput(rid="x", input_ids=prompt, sampling_params=params,
+                                           is_embedding=is_embedding))
+    engine.scheduler.run_once()
+    engine.scheduler.run_once()  # two chunks of 16 computed
+    assert engine.scheduler.being_chunked_req is not None
+    engine.scheduler.send(AbortReq("x"))
+    while engine.scheduler.has_work():
+        engine.scheduler.run_once()
+    engine.scheduler.run_once()  # idle: the leak check
+    assert engine._outputs.pop("x").finished_reason.to_json()["type"] == "abort"
+    assert engine.scheduler.tree_cache.total_size() == 32
+    if is_embedding:
+        again = engine.encode(input_ids=prompt)
+        assert_same_direction(again["embedding"], hf_embedding(hf_tiny.model, prompt))
+    else:
+        again = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert again["meta_info"]["cached_tokens"] == 32
 
 
 def test_encode_on_a_generation_model_is_refused(generator):
