@@ -186,8 +186,6 @@ def parse_prompts(body: dict, tokenize: Callable[[str], list[int]], hidden_size:
         embeds = [input_embeds_tensor(v, hidden_size) for v in values]
     except ValueError as exc:
         raise ApiError(str(exc)) from None
-    if not embeds:
-        raise ApiError("input_embeds: must be a non-empty list of vectors")
     # Placeholder ids: the vectors are the prompt.
     return Prompts(not single, [[0] * len(e) for e in embeds], [None] * len(embeds), embeds)
 
