@@ -208,7 +208,7 @@ def parse_rids(rids: Any, count: int, is_batch: bool) -> list[str]:
 def parse_encode(body: Any, tokenize: Callable[[str], list[int]]) -> tuple[list[ReqSpec], bool]:
     """Check an /encode body (reference EmbeddingReqInput): its specs and whether it is a batch."""
     prompts = parse_prompts(check_fields(body, ENCODE_FIELDS), tokenize)
-    if not isinstance(body.get("sampling_params", {}), (dict, list)):
+    if not isinstance(body.get("sampling_params") or {}, (dict, list)):
         raise ApiError("sampling_params: must be an object (it is ignored by /encode)")
     rids = parse_rids(body.get("rid"), len(prompts.id_lists), prompts.is_batch)
     return embedding_specs(rids, prompts.id_lists, prompts.texts), prompts.is_batch
