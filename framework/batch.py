@@ -120,12 +120,17 @@ class ModelWorkerBatch:
     return_logprob: bool = False
     top_logprobs_nums: list[int] = field(default_factory=list)
     extend_logprob_start_lens: list[int] = field(default_factory=list)
+    # input_embeds requests: the supplied vectors [num_supplied, hidden] float32, one per True of
+    # `input_embeds_mask` [num_tokens] in token order; the other tokens embed their input id.
     input_embeds: torch.Tensor | None = None
     # Extend passes of multimodal requests: per request, its ImageInputs or None.
     image_inputs: list[ImageInputs | None] | None = None
     # Set by the scheduler when it builds this batch's grammar vocab mask while the batch is in
     # flight (overlap worker, reference C2/W5): sampling waits for it. None: nothing to wait for.
     vocab_mask_ready: threading.Event | None = None
+    input_embeds_mask: torch.Tensor | None = None
+    # An embedding model's batch: pool each request's last hidden state, do not sample.
+    is_embedding: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -176,6 +181,7 @@ class ScheduleBatch:
         self.penalties = BatchPenalties(len(reqs), vocab_size)
         self.input_embeds: torch.Tensor | None = None
         self.image_inputs: list[ImageInputs | None] | None = None
+        self.input_embeds_mask: torch.Tensor | None = None
         self.bid = 0
         self.stash = Stash()
 
@@ -197,6 +203,11 @@ class ScheduleBatch:
     @property
     def return_logprob(self) -> bool:
         return any(r.return_logprob for r in self.reqs)
+
+    @property
+    def is_embedding(self) -> bool:
+        # An embedding model serves embedding requests only, so a batch is all or nothing.
+        return bool(self.reqs) and self.reqs[0].is_embedding
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -279,6 +290,7 @@ class ScheduleBatch:
         self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.penalties)
         images = [r.image_inputs for r in reqs]
         self.image_inputs = images if any(images) else None
+        self.input_embeds, self.input_embeds_mask = gather_input_embeds(reqs, self.prefix_lens, positions)
 
     def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
         """Append the running decode requests to this prefill batch as 1-token extends (H3)."""
@@ -301,6 +313,10 @@ class ScheduleBatch:
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.penalties)
         if self.image_inputs is not None:
             self.image_inputs = self.image_inputs + [None] * running_bs
+        if self.input_embeds_mask is not None:
+            self.input_embeds_mask = torch.cat(
+                [self.input_embeds_mask, torch.zeros(running_bs, dtype=torch.bool)]
+            )
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -317,6 +333,7 @@ class ScheduleBatch:
         is still in flight on a pipelined worker (reference P6, K5)."""
         self.forward_mode = ForwardMode.DECODE
         self.image_inputs = None
+        self.input_embeds = self.input_embeds_mask = None  # decode inputs are sampled ids
         bs = self.batch_size()
         self.input_ids = torch.tensor([r.last_token_id() for r in self.reqs], dtype=torch.int64)
         self.out_cache_loc = self.alloc_token_slots(bs)
@@ -408,7 +425,30 @@ class ScheduleBatch:
             extend_logprob_start_lens=list(self.extend_logprob_start_lens),
             input_embeds=self.input_embeds,
             image_inputs=self.image_inputs,
+            input_embeds_mask=self.input_embeds_mask,
+            is_embedding=self.is_embedding,
         )
+
+
+def gather_input_embeds(
+    reqs: list[Req], prefix_lens: list[int], positions: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The supplied vectors of an extend pass and the mask of the tokens they replace, or
+    (None, None) when no request brought input_embeds. `positions[i]` are request i's positions
+    in this pass; those below its input_embeds length take its vectors (later positions, e.g.
+    output tokens re-prefilled after a retraction, are ordinary ids)."""
+    if all(r.input_embeds is None for r in reqs):
+        return None, None
+    rows: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    for req, pre_len, pos in zip(reqs, prefix_lens, positions):
+        if req.input_embeds is None:
+            masks.append(torch.zeros(len(pos), dtype=torch.bool))
+            continue
+        num_embeds = len(req.input_embeds)
+        masks.append(pos < num_embeds)
+        rows.append(req.input_embeds[pre_len : min(pre_len + len(pos), num_embeds)])
+    return torch.cat(rows), torch.cat(masks)
 
 
 def idle_worker_batch() -> ModelWorkerBatch:

@@ -222,7 +222,10 @@ class PrefillAdder:
 
 
 def _needs_whole_prompt(req: "Req") -> bool:
-    # Prompt logprobs need the whole prompt in one pass, so such a request is never chunked.
+    # Prompt logprobs need the whole prompt in one pass, so such a request is never chunked; nor
+    # is an input_embeds one, whose KV cannot go through the prefix cache between chunks.
+    if req.input_embeds is not None:
+        return True
     return (
         req.return_logprob
         and req.normalized_prompt_logprob is None

@@ -44,6 +44,10 @@ class ModelSettings(_Section):
     context_length: int | None = Field(
         None, gt=0, description="Context length; empty: the model config's max_position_embeddings."
     )
+    is_embedding: bool = Field(
+        False, description="Serve the model as an embedding model (/encode, /v1/embeddings) even though "
+        "its architecture is a generation one; LlamaModel-style checkpoints (no LM head) are embedding models anyway.",
+    )
     random_seed: int = Field(0, description="Seed for unseeded sampling.")
     served_model_name: str | None = Field(None, description="Model name reported by the API; empty: the path's name.")
 

@@ -4,6 +4,7 @@
     engine = Engine("serve.toml")                      # or Engine(settings), or Engine(**overrides)
     out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
     out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
+    Engine(model={"path": "/models/my-embedder"}).encode(["one", "two"])[1]["embedding"]
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from framework.images import ImageProcessor, images_per_prompt
 from framework.messages import AbortReq, BatchTokenOut, GenerateReqInput, ReqOutput
 from framework.model.loader import resolve_model
 from framework.multimodal import ImageInputs
-from framework.request import FinishMatchedStr, FinishMatchedToken, SamplingParams
+from framework.request import (
+    FinishMatchedStr,
+    FinishMatchedToken,
+    SamplingParams,
+    input_embeds_tensor,
+    split_input_embeds,
+)
 from framework.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -87,10 +94,13 @@ class Engine:
         top_logprobs_num: int = 0,
         priority: int = 0,
         image_data: Any = None,
+        input_embeds: Any = None,
     ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
 
-        Give either `prompt` (text) or `input_ids`. `sampling_params` is one dict for all prompts or
+        Give exactly one of `prompt` (text), `input_ids` or `input_embeds`: per prompt a
+        [num_tokens][hidden_size] list or tensor of vectors that replace the embedding lookup
+        (such a prompt shares no prefix cache). `sampling_params` is one dict for all prompts or
         one per prompt. `priority` (larger is more important) is kept by the radix cache's
         `priority` eviction order. `image_data` (multimodal models): for one prompt an image or a
         list of images, for a batch one entry per prompt; an image is a data URL, a file path,
@@ -98,8 +108,60 @@ class Engine:
         request longer than the context is answered with `finish_reason` abort (AA3). Raises
         ValueError naming the problem for bad input; nothing is left queued.
         """
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
+        single, id_lists, texts, embeds = self._prompts(prompt, input_ids, input_embeds)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(id_lists):
+                raise ValueError(
+                    f"sampling_params: got {len(sampling_params)} dicts for {len(id_lists)} prompts"
+                )
+            param_dicts = sampling_params
+        else:
+            param_dicts = [sampling_params] * len(id_lists)
+
+        images = self._image_inputs(images_per_prompt(image_data, len(id_lists), not single))
+        messages = []
+        for ids, text, vectors, pd, image_inputs in zip(id_lists, texts, embeds, param_dicts, images):
+            params = SamplingParams.from_dict(pd)
+            params.verify()
+            params.normalize(self.tokenizer)
+            if params.n != 1:
+                raise ValueError("sampling_params.n > 1 is served by the HTTP API; the Engine takes n=1")
+            messages.append(
+                GenerateReqInput(
+                    rid=self._new_rid(), input_ids=ids, sampling_params=params, input_text=text,
+                    return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_logprobs_num, priority=priority, input_embeds=vectors,
+                    image_inputs=image_inputs,
+                )
+            )
+        return self._run(messages, single)
+
+    def encode(
+        self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None
+    ) -> dict | list[dict]:
+        """Embed one prompt (returns a dict) or a list of prompts (returns a list) with an
+        embedding model: ``{"embedding": [float, ...] (unit length), "meta_info": {...}}``.
+        Raises ValueError for bad input or a generation model."""
+        single, id_lists, texts, _ = self._prompts(prompt, input_ids)
+        messages = [
+            GenerateReqInput(
+                rid=self._new_rid(), input_ids=ids, sampling_params=SamplingParams(max_new_tokens=0),
+                input_text=text, is_embedding=True,
+            )
+            for ids, text in zip(id_lists, texts)
+        ]
+        return self._run(messages, single)
+
+    def _prompts(self, prompt: Any, input_ids: Any, input_embeds: Any = None):
+        """(single, ids per prompt, text or None per prompt, input_embeds or None per prompt)."""
+        if sum(x is not None for x in (prompt, input_ids, input_embeds)) != 1:
+            raise ValueError("give exactly one of prompt, input_ids or input_embeds")
+        if input_embeds is not None:
+            single, values = split_input_embeds(input_embeds)
+            hidden_size = self.scheduler.worker.hidden_size
+            embeds = [input_embeds_tensor(v, hidden_size) for v in values]
+            # Placeholder ids: the vectors are the prompt.
+            return single, [[0] * len(e) for e in embeds], [None] * len(embeds), embeds
         single = isinstance(prompt, str) or (
             input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], int))
         )
@@ -114,39 +176,26 @@ class Engine:
         else:
             id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
             texts = [None] * len(id_lists)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(id_lists):
-                raise ValueError(
-                    f"sampling_params: got {len(sampling_params)} dicts for {len(id_lists)} prompts"
-                )
-            param_dicts = sampling_params
-        else:
-            param_dicts = [sampling_params] * len(id_lists)
+        return single, id_lists, texts, [None] * len(id_lists)
 
-        images = self._image_inputs(images_per_prompt(image_data, len(id_lists), not single))
-        messages = []
-        for ids, text, pd, image_inputs in zip(id_lists, texts, param_dicts, images):
-            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
-                raise ValueError("input_ids must be lists of integers")
-            vocab = self.scheduler.worker.vocab_size
-            if any(t < 0 or t >= vocab for t in ids):
-                raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
-            error = self.scheduler.validate_input(ids)
-            if error is not None:
-                raise ValueError(error)
-            params = SamplingParams.from_dict(pd)
-            params.verify()
-            params.normalize(self.tokenizer)
-            if params.n != 1:
-                raise ValueError("sampling_params.n > 1 is served by the HTTP API; the Engine takes n=1")
-            messages.append(
-                GenerateReqInput(
-                    rid=f"engine-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
-                    sampling_params=params, input_text=text, return_logprob=return_logprob,
-                    logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                    priority=priority, image_inputs=image_inputs,
-                )
-            )
+    def _new_rid(self) -> str:
+        return f"engine-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"
+
+    def _check(self, msg: GenerateReqInput) -> None:
+        ids = msg.input_ids
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise ValueError("input_ids must be lists of integers")
+        vocab = self.scheduler.worker.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
+        error = self.scheduler.validate_request(msg) or self.scheduler.validate_input(ids)
+        if error is not None:
+            raise ValueError(error)
+
+    def _run(self, messages: list[GenerateReqInput], single: bool) -> dict | list[dict]:
+        """Check every request, then run them all to completion; their outputs as dicts."""
+        for msg in messages:
+            self._check(msg)
         for msg in messages:
             self.scheduler.send(msg)
         rids = [m.rid for m in messages]
@@ -182,6 +231,8 @@ class Engine:
         self.scheduler.run_once()
 
     def _to_dict(self, out: ReqOutput) -> dict:
+        if out.embedding is not None:
+            return {"embedding": list(out.embedding), "meta_info": dict(out.meta_info)}
         return {
             "text": trim_output(self.tokenizer, out),
             "output_ids": list(out.output_ids),

@@ -22,7 +22,8 @@ from framework.request import FinishReason, SamplingParams
 
 @dataclass
 class GenerateReqInput:
-    """A tokenized generation request (TokenizedGenerateReqInput)."""
+    """A tokenized request (TokenizedGenerateReqInput; with `is_embedding`, the reference's
+    TokenizedEmbeddingReqInput: a prefill whose output is the pooled hidden state)."""
 
     rid: str
     input_ids: list[int]
@@ -36,6 +37,9 @@ class GenerateReqInput:
     session_rid: str | None = None
     priority: int = 0
     image_inputs: ImageInputs | None = None
+    is_embedding: bool = False
+    # [len(input_ids), hidden] float32 prompt vectors; input_ids are then placeholders (zeros).
+    input_embeds: Any = None
 
 
 @dataclass
@@ -58,6 +62,7 @@ class ReqOutput:
     output_ids: list[int]  # all output ids so far
     finished_reason: FinishReason | None
     meta_info: dict[str, Any]
+    embedding: list[float] | None = None  # an embedding request's output
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -81,6 +86,7 @@ class StrOutput:
     output_ids: list[int]
     finished_reason: FinishReason | None
     meta_info: dict[str, Any]
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -208,6 +214,8 @@ class SchedulerReady:
     context_len: int
     vocab_size: int
     pid: int
+    hidden_size: int = 0
+    is_generation: bool = True
 
 
 @dataclass

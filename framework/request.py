@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -231,6 +234,58 @@ class SamplingParams:
 
 
 # ---------------------------------------------------------------------------------------------
+# Request kinds and input_embeds
+
+
+def request_kind_error(is_embedding: bool, is_generation: bool) -> str | None:
+    """Why a request cannot be served by this model (embedding vs generation), or None."""
+    if is_embedding and is_generation:
+        return ("This model does not appear to be an embedding model: /encode and /v1/embeddings "
+                "need one (a LlamaModel checkpoint, or model.is_embedding = true).")
+    if not is_embedding and not is_generation:
+        return ("This model is an embedding model: it serves /encode and /v1/embeddings, "
+                "not generation.")
+    return None
+
+
+def split_input_embeds(value: Any) -> tuple[bool, list[Any]]:
+    """(single, one value per prompt) for input_embeds given for one prompt (a list of vectors,
+    a 2-D tensor) or for several (a list of those, a 3-D tensor)."""
+    if hasattr(value, "dim"):
+        return (True, [value]) if value.dim() != 3 else (False, list(value))
+    try:
+        first = value[0][0]
+    except (TypeError, IndexError, KeyError):
+        return True, [value]  # not nested enough: input_embeds_tensor names the problem
+    if isinstance(first, (list, tuple)) or hasattr(first, "dim"):
+        return False, list(value)
+    return True, [value]
+
+
+def input_embeds_tensor(value: Any, hidden_size: int) -> "torch.Tensor":
+    """A prompt given as vectors (a [num_tokens][hidden_size] list of numbers, or a tensor) as a
+    float32 tensor; ValueError naming the problem otherwise."""
+    import torch
+
+    try:
+        embeds = torch.as_tensor(value, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError("input_embeds: must be a list of vectors (lists of numbers) of equal length") from None
+    if embeds is value:
+        embeds = embeds.clone()  # the request keeps it; the caller's tensor may change
+    if embeds.dim() != 2 or embeds.shape[0] == 0:
+        raise ValueError(f"input_embeds: must be a non-empty list of vectors, got shape {list(embeds.shape)}")
+    if embeds.shape[1] != hidden_size:
+        raise ValueError(
+            f"input_embeds: each vector must have {hidden_size} numbers (the model's hidden size), "
+            f"got {embeds.shape[1]}"
+        )
+    if not bool(torch.isfinite(embeds).all()):
+        raise ValueError("input_embeds: values must be finite")
+    return embeds
+
+
+# ---------------------------------------------------------------------------------------------
 # Requests
 
 
@@ -250,6 +305,8 @@ class Req:
         eos_token_ids: set[int] | None = None,
         session_id: str | None = None,
         priority: int = 0,
+        is_embedding: bool = False,
+        input_embeds: Any = None,
     ):
         self.rid = rid
         # Larger is more important; read by the priority-aware radix eviction order.
@@ -267,6 +324,12 @@ class Req:
         self.stream = stream
         # Images of a multimodal request; origin_input_ids then holds their pad ids (AA3).
         self.image_inputs: Any = None
+        # An embedding request: one prefill, then `embedding` is its output (reference Y4).
+        self.is_embedding = is_embedding
+        self.embedding: list[float] | None = None
+        # [len(origin_input_ids), hidden] float32 vectors that replace the embedding lookup of
+        # the prompt, whose ids are then placeholders (reference Z2).
+        self.input_embeds = input_embeds
 
         # Memory state.
         self.req_pool_idx: int | None = None
@@ -333,6 +396,8 @@ class Req:
         self.fill_ids = self.origin_input_ids + self.output_ids
         input_len = len(self.fill_ids)
         max_prefix_len = input_len - 1
+        if self.input_embeds is not None:
+            max_prefix_len = 0  # placeholder ids: a cached prefix under them is not this prompt's KV
         if self.return_logprob:
             if self.normalized_prompt_logprob is None:
                 max_prefix_len = min(max_prefix_len, input_len - 2)

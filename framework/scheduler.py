@@ -38,7 +38,7 @@ from framework.grammar import (
 from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
 from framework.plugins import PluginManager
 from framework.profiling import TorchProfiler
-from framework.request import FinishAbort, FinishMatchedToken, Req, Stash, StashKey
+from framework.request import FinishAbort, FinishLength, FinishMatchedToken, Req, Stash, StashKey, request_kind_error
 from framework.control import ControlMixin
 from framework.sessions import SessionController, SessionError
 from framework.worker import BatchResult, ResultHandle
@@ -74,6 +74,7 @@ class Scheduler(ControlMixin):
         self.token_to_kv_pool = self.worker.token_to_kv_pool
         self.tree_cache = self.hooks.create_cache(settings, self.req_to_token_pool, self.token_to_kv_pool)
         self.tokenizer = self.worker.tokenizer
+        self.is_generation = self.worker.is_generation
 
         sched = settings.scheduler
         self.max_total_num_tokens = self.worker.max_total_num_tokens
@@ -198,21 +199,36 @@ class Scheduler(ControlMixin):
             )
         return None
 
+    def validate_request(self, msg: GenerateReqInput) -> str | None:
+        """Why a request cannot be served by this model, or None (before any session history)."""
+        error = request_kind_error(msg.is_embedding, self.is_generation)
+        if error is not None or msg.input_embeds is None:
+            return error
+        if msg.session_id is not None:
+            return "input_embeds: a session request takes text or input_ids"
+        if msg.return_logprob and msg.logprob_start_len not in (-1, len(msg.input_ids) - 1):
+            return "logprob_start_len: an input_embeds prompt has no tokens to score; leave it at -1"
+        shape = tuple(msg.input_embeds.shape)
+        if shape != (len(msg.input_ids), self.worker.hidden_size):
+            return (f"input_embeds: shape {list(shape)} does not match {len(msg.input_ids)} placeholder "
+                    f"ids and the model's hidden size {self.worker.hidden_size}")
+        return None
+
     def handle_generate_request(self, msg: GenerateReqInput) -> None:
         self.num_received_reqs += 1
         input_ids = msg.input_ids
-        session_error = None
-        if msg.session_id is not None:
+        error = self.validate_request(msg)
+        if msg.session_id is not None and error is None:
             try:
                 input_ids = self.sessions.input_ids_for(msg.session_id, msg.session_rid, input_ids)
             except SessionError as exc:
-                session_error = str(exc)
+                error = str(exc)
         req = Req(
             msg.rid, input_ids, msg.sampling_params, origin_input_text=msg.input_text,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, stream=msg.stream,
             eos_token_ids=self.worker.eos_token_ids, session_id=msg.session_id,
-            priority=msg.priority,
+            priority=msg.priority, is_embedding=msg.is_embedding, input_embeds=msg.input_embeds,
         )
         req.tokenizer = self.tokenizer
         image_error = self.attach_images(req, msg.image_inputs) if msg.image_inputs is not None else None
@@ -220,7 +236,7 @@ class Scheduler(ControlMixin):
             # Over the whole input, session history included (the reference counts only the new
             # segment, which limits a continued request's prefix hit when it asks for logprobs).
             req.logprob_start_len = len(req.origin_input_ids) - 1
-        error = session_error or image_error or self.validate_input(req.origin_input_ids)
+        error = error or image_error or self.validate_input(req.origin_input_ids)
         if error is not None:
             # Rejected before it takes any memory (the reference prefills first, QUIRK 5).
             self.reject(req, error)
@@ -236,7 +252,7 @@ class Scheduler(ControlMixin):
                 req.rid, self.settings.plugins.worker,
             )
             params.drop_output_penalties()
-        params.max_new_tokens = min(
+        params.max_new_tokens = 0 if req.is_embedding else min(
             params.max_new_tokens if params.max_new_tokens is not None else 1 << 30,
             self.max_req_len - len(req.origin_input_ids) - 1,
         )
@@ -304,7 +320,7 @@ class Scheduler(ControlMixin):
                 last.filter_batch(being_chunked_req=req)
                 if req.finished():  # aborted between two chunks
                     self.being_chunked_req = None
-                    self.finish_req(req)
+                    self.finish_req(req, token_ids=req.fill_ids)  # only its chunks so far have KV
                     self.stream_output([req])
                 else:
                     self.tree_cache.cache_unfinished_req(req)
@@ -453,6 +469,8 @@ class Scheduler(ControlMixin):
             return
         if batch.forward_mode.is_decode():
             self.process_batch_result_decode(batch, result, handle.next_token_ids)
+        elif batch.is_embedding:
+            self.process_batch_result_embedding(batch, result)
         else:
             self.process_batch_result_prefill(batch, result, handle.next_token_ids)
         self.hooks.on_batch_result(batch, result, self)
@@ -474,10 +492,23 @@ class Scheduler(ControlMixin):
             self.check_finished(req)
             if req.finished():
                 self.finish_req(req)
-            elif id(req) not in decoding:
+            elif id(req) not in decoding and req.input_embeds is None:
+                # (An input_embeds request keeps its KV to itself, see finish_req.)
                 self.tree_cache.cache_unfinished_req(req)
         if decoding:
             self.note_decode_step(len(decoding))
+        self.stream_output(batch.reqs)
+
+    def process_batch_result_embedding(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        for i, req in enumerate(batch.reqs):
+            if req.finished():  # aborted meanwhile
+                continue
+            if req.is_being_chunked > 0:
+                req.is_being_chunked -= 1  # a middle chunk: neither finished nor cached (post1)
+                continue
+            req.embedding = result.embeddings[i]
+            req.finished_reason = FinishLength(length=0)
+            self.finish_req(req)
         self.stream_output(batch.reqs)
 
     def process_batch_result_decode(self, batch: ScheduleBatch, result: BatchResult, launched: list[int]) -> None:
@@ -526,8 +557,18 @@ class Scheduler(ControlMixin):
         if self.forward_ct_decode % self.settings.scheduler.decode_log_interval == 0:
             self.log_decode_stats()
 
-    def finish_req(self, req: Req) -> None:
-        self.tree_cache.cache_finished_req(req)
+    def finish_req(self, req: Req, token_ids: list[int] | None = None) -> None:
+        """Release a finished request's KV to the cache; `token_ids` are those with KV when not
+        the cache's default (origin + output minus the last sampled token)."""
+        if req.input_embeds is not None:
+            # Its KV is keyed by placeholder ids, useless to any other request: all of it goes
+            # back, as for a retraction (it never matched a prefix and is never chunked).
+            self.tree_cache.retract_req(req, kv_len=req.seqlen() - 1)
+        else:
+            if token_ids is None and req.is_embedding:
+                # No output token: the whole prompt has KV (the reference appends a dummy 0 instead).
+                token_ids = req.origin_input_ids
+            self.tree_cache.cache_finished_req(req, token_ids)
         self.hooks.on_request_finished(req, self)
 
     def add_logprobs(self, req: Req, i: int, result: BatchResult, is_prefill: bool) -> None:
@@ -582,7 +623,8 @@ class Scheduler(ControlMixin):
         params = req.sampling_params
         return ReqOutput(
             rid=req.rid, vid=req.vid, output_ids=list(req.output_ids),
-            finished_reason=req.finished_reason, meta_info=meta, no_stop_trim=params.no_stop_trim,
+            finished_reason=req.finished_reason, meta_info=meta, embedding=req.embedding,
+            no_stop_trim=params.no_stop_trim,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )

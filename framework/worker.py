@@ -31,6 +31,8 @@ class BatchResult:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
     normalized_prompt_logprobs: list[float] | None = None
+    # An embedding batch's pooled vectors (its next_token_ids are empty).
+    embeddings: list[list[float]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -72,6 +74,10 @@ class Worker(Protocol):
     vocab_size: int
     #: Set by multimodal models (framework.multimodal.ImageTokenInfo); None otherwise.
     image_info: Any
+    hidden_size: int
+    #: False for an embedding model: its batches are embedding batches (`batch.is_embedding`),
+    #: answered with `BatchResult.embeddings`.
+    is_generation: bool
 
     def launch(self, batch: "ModelWorkerBatch") -> ResultHandle: ...
 

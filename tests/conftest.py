@@ -170,3 +170,43 @@ def sharegpt_prompts(default_tokenizer):
     from framework.bench.datasets import sample_sharegpt
 
     return [r.prompt_ids for r in sample_sharegpt(default_tokenizer, 40, seed=7)]
+
+
+@pytest.fixture(scope="session")
+def tiny_embedding_folder(tmp_path_factory, default_tokenizer) -> str:
+    """A tiny random `LlamaModel` (a decoder without LM head: an embedding model) as an HF folder."""
+    from transformers import LlamaConfig, LlamaModel
+
+    folder = tmp_path_factory.mktemp("tiny-llama-embedding")
+    config = LlamaConfig(vocab_size=len(default_tokenizer), **TINY_CONFIG)
+    torch.manual_seed(1)
+    model = LlamaModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def hf_embedder(tiny_embedding_folder):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(tiny_embedding_folder, dtype=torch.float32).eval()
+
+
+def hf_embedding(decoder, ids: list[int]) -> torch.Tensor:
+    """The reference: transformers' last hidden state of the last token, normalized."""
+    with torch.no_grad():
+        hidden = decoder(torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden.float(), dim=0)
+
+
+def assert_same_direction(ours: list[float], ref: torch.Tensor, min_cosine: float = 0.999) -> None:
+    vec = torch.tensor(ours)
+    assert vec.shape == ref.shape
+    assert abs(float(vec.norm()) - 1.0) < 1e-4
+    cosine = float(torch.dot(vec, ref))
+    assert cosine >= min_cosine, f"cosine {cosine:.6f}"

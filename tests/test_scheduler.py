@@ -162,8 +162,8 @@ def test_seeded_sampling_is_reproducible(make_engine):
         ({"input_ids": [1, 10**9]}, "token ids must be in"),
         ({"input_ids": [1, 2.5]}, "input_ids must be lists of integers"),
         ({"prompt": ""}, "prompt is empty"),
-        ({}, "exactly one of prompt or input_ids"),
-        ({"prompt": "hi", "input_ids": [1]}, "exactly one of prompt or input_ids"),
+        ({}, "exactly one of prompt, input_ids or input_embeds"),
+        ({"prompt": "hi", "input_ids": [1]}, "exactly one of prompt, input_ids or input_embeds"),
     ],
 )
 def test_bad_input_is_a_clear_error(make_engine, kwargs, message):

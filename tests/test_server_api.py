@@ -10,6 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import check_greedy_equal, hf_next_logprobs
 from tests.conftest_server import running_server, sse_events, tiny_server_args
 
 MAX_REQUEST_BYTES = 65536
@@ -356,6 +357,18 @@ BAD_REQUESTS = {
     "close unknown session": (("/close_session", b'{"session_id": "nope"}'), 400),
     "open_session wrong type": (("/open_session", b'{"capacity_of_str_len": "big"}'), 400),
 }
+# input_embeds (the tiny model's hidden size is 64), and the embedding endpoints on a generation model.
+BAD_REQUESTS.update({
+    "input_embeds wrong hidden size": (("/generate", json.dumps({"input_embeds": [[0.5] * 63]}).encode()), 400),
+    "input_embeds ragged": (("/generate", json.dumps({"input_embeds": [[0.5] * 64, [0.5]]}).encode()), 400),
+    "input_embeds not numbers": (("/generate", json.dumps({"input_embeds": [["x"] * 64]}).encode()), 400),
+    "input_embeds empty": (("/generate", b'{"input_embeds": []}'), 400),
+    "input_embeds and text": (_gen(input_embeds=[[0.5] * 64]), 400),
+    "input_embeds prompt logprobs": (("/generate", json.dumps(
+        {"input_embeds": [[0.5] * 64] * 2, "return_logprob": True, "logprob_start_len": 0}).encode()), 400),
+    "encode on a generation model": (("/encode", b'{"text": "hi"}'), 400),
+    "embeddings on a generation model": (("/v1/embeddings", json.dumps({"model": MODEL, "input": "hi"}).encode()), 400),
+})
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
@@ -430,3 +443,24 @@ def test_structured_output_over_http(http, oai):
         assert isinstance(json.loads(choice.message.content)["ok"], bool)
     else:
         assert choice.message.content.lstrip().startswith("{")
+
+
+# -- input_embeds ---------------------------------------------------------------------------------
+
+
+def test_input_embeds_equals_the_same_prompt_as_ids(http, hf_tiny):
+    prompts = [list(range(300, 306)), list(range(40, 52))]
+    table = hf_tiny.model.embed_tokens.weight.detach()
+    params = {**GREEDY, "max_new_tokens": 8}
+    by_ids = generate(http, input_ids=prompts, sampling_params=params)
+    by_embeds = generate(http, input_embeds=[table[p].tolist() for p in prompts], sampling_params=params)
+    for prompt, ours, ref in zip(prompts, by_embeds, by_ids):
+        check_greedy_equal(ours["output_ids"], ref["output_ids"],
+                           lambda prefix, prompt=prompt: hf_next_logprobs(hf_tiny, prompt + prefix))
+        assert ours["text"] and ours["meta_info"]["prompt_tokens"] == len(prompt)
+        assert ours["meta_info"]["cached_tokens"] == 0
+    # A single prompt, streamed.
+    streamed = http.post("/generate", json={"input_embeds": table[prompts[1]].tolist(), "stream": True,
+                                            "sampling_params": params})
+    events = sse_events(streamed.text.splitlines())
+    assert events[-1] == "[DONE]" and events[-2]["output_ids"] == by_embeds[1]["output_ids"]

@@ -156,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.attn_backend = TorchNativeAttention(config.num_heads, config.num_kv_heads, config.head_dim)
         self.model = LlamaModel(config, self.attn_backend)
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings or config.is_embedding:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -212,6 +212,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if not name.startswith(("model.", "lm_head.")):
+                name = "model." + name  # a decoder-only checkpoint (LlamaModel, an embedding model)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             target, start = name, None

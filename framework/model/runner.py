@@ -18,6 +18,7 @@ from framework.model.config import ModelConfig
 from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
+from framework.model.pooler import pool_last_token
 from framework.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -201,11 +202,31 @@ class ModelRunner:
         vocab_size = self.model_config.vocab_size
         if batch.forward_mode.is_idle() or batch.batch_size == 0:
             return LogitsOutput(next_token_logits=torch.empty((0, vocab_size), dtype=torch.float32))
-        hidden = self.model(
-            batch.input_ids, batch.positions, batch, self.token_to_kv_pool, self.req_to_token_pool,
-            input_embeds=batch.input_embeds,
-        )
+        hidden = self._hidden_states(batch)
         return compute_logits_output(hidden, batch, self.model.compute_logits, vocab_size)
+
+    @torch.inference_mode()
+    def embed(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        """Run one pass of an embedding batch: [bs, hidden] float32, one unit vector per request."""
+        if batch.batch_size == 0:
+            return torch.empty((0, self.model_config.hidden_size), dtype=torch.float32)
+        return pool_last_token(self._hidden_states(batch), batch.extend_lens)
+
+    def _hidden_states(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        return self.model(
+            batch.input_ids, batch.positions, batch, self.token_to_kv_pool, self.req_to_token_pool,
+            input_embeds=self._input_embeds(batch),
+        )
+
+    def _input_embeds(self, batch: ModelWorkerBatch) -> torch.Tensor | None:
+        """Every token's embedding when some are supplied by their requests (input_embeds): the
+        table's rows, with the supplied vectors at `batch.input_embeds_mask`. None otherwise."""
+        if batch.input_embeds is None:
+            return None
+        embeds = self.model.model.embed_tokens(batch.input_ids)
+        supplied = batch.input_embeds.to(device=embeds.device, dtype=embeds.dtype)
+        embeds[batch.input_embeds_mask.to(embeds.device)] = supplied
+        return embeds
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsOutput, batch: ModelWorkerBatch) -> torch.Tensor:

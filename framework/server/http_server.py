@@ -18,7 +18,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from framework.config import Settings
 from framework.request import SamplingParams
 from framework.server.openai_api import register_openai_routes
-from framework.server.protocol import ApiError, ReqSpec, check_int, native_output, new_rid, parse_generate
+from framework.server.protocol import (
+    ApiError,
+    ReqSpec,
+    check_int,
+    embedding_specs,
+    native_output,
+    new_rid,
+    parse_encode,
+    parse_generate,
+)
 from framework.server.streaming import SSE_DONE, merge_streams, open_streams, read_json, sse, stream_response
 from framework.server.tokenizer_manager import ClientDisconnected, TokenizerManager
 
@@ -88,8 +97,11 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
 
     @app.get("/health_generate")
     async def health_generate(request: Request):
-        spec = ReqSpec(rid=f"health-{new_rid()}", input_ids=[0],
-                       sampling_params=_params({"max_new_tokens": 1, "temperature": 0.7}))
+        rid = f"health-{new_rid()}"
+        if tm.ready.is_generation:
+            spec = ReqSpec(rid=rid, input_ids=[0], sampling_params=_params({"max_new_tokens": 1, "temperature": 0.7}))
+        else:
+            [spec] = embedding_specs([rid], [[0]], [None])
         try:
             await tm.run_all([spec], request)
         except ApiError as exc:
@@ -98,7 +110,8 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
 
     @app.get("/get_model_info")
     async def get_model_info():
-        return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path, "is_generation": True}
+        return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path,
+                "is_generation": tm.ready.is_generation}
 
     @app.get("/get_server_info")
     async def get_server_info():
@@ -168,7 +181,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
-        batch = parse_generate(await read_json(request, max_bytes), tm.tokenize, tm.tokenizer)
+        batch = parse_generate(await read_json(request, max_bytes), tm.tokenize, tm.tokenizer, tm.ready.hidden_size)
         await tm.process_images(batch.specs)
         specs = await tm.expand_parallel(batch, request)
         if not batch.stream:
@@ -189,6 +202,13 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
                                  index=i if batch.is_batch else None)
 
         return stream_response(tm, specs, events())
+
+    @app.api_route("/encode", methods=["POST", "PUT"])
+    async def encode(request: Request):
+        specs, is_batch = parse_encode(await read_json(request, max_bytes), tm.tokenize)
+        outs = await tm.run_all(specs, request)
+        results = [{"embedding": out.embedding, "meta_info": out.meta_info} for out in outs]
+        return JSONResponse(results if is_batch else results[0])
 
     if settings.server.enable_metrics:
         @app.get("/metrics")

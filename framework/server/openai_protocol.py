@@ -114,3 +114,11 @@ class ChatCompletionRequest(_SamplingExtras):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float = 0.7
+
+
+class EmbeddingRequest(_Strict):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # must be the model's hidden size when given
+    user: str | None = None  # accepted and ignored, as in the reference

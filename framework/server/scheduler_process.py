@@ -64,6 +64,8 @@ def run_scheduler_process(settings: Settings, ipc: IpcNames, ready_writer: Any, 
             context_len=scheduler.worker.context_len,
             vocab_size=scheduler.worker.vocab_size,
             pid=os.getpid(),
+            hidden_size=scheduler.worker.hidden_size,
+            is_generation=scheduler.is_generation,
         )
     )
     ready_writer.close()

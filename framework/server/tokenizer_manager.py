@@ -37,7 +37,7 @@ from framework.messages import (
 )
 from framework.images import ImageError, ImageProcessor
 from framework.metrics import ServerMetrics
-from framework.request import FinishAbort
+from framework.request import FinishAbort, request_kind_error
 from framework.server.ipc import IpcNames, make_socket
 from framework.server.protocol import ApiError, GenerateBatch, ReqSpec
 
@@ -212,6 +212,9 @@ class TokenizerManager:
     def submit(self, spec: ReqSpec, is_warmup: bool = False) -> None:
         """Check and send one request; its outputs are read with `outputs(rid)`."""
         self.check_alive()
+        kind_error = request_kind_error(spec.is_embedding, self.ready.is_generation)
+        if kind_error is not None:
+            raise ApiError(kind_error)
         if spec.rid in self.states:
             raise ApiError(f"rid: {spec.rid} is already in use by a running request")
         if spec.session_id is not None and spec.session_id not in self.open_sessions:

@@ -95,6 +95,9 @@ class OverlapWorker:
         self.tokenizer = inner.tokenizer
         self.vocab_size = inner.vocab_size
         self.eos_token_ids = inner.eos_token_ids
+        self.hidden_size = inner.hidden_size
+        self.is_generation = inner.is_generation
+        self.image_info = inner.image_info
         # No batch holds more requests than there are request slots.
         self.future_map = FutureTokenMap(self.req_to_token_pool.size)
         self.input_queue: queue.SimpleQueue = queue.SimpleQueue()

@@ -56,7 +56,7 @@ class TpWorker:
     is_pipelined = False
     supports_output_penalties = True
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, is_embedding: bool = False):
         self.runner = runner
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
@@ -65,8 +65,11 @@ class TpWorker:
         self.context_len = runner.context_len
         self.tokenizer = runner.tokenizer
         self.vocab_size = runner.model_config.vocab_size
+        self.hidden_size = runner.model_config.hidden_size
         self.eos_token_ids = eos_ids_of(runner)
         self.image_info = runner.image_info
+        # By architecture (a decoder without LM head) or forced by model.is_embedding (reference Y1).
+        self.is_generation = not (runner.model_config.is_embedding or is_embedding)
 
     @classmethod
     def from_settings(cls, settings) -> "TpWorker":
@@ -88,7 +91,7 @@ class TpWorker:
             "Loaded %s (%s): max_total_num_tokens=%d, context_len=%d",
             folder, dtype, runner.max_total_num_tokens, runner.context_len,
         )
-        return cls(runner)
+        return cls(runner, is_embedding=settings.model.is_embedding)
 
     def forward_batch_generation(self, batch) -> BatchResult:
         return self.sample(self.runner.forward(batch), batch)
@@ -105,9 +108,14 @@ class TpWorker:
             result.normalized_prompt_logprobs = logits_output.normalized_prompt_logprobs
         return result
 
+    def forward_batch_embedding(self, batch) -> BatchResult:
+        return BatchResult(next_token_ids=[], embeddings=self.runner.embed(batch).tolist())
+
     def launch(self, batch) -> ResolvedHandle:
         if batch.forward_mode.is_idle():
             return ResolvedHandle(BatchResult(next_token_ids=[]))
+        if batch.is_embedding:
+            return ResolvedHandle(self.forward_batch_embedding(batch))
         return ResolvedHandle(self.forward_batch_generation(batch))
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:
