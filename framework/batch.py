@@ -105,6 +105,8 @@ class ModelWorkerBatch:
     top_logprobs_nums: list[int] = field(default_factory=list)
     extend_logprob_start_lens: list[int] = field(default_factory=list)
     input_embeds: torch.Tensor | None = None
+    # Per request, its LoRA adapter name or None (base model); None when no request has one.
+    lora_paths: list[str | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -360,7 +362,12 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             extend_logprob_start_lens=list(self.extend_logprob_start_lens),
             input_embeds=self.input_embeds,
+            lora_paths=self.lora_paths(),
         )
+
+    def lora_paths(self) -> list[str | None] | None:
+        paths = [r.lora_path for r in self.reqs]
+        return paths if any(p is not None for p in paths) else None
 
 
 def idle_worker_batch() -> ModelWorkerBatch:

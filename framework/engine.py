@@ -41,6 +41,15 @@ def trim_output(tokenizer, out: ReqOutput) -> str:
     return text
 
 
+def _one_per_prompt(name: str, value: Any, num_prompts: int) -> list[Any]:
+    """A list is one value per prompt; anything else is shared by all prompts."""
+    if not isinstance(value, list):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"{name}: got {len(value)} values for {num_prompts} prompts")
+    return value
+
+
 class Engine:
     """Offline batch generation with the full scheduler and plugins."""
 
@@ -76,12 +85,14 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         priority: int = 0,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
 
         Give either `prompt` (text) or `input_ids`. `sampling_params` is one dict for all prompts or
         one per prompt. `priority` (larger is more important) is kept by the radix cache's
-        `priority` eviction order. Raises ValueError naming the problem for bad input; nothing is
+        `priority` eviction order. `lora_path` names a loaded LoRA adapter (model.lora_paths),
+        one for all prompts or one per prompt; None is the base model. Raises ValueError naming the problem for bad input; nothing is
         left queued.
         """
         if (prompt is None) == (input_ids is None):
@@ -100,23 +111,17 @@ class Engine:
         else:
             id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
             texts = [None] * len(id_lists)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(id_lists):
-                raise ValueError(
-                    f"sampling_params: got {len(sampling_params)} dicts for {len(id_lists)} prompts"
-                )
-            param_dicts = sampling_params
-        else:
-            param_dicts = [sampling_params] * len(id_lists)
+        param_dicts = _one_per_prompt("sampling_params", sampling_params, len(id_lists))
+        lora_paths = _one_per_prompt("lora_path", lora_path, len(id_lists))
 
         messages = []
-        for ids, text, pd in zip(id_lists, texts, param_dicts):
+        for ids, text, pd, lora in zip(id_lists, texts, param_dicts, lora_paths):
             if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
                 raise ValueError("input_ids must be lists of integers")
             vocab = self.scheduler.worker.vocab_size
             if any(t < 0 or t >= vocab for t in ids):
                 raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
-            error = self.scheduler.validate_input(ids)
+            error = self.scheduler.validate_input(ids) or self.scheduler.validate_lora(lora)
             if error is not None:
                 raise ValueError(error)
             params = SamplingParams.from_dict(pd)
@@ -129,7 +134,7 @@ class Engine:
                     rid=f"engine-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
                     sampling_params=params, input_text=text, return_logprob=return_logprob,
                     logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                    priority=priority,
+                    priority=priority, lora_path=lora,
                 )
             )
         for msg in messages:

@@ -32,6 +32,7 @@ class GenerateReqInput:
     session_id: str | None = None
     session_rid: str | None = None
     priority: int = 0
+    lora_path: str | None = None
 
 
 @dataclass

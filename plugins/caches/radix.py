@@ -383,4 +383,7 @@ PLUGIN_NAME = "radix"
 
 @hookimpl
 def create_cache(settings, req_to_token_pool, token_to_kv_pool):
-    return RadixCache(req_to_token_pool, token_to_kv_pool, eviction=settings.cache.eviction)
+    # KV computed under one LoRA adapter is wrong for another: no sharing while adapters are
+    # loaded, as the reference requires (AB1).
+    disable = bool(settings.model.lora_paths)
+    return RadixCache(req_to_token_pool, token_to_kv_pool, disable=disable, eviction=settings.cache.eviction)
