@@ -79,6 +79,8 @@ class Scheduler(ControlMixin):
         self.force_retract = sched.force_retract
         self.lora_names = list(parse_lora_paths(settings.model.lora_paths))
         self.max_loras_per_batch = settings.model.max_loras_per_batch
+        if self.lora_names and settings.parallel.tp_size > 1:
+            raise ValueError("model.lora_paths: LoRA adapters are not supported with parallel.tp_size > 1")
         if self.lora_names and not self.tree_cache.disable:
             # Prefixes computed under different adapters have different KV (reference AB1).
             raise ValueError(

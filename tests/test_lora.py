@@ -79,10 +79,14 @@ GREEDY = {"temperature": 0, "max_new_tokens": NUM_TOKENS, "ignore_eos": True}
 def test_adapters_and_base_in_one_batch_match_merged_peft(make_engine, adapter_folders, merged_models,
                                                          default_tokenizer):
     recorder = BatchRecorder()
-    engine = make_engine(extra_plugins=(recorder,), **lora_sections(adapter_folders))
+    # Small chunks: the last, long prompt is prefilled in three chunks under its adapter.
+    engine = make_engine(extra_plugins=(recorder,), scheduler={"chunked_prefill_size": 32},
+                         **lora_sections(adapter_folders))
     prompt = default_tokenizer.encode("The quick brown fox jumps over")
     other = default_tokenizer.encode("A list of colours: red, green,")
-    prompts = [prompt, prompt, prompt, other, other]
+    long = default_tokenizer.encode("Once upon a time, in a small village by the sea, " * 4)
+    assert len(prompt) * 3 + len(other) < 32 < len(long)
+    prompts = [prompt, prompt, prompt, other, long]
     loras = ["a", "b", None, "b", "a"]
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=loras)
 
