@@ -144,3 +144,18 @@ def test_http_lora_path(tiny_model_folder, adapter_folders, tmp_path):
             resp = http.post("/generate", json={"input_ids": [5, 6, 7], "lora_path": bad})
             assert resp.status_code == 400, resp.text
             assert message in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("chunked, expected", [(8192, "ChunkCache"), (0, "RadixCache")])
+def test_radix_plugin_shares_nothing_while_adapters_are_loaded(chunked, expected):
+    from framework.config import Settings
+    from framework.memory import ReqToTokenPool, TokenToKVPool
+    from plugins.caches import radix
+
+    settings = Settings.load(None, model={"lora_paths": ["a=/adapters/a"]},
+                             scheduler={"chunked_prefill_size": chunked})
+    cache = radix.create_cache(
+        settings=settings, req_to_token_pool=ReqToTokenPool(4, 16),
+        token_to_kv_pool=TokenToKVPool(16, torch.float32, 1, 2, 1),
+    )
+    assert type(cache).__name__ == expected and cache.disable

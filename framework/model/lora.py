@@ -195,14 +195,12 @@ class LoraManager:
         self.state.segments = []
         if batch.lora_paths is None:
             return
-        rows_by_adapter: dict[int, list[torch.Tensor]] = {}
-        start = 0
-        for name, extend_len in zip(batch.lora_paths, batch.extend_lens):
-            if name is not None and extend_len > 0:
-                rows = torch.arange(start, start + extend_len, device=batch.input_ids.device)
-                rows_by_adapter.setdefault(self.index[name], []).append(rows)
-            start += extend_len
-        self.state.segments = [(a, torch.cat(rows)) for a, rows in rows_by_adapter.items()]
+        device = batch.input_ids.device
+        per_req = torch.tensor([-1 if n is None else self.index[n] for n in batch.lora_paths], device=device)
+        per_token = torch.repeat_interleave(per_req, torch.tensor(batch.extend_lens, device=device))
+        for adapter in per_req.unique().tolist():
+            if adapter >= 0:
+                self.state.segments.append((adapter, (per_token == adapter).nonzero().squeeze(1)))
 
 
 def _part_sizes(parent: nn.Module, module_name: str, out_features: int) -> tuple[int, ...]:
