@@ -77,7 +77,11 @@ GREEDY = {"temperature": 0, "max_new_tokens": NUM_TOKENS, "ignore_eos": True}
 
 
 def test_adapters_and_base_in_one_batch_match_merged_peft(make_engine, adapter_folders, merged_models,
-                                                         default_tokenizer):
+                                                         default_tokenizer, monkeypatch):
+    from framework.model import llama
+
+    # Tiny tiles, so the wrapped layers also see the prefill in row blocks.
+    monkeypatch.setattr(llama, "PREFILL_TILE", 8)
     recorder = BatchRecorder()
     # Small chunks: the last, long prompt is prefilled in three chunks under its adapter.
     engine = make_engine(extra_plugins=(recorder,), scheduler={"chunked_prefill_size": 32},

@@ -7,10 +7,14 @@ the adapter's scaling. Our q/k/v and gate/up projections are fused, so an adapte
 the parts are stacked along the rank axis and its B matrices placed block-diagonally.
 
 A forward pass carries one adapter name (or None, the base model) per request. `LoraManager.prepare`
-turns that into, per adapter present, the indices of its tokens; each wrapped layer then adds
-``(x[idx] @ A[a].T) @ B[a].T`` for those rows only. One base matmul serves the whole batch and the
-LoRA part is one gather + two small matmuls per adapter present (at most max_loras_per_batch);
-tokens of base-model requests get nothing added.
+turns that into an adapter index per token; each wrapped layer then adds, for each adapter present,
+``(x[rows] @ A[a].T) @ B[a].T`` to that adapter's rows only. One base matmul serves the whole batch
+and the LoRA part is one gather + two small matmuls per adapter present (at most
+max_loras_per_batch); tokens of base-model requests get nothing added.
+
+The model may run a layer's token-wise parts in tiles of rows (llama.py's prefill tiling), so a
+wrapped layer sees the pass's tokens in one call or in consecutive row blocks, in order. Each
+wrapper keeps its own row cursor over the pass for that reason; the model code needs no LoRA hook.
 """
 
 from __future__ import annotations
@@ -114,10 +118,18 @@ def load_adapter(name: str, path: str) -> LoraAdapter:
 
 
 class LoraBatchState:
-    """What the wrapped layers read during one pass: per adapter index, its token rows."""
+    """What the wrapped layers read during one pass: the adapter index of every token (-1: base
+    model), None when no token has an adapter, and the adapters present."""
 
     def __init__(self):
-        self.segments: list[tuple[int, torch.Tensor]] = []
+        self.token_adapters: torch.Tensor | None = None
+        self.adapters: list[int] = []
+        self.pass_id = 0
+
+    def start_pass(self, token_adapters: torch.Tensor | None) -> None:
+        self.token_adapters = token_adapters
+        self.adapters = [] if token_adapters is None else [a for a in token_adapters.unique().tolist() if a >= 0]
+        self.pass_id += 1
 
 
 class LoraLinear(nn.Module):
@@ -132,12 +144,26 @@ class LoraLinear(nn.Module):
         self.register_buffer("lora_a", lora_a, persistent=False)
         self.register_buffer("lora_b", lora_b, persistent=False)
         self.state = state
+        self._pass_id = -1
+        self._cursor = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        for adapter, rows in self.state.segments:
-            delta = (x[rows] @ self.lora_a[adapter].T) @ self.lora_b[adapter].T
-            out.index_add_(0, rows, delta.to(out.dtype))
+        state = self.state
+        if state.token_adapters is None:
+            return out
+        if self._pass_id != state.pass_id:
+            self._pass_id, self._cursor = state.pass_id, 0
+        num_rows = x.shape[0]
+        token_adapters = state.token_adapters[self._cursor : self._cursor + num_rows]
+        if len(token_adapters) != num_rows:
+            raise RuntimeError(f"LoraLinear: called on more rows than the pass has ({len(state.token_adapters)})")
+        self._cursor += num_rows
+        for adapter in state.adapters:
+            rows = (token_adapters == adapter).nonzero().squeeze(1)
+            if len(rows):
+                delta = (x[rows] @ self.lora_a[adapter].T) @ self.lora_b[adapter].T
+                out.index_add_(0, rows, delta.to(out.dtype))
         return out
 
 
@@ -191,16 +217,13 @@ class LoraManager:
         return lora_a, lora_b
 
     def prepare(self, batch: "ModelWorkerBatch") -> None:
-        """Point the wrapped layers at this pass's tokens, grouped by adapter."""
-        self.state.segments = []
+        """Give the wrapped layers this pass's adapter index per token."""
         if batch.lora_paths is None:
+            self.state.start_pass(None)
             return
         device = batch.input_ids.device
         per_req = torch.tensor([-1 if n is None else self.index[n] for n in batch.lora_paths], device=device)
-        per_token = torch.repeat_interleave(per_req, torch.tensor(batch.extend_lens, device=device))
-        for adapter in per_req.unique().tolist():
-            if adapter >= 0:
-                self.state.segments.append((adapter, (per_token == adapter).nonzero().squeeze(1)))
+        self.state.start_pass(torch.repeat_interleave(per_req, torch.tensor(batch.extend_lens, device=device)))
 
 
 def _part_sizes(parent: nn.Module, module_name: str, out_features: int) -> tuple[int, ...]:
