@@ -92,8 +92,8 @@ class Engine:
         Give either `prompt` (text) or `input_ids`. `sampling_params` is one dict for all prompts or
         one per prompt. `priority` (larger is more important) is kept by the radix cache's
         `priority` eviction order. `lora_path` names a loaded LoRA adapter (model.lora_paths),
-        one for all prompts or one per prompt; None is the base model. Raises ValueError naming the problem for bad input; nothing is
-        left queued.
+        one for all prompts or one per prompt; None is the base model. Raises ValueError naming
+        the problem for bad input; nothing is left queued.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")

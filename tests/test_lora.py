@@ -14,8 +14,9 @@ from tests.conftest_server import running_server, tiny_server_args
 
 NUM_TOKENS = 12
 # Adapter a targets every supported module; b only some of them, with another rank.
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {
-    "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "a": dict(r=4, lora_alpha=8, target_modules=ALL_TARGETS),
     "b": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"]),
 }
 

@@ -128,7 +128,8 @@ class LoraBatchState:
 
     def start_pass(self, token_adapters: torch.Tensor | None) -> None:
         self.token_adapters = token_adapters
-        self.adapters = [] if token_adapters is None else [a for a in token_adapters.unique().tolist() if a >= 0]
+        present = [] if token_adapters is None else token_adapters.unique().tolist()
+        self.adapters = [a for a in present if a >= 0]
         self.pass_id += 1
 
 
@@ -157,7 +158,9 @@ class LoraLinear(nn.Module):
         num_rows = x.shape[0]
         token_adapters = state.token_adapters[self._cursor : self._cursor + num_rows]
         if len(token_adapters) != num_rows:
-            raise RuntimeError(f"LoraLinear: called on more rows than the pass has ({len(state.token_adapters)})")
+            raise RuntimeError(
+                f"LoraLinear: called on more rows than the pass has ({len(state.token_adapters)})"
+            )
         self._cursor += num_rows
         for adapter in state.adapters:
             rows = (token_adapters == adapter).nonzero().squeeze(1)
@@ -195,9 +198,9 @@ class LoraManager:
         parts = FUSED_MODULES[module_name]
         out_sizes = _part_sizes(parent, module_name, base.out_features)
         max_rank = max(a.rank for a in adapters) * len(parts)
-        weight = base.weight
-        lora_a = torch.zeros(len(adapters), max_rank, base.in_features, dtype=weight.dtype, device=weight.device)
-        lora_b = torch.zeros(len(adapters), base.out_features, max_rank, dtype=weight.dtype, device=weight.device)
+        like = dict(dtype=base.weight.dtype, device=base.weight.device)
+        lora_a = torch.zeros(len(adapters), max_rank, base.in_features, **like)
+        lora_b = torch.zeros(len(adapters), base.out_features, max_rank, **like)
         for i, adapter in enumerate(adapters):
             row = col = 0
             for part, out_size in zip(parts, out_sizes):
@@ -223,7 +226,8 @@ class LoraManager:
             return
         device = batch.input_ids.device
         per_req = torch.tensor([-1 if n is None else self.index[n] for n in batch.lora_paths], device=device)
-        self.state.start_pass(torch.repeat_interleave(per_req, torch.tensor(batch.extend_lens, device=device)))
+        per_token = torch.repeat_interleave(per_req, torch.tensor(batch.extend_lens, device=device))
+        self.state.start_pass(per_token)
 
 
 def _part_sizes(parent: nn.Module, module_name: str, out_features: int) -> tuple[int, ...]:
