@@ -131,6 +131,8 @@ class ModelWorkerBatch:
     input_embeds_mask: torch.Tensor | None = None
     # An embedding model's batch: pool each request's last hidden state, do not sample.
     is_embedding: bool = False
+    # Per request, its LoRA adapter name or None (base model); None when no request has one.
+    lora_paths: list[str | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -427,7 +429,12 @@ class ScheduleBatch:
             image_inputs=self.image_inputs,
             input_embeds_mask=self.input_embeds_mask,
             is_embedding=self.is_embedding,
+            lora_paths=self.lora_paths(),
         )
+
+    def lora_paths(self) -> list[str | None] | None:
+        paths = [r.lora_path for r in self.reqs]
+        return paths if any(p is not None for p in paths) else None
 
 
 def gather_input_embeds(

@@ -50,6 +50,22 @@ class ModelSettings(_Section):
     )
     random_seed: int = Field(0, description="Seed for unseeded sampling.")
     served_model_name: str | None = Field(None, description="Model name reported by the API; empty: the path's name.")
+    lora_paths: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapters (PEFT folders) to serve, as name=path or path (then the name is the path); "
+        "requests pick one by name with lora_path. Prefix sharing is off while any is loaded.",
+    )
+    max_loras_per_batch: int = Field(
+        8, gt=0, description="Distinct adapters (the base model counts as one) in the running and prefill batches."
+    )
+
+    @field_validator("lora_paths")
+    @classmethod
+    def _lora_name_path_pairs(cls, v):
+        from framework.model.lora import parse_lora_paths
+
+        parse_lora_paths(v)
+        return v
 
 
 class SchedulerSettings(_Section):

@@ -51,6 +51,15 @@ def trim_output(tokenizer, out: ReqOutput) -> str:
     return text
 
 
+def _one_per_prompt(name: str, value: Any, num_prompts: int) -> list[Any]:
+    """A list is one value per prompt; anything else is shared by all prompts."""
+    if not isinstance(value, list):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"{name}: got {len(value)} values for {num_prompts} prompts")
+    return value
+
+
 class Engine:
     """Offline batch generation with the full scheduler and plugins."""
 
@@ -95,6 +104,7 @@ class Engine:
         priority: int = 0,
         image_data: Any = None,
         input_embeds: Any = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
 
@@ -102,25 +112,23 @@ class Engine:
         [num_tokens][hidden_size] list or tensor of vectors that replace the embedding lookup
         (such a prompt shares no prefix cache). `sampling_params` is one dict for all prompts or
         one per prompt. `priority` (larger is more important) is kept by the radix cache's
-        `priority` eviction order. `image_data` (multimodal models): for one prompt an image or a
-        list of images, for a batch one entry per prompt; an image is a data URL, a file path,
-        base64 text or a PIL image, and each goes where the prompt has an image token. An image
-        request longer than the context is answered with `finish_reason` abort (AA3). Raises
-        ValueError naming the problem for bad input; nothing is left queued.
+        `priority` eviction order. `lora_path` names a loaded LoRA adapter (model.lora_paths),
+        one for all prompts or one per prompt; None is the base model. `image_data` (multimodal
+        models): for one prompt an image or a list of images, for a batch one entry per prompt; an
+        image is a data URL, a file path, base64 text or a PIL image, and each goes where the prompt
+        has an image token. An image request longer than the context is answered with
+        `finish_reason` abort (AA3). Raises ValueError naming the problem for bad input; nothing is
+        left queued.
         """
         single, id_lists, texts, embeds = self._prompts(prompt, input_ids, input_embeds)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(id_lists):
-                raise ValueError(
-                    f"sampling_params: got {len(sampling_params)} dicts for {len(id_lists)} prompts"
-                )
-            param_dicts = sampling_params
-        else:
-            param_dicts = [sampling_params] * len(id_lists)
+        param_dicts = _one_per_prompt("sampling_params", sampling_params, len(id_lists))
+        lora_paths = _one_per_prompt("lora_path", lora_path, len(id_lists))
 
         images = self._image_inputs(images_per_prompt(image_data, len(id_lists), not single))
         messages = []
-        for ids, text, vectors, pd, image_inputs in zip(id_lists, texts, embeds, param_dicts, images):
+        for ids, text, vectors, pd, image_inputs, lora in zip(
+            id_lists, texts, embeds, param_dicts, images, lora_paths
+        ):
             params = SamplingParams.from_dict(pd)
             params.verify()
             params.normalize(self.tokenizer)
@@ -131,7 +139,7 @@ class Engine:
                     rid=self._new_rid(), input_ids=ids, sampling_params=params, input_text=text,
                     return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, priority=priority, input_embeds=vectors,
-                    image_inputs=image_inputs,
+                    image_inputs=image_inputs, lora_path=lora,
                 )
             )
         return self._run(messages, single)
@@ -188,7 +196,10 @@ class Engine:
         vocab = self.scheduler.worker.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
-        error = self.scheduler.validate_request(msg) or self.scheduler.validate_input(ids)
+        error = (
+            self.scheduler.validate_request(msg) or self.scheduler.validate_input(ids)
+            or self.scheduler.validate_lora(msg.lora_path)
+        )
         if error is not None:
             raise ValueError(error)
 

@@ -40,6 +40,7 @@ class GenerateReqInput:
     is_embedding: bool = False
     # [len(input_ids), hidden] float32 prompt vectors; input_ids are then placeholders (zeros).
     input_embeds: Any = None
+    lora_path: str | None = None
 
 
 @dataclass

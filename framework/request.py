@@ -307,10 +307,13 @@ class Req:
         priority: int = 0,
         is_embedding: bool = False,
         input_embeds: Any = None,
+        lora_path: str | None = None,
     ):
         self.rid = rid
         # Larger is more important; read by the priority-aware radix eviction order.
         self.priority = priority
+        # The LoRA adapter's name, None for the base model (reference AB2).
+        self.lora_path = lora_path
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.output_ids: list[int] = []

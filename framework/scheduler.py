@@ -16,6 +16,7 @@ from typing import Any, Callable
 from framework.batch import ScheduleBatch
 from framework.budget import NewTokenRatio, PrefillAdder
 from framework.config import Settings
+from framework.model.lora import parse_lora_paths
 from framework.messages import (
     AbortReq,
     BatchTokenOut,
@@ -89,6 +90,17 @@ class Scheduler(ControlMixin):
         self.max_req_input_len = self.max_req_len - 5
         assert self.max_req_input_len > 0, "context or KV pool too small"
         self.force_retract = sched.force_retract
+        self.lora_names = list(parse_lora_paths(settings.model.lora_paths))
+        self.max_loras_per_batch = settings.model.max_loras_per_batch
+        if self.lora_names and settings.parallel.tp_size > 1:
+            raise ValueError("model.lora_paths: LoRA adapters are not supported with parallel.tp_size > 1")
+        if self.lora_names and not self.tree_cache.disable:
+            # Prefixes computed under different adapters have different KV (reference AB1).
+            raise ValueError(
+                f"model.lora_paths: the {type(self.tree_cache).__name__} shares prefixes between "
+                "requests, which requests with different LoRA adapters must not (the bundled radix and "
+                "chunk caches share nothing while adapters are loaded)"
+            )
         self.retract_decode_steps = sched.retract_decode_steps
         self.grammar_backend = GrammarBackend(
             self.tokenizer, self.worker.vocab_size, sched.grammar_compile_threads
@@ -199,6 +211,13 @@ class Scheduler(ControlMixin):
             )
         return None
 
+    def validate_lora(self, lora_path: str | None) -> str | None:
+        """Why a request's adapter cannot be served, or None."""
+        if lora_path is None or lora_path in self.lora_names:
+            return None
+        loaded = ", ".join(self.lora_names) if self.lora_names else "none (see model.lora_paths)"
+        return f"lora_path: unknown LoRA adapter {lora_path!r}; loaded adapters: {loaded}"
+
     def validate_request(self, msg: GenerateReqInput) -> str | None:
         """Why a request cannot be served by this model, or None (before any session history)."""
         error = request_kind_error(msg.is_embedding, self.is_generation)
@@ -228,7 +247,7 @@ class Scheduler(ControlMixin):
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, stream=msg.stream,
             eos_token_ids=self.worker.eos_token_ids, session_id=msg.session_id,
-            priority=msg.priority, is_embedding=msg.is_embedding, input_embeds=msg.input_embeds,
+            priority=msg.priority, is_embedding=msg.is_embedding, input_embeds=msg.input_embeds, lora_path=msg.lora_path,
         )
         req.tokenizer = self.tokenizer
         image_error = self.attach_images(req, msg.image_inputs) if msg.image_inputs is not None else None
@@ -236,7 +255,10 @@ class Scheduler(ControlMixin):
             # Over the whole input, session history included (the reference counts only the new
             # segment, which limits a continued request's prefix hit when it asks for logprobs).
             req.logprob_start_len = len(req.origin_input_ids) - 1
-        error = error or image_error or self.validate_input(req.origin_input_ids)
+        error = (
+            error or image_error or self.validate_input(req.origin_input_ids)
+            or self.validate_lora(req.lora_path)
+        )
         if error is not None:
             # Rejected before it takes any memory (the reference prefills first, QUIRK 5).
             self.reject(req, error)

@@ -19,6 +19,7 @@ from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
 from framework.model.pooler import pool_last_token
+from framework.model.lora import LoraManager
 from framework.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class ModelRunner:
         kv_cache_memory_bytes: KV budget in bytes (default 1 GiB when both are None).
         max_running_requests: request slots; default as in the reference (P3), capped on CPU.
         context_length: overrides the model's max_position_embeddings.
+        lora_paths: LoRA adapters to serve, {name: PEFT folder} (framework/model/lora.py).
     """
 
     def __init__(
@@ -52,12 +54,13 @@ class ModelRunner:
         context_length: int | None = None,
         device: str = "cpu",
         seed: int = 0,
+        lora_paths: dict[str, str] | None = None,
     ):
         hf_config = load_hf_config(model_path)
         self._setup(
             hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
             max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
-            device, seed,
+            device, seed, lora_paths,
         )
         self.model_path = model_path
 
@@ -80,11 +83,12 @@ class ModelRunner:
         device: str = "cpu",
         seed: int = 0,
         tokenizer: Any = None,
+        lora_paths: dict[str, str] | None = None,
     ) -> "ModelRunner":
         runner = cls.__new__(cls)
         runner._setup(
             hf_config, state_dict.items(), tokenizer, dtype, max_total_tokens,
-            kv_cache_memory_bytes, max_running_requests, context_length, device, seed,
+            kv_cache_memory_bytes, max_running_requests, context_length, device, seed, lora_paths,
         )
         runner.model_path = None
         return runner
@@ -101,6 +105,7 @@ class ModelRunner:
         context_length: int | None,
         device: str,
         seed: int,
+        lora_paths: dict[str, str] | None = None,
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
@@ -115,6 +120,8 @@ class ModelRunner:
         self.context_len = context_length or cfg.context_len
         # Set for multimodal models: the scheduler expands image tokens with it.
         self.image_info = getattr(self.model, "image_info", None)
+        # Wraps the targeted linear layers, so after the weights are in place and cast.
+        self.lora = LoraManager(self.model, lora_paths) if lora_paths else None
         self.sampler = Sampler()
         self._init_memory_pools(max_total_tokens, kv_cache_memory_bytes, max_running_requests)
 
@@ -202,6 +209,8 @@ class ModelRunner:
         vocab_size = self.model_config.vocab_size
         if batch.forward_mode.is_idle() or batch.batch_size == 0:
             return LogitsOutput(next_token_logits=torch.empty((0, vocab_size), dtype=torch.float32))
+        if self.lora is not None:
+            self.lora.prepare(batch)
         hidden = self._hidden_states(batch)
         return compute_logits_output(hidden, batch, self.model.compute_logits, vocab_size)
 

@@ -22,11 +22,12 @@ if TYPE_CHECKING:
 GENERATE_FIELDS = {
     "text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob",
     "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "session", "image_data",
+    "lora_path",
 }
 # /encode (reference EmbeddingReqInput); its sampling_params are accepted and ignored.
 ENCODE_FIELDS = {"text", "input_ids", "rid", "sampling_params"}
 # Fields of the reference this build does not serve: a clear 400 instead of silently ignoring them.
-UNSUPPORTED_FIELDS = {"modalities", "lora_path"}
+UNSUPPORTED_FIELDS = {"modalities"}
 
 
 class ApiError(Exception):
@@ -99,6 +100,12 @@ def check_int(name: str, value: Any, minimum: int | None = None) -> int:
         raise ApiError(f"{name}: must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise ApiError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def check_optional_str(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ApiError(f"{name}: must be a string or null, got {value!r}")
     return value
 
 
@@ -245,6 +252,7 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
     return_logprob = _per_item("return_logprob", body.get("return_logprob", False), count, is_batch)
     start_lens = _per_item("logprob_start_len", body.get("logprob_start_len", -1), count, is_batch)
     top_nums = _per_item("top_logprobs_num", body.get("top_logprobs_num", 0), count, is_batch)
+    lora_paths = _per_item("lora_path", body.get("lora_path"), count, is_batch)
     with_text = check_bool("return_text_in_logprobs", body.get("return_text_in_logprobs", False))
 
     session_id = session_rid = None
@@ -281,6 +289,7 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
                 return_text_in_logprobs=with_text, stream=stream,
                 session_id=session_id, session_rid=session_rid, image_data=images[i],
                 input_embeds=prompts.embeds[i],
+                lora_path=check_optional_str("lora_path", lora_paths[i]),
             )
         )
     ns = {s.sampling_params.n for s in specs}

@@ -9,6 +9,7 @@ import torch
 
 from framework import hookimpl
 from framework.model.loader import resolve_model
+from framework.model.lora import parse_lora_paths
 from framework.model.runner import ModelRunner
 from framework.worker import BatchResult, ResolvedHandle
 
@@ -86,6 +87,7 @@ class TpWorker:
             context_length=settings.model.context_length,
             device=settings.worker.device,
             seed=settings.model.random_seed,
+            lora_paths=parse_lora_paths(settings.model.lora_paths),
         )
         logger.info(
             "Loaded %s (%s): max_total_num_tokens=%d, context_len=%d",
