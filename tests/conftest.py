@@ -38,6 +38,19 @@ def default_tokenizer(default_model_folder):
     return load_tokenizer(default_model_folder)
 
 
+def save_random_model(model, folder, tokenizer) -> str:
+    """Redraw a random model's matrices from N(0, 0.2) and save it with `tokenizer` as an HF folder.
+    Larger weights than the default init make the logits less flat, so greedy decoding meets
+    fewer near-ties."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory, default_tokenizer) -> str:
     """A tiny random-weight llama with the default model's tokenizer, saved as an HF folder."""
@@ -52,15 +65,7 @@ def tiny_model_folder(tmp_path_factory, default_tokenizer) -> str:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    # Larger weights than the default init make the random model's logits less flat, so greedy
-    # decoding meets fewer near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    default_tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_random_model(model, folder, default_tokenizer)
 
 
 def tiny_settings(folder: str, **sections):
@@ -181,13 +186,7 @@ def tiny_embedding_folder(tmp_path_factory, default_tokenizer) -> str:
     config = LlamaConfig(vocab_size=len(default_tokenizer), **TINY_CONFIG)
     torch.manual_seed(1)
     model = LlamaModel(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    default_tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_random_model(model, folder, default_tokenizer)
 
 
 @pytest.fixture(scope="session")

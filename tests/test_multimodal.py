@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import TINY_CONFIG, assert_no_leak, check_greedy_equal, tiny_settings
+from tests.conftest import TINY_CONFIG, assert_no_leak, check_greedy_equal, save_random_model, tiny_settings
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE, PATCH_SIZE = 32, 8
@@ -31,13 +31,7 @@ def build_llava_folder(folder, tokenizer, seed: int) -> str:
                          tie_word_embeddings=True, image_seq_length=NUM_IMAGE_TOKENS)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_random_model(model, folder, tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import TINY_CONFIG
+from tests.conftest import TINY_CONFIG, save_random_model
 
 PROMPTS = ["The capital of France is", "Once upon a time"]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -20,13 +20,7 @@ def save_tiny_llama(folder, tokenizer, seed: int, **config_overrides) -> str:
                          eos_token_id=tokenizer.eos_token_id, **{**TINY_CONFIG, **config_overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_random_model(model, folder, tokenizer)
 
 
 @pytest.fixture(scope="module")
