@@ -87,6 +87,7 @@ class OverlapWorker:
 
     def __init__(self, inner: tp.TpWorker):
         self.inner = inner
+        self.runner = inner.runner  # read by tools that report the model's dtype (bench)
         self.req_to_token_pool = inner.req_to_token_pool
         self.token_to_kv_pool = inner.token_to_kv_pool
         self.max_total_num_tokens = inner.max_total_num_tokens
