@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import enum
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from framework.multimodal import ImageInputs
+from framework.penalties import BatchPenalties
 from framework.request import Req, Stash, StashKey
 
 if TYPE_CHECKING:
@@ -48,27 +51,21 @@ class SamplingBatchInfo:
     top_ps: torch.Tensor  # [bs] float32
     top_ks: torch.Tensor  # [bs] int64
     min_ps: torch.Tensor  # [bs] float32
+    # Per row: None, or the 64-bit key of this step's draw for a seeded request (`step_seed`).
     seeds: list[int | None]
     is_all_greedy: bool
     need_min_p_sampling: bool
-    # min_new_tokens: per request, the stop token ids to mask while output is still too short.
-    min_new_tokens_masks: list[list[int] | None] = field(default_factory=list)
+    # Frequency / presence / repetition / min_new_tokens state of the batch, when some row uses it.
+    penalties: BatchPenalties | None = None
+    # Structured output: xgrammar bitmask [bs, ceil(vocab / 32)] int32, or None (framework/grammar.py).
+    vocab_mask: torch.Tensor | None = None
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req]) -> "SamplingBatchInfo":
+    def from_reqs(cls, reqs: list[Req], penalties: BatchPenalties | None = None) -> "SamplingBatchInfo":
         params = [r.sampling_params for r in reqs]
-        seeds = []
-        for r in reqs:
-            seed = r.sampling_params.seed
-            # A seeded request draws a different but reproducible value at every step.
-            seeds.append(None if seed is None else seed + len(r.output_ids))
-        masks = []
-        for r in reqs:
-            p = r.sampling_params
-            if not p.ignore_eos and len(r.output_ids) < p.min_new_tokens:
-                masks.append(sorted(set(p.stop_token_ids) | r.eos_token_ids))
-            else:
-                masks.append(None)
+        seeds = [None if p.seed is None else step_seed(p.seed, r.num_sampled_tokens()) for r, p in zip(reqs, params)]
+        if penalties is not None:
+            assert penalties.batch_size == len(reqs), "penalty rows out of step with the batch"
         return cls(
             temperatures=torch.tensor([[p.temperature] for p in params], dtype=torch.float32),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
@@ -79,8 +76,27 @@ class SamplingBatchInfo:
             # Recomputed on every batch, so the reference's stale flag after merge/filter (QUIRK 13)
             # cannot happen here.
             need_min_p_sampling=any(p.min_p > 0 for p in params),
-            min_new_tokens_masks=masks,
+            penalties=penalties if penalties is not None and penalties.is_active else None,
         )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The 64-bit key of a seeded request's draw for its `step`-th output token.
+
+    A counter-based scheme: the key depends on (seed, step) only, so a seeded request draws the
+    same random numbers whatever else is in the batch, on any device, and after a retraction
+    (the step is its output length). splitmix64 keeps nearby seeds and steps uncorrelated."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
 
 
 @dataclass
@@ -104,7 +120,19 @@ class ModelWorkerBatch:
     return_logprob: bool = False
     top_logprobs_nums: list[int] = field(default_factory=list)
     extend_logprob_start_lens: list[int] = field(default_factory=list)
+    # input_embeds requests: the supplied vectors [num_supplied, hidden] float32, one per True of
+    # `input_embeds_mask` [num_tokens] in token order; the other tokens embed their input id.
     input_embeds: torch.Tensor | None = None
+    # Extend passes of multimodal requests: per request, its ImageInputs or None.
+    image_inputs: list[ImageInputs | None] | None = None
+    # Set by the scheduler when it builds this batch's grammar vocab mask while the batch is in
+    # flight (overlap worker, reference C2/W5): sampling waits for it. None: nothing to wait for.
+    vocab_mask_ready: threading.Event | None = None
+    input_embeds_mask: torch.Tensor | None = None
+    # An embedding model's batch: pool each request's last hidden state, do not sample.
+    is_embedding: bool = False
+    # Per request, its LoRA adapter name or None (base model); None when no request has one.
+    lora_paths: list[str | None] | None = None
     # DP attention: every rank's token count this pass, in rank order (reference L2).
     global_num_tokens: list[int] | None = None
 
@@ -132,6 +160,7 @@ class ScheduleBatch:
         token_to_kv_pool: "TokenToKVPool",
         tree_cache: "BasePrefixCache",
         forward_mode: ForwardMode = ForwardMode.EXTEND,
+        vocab_size: int | None = None,
     ):
         self.reqs = reqs
         self.req_to_token_pool = req_to_token_pool
@@ -151,7 +180,12 @@ class ScheduleBatch:
         self.extend_logprob_start_lens: list[int] = []
         self.decoding_reqs: list[Req] | None = None
         self.sampling_info: SamplingBatchInfo | None = None
+        # Needed to build penalty rows; None only for batches that never carry penalties.
+        self.vocab_size = vocab_size
+        self.penalties = BatchPenalties(len(reqs), vocab_size)
         self.input_embeds: torch.Tensor | None = None
+        self.image_inputs: list[ImageInputs | None] | None = None
+        self.input_embeds_mask: torch.Tensor | None = None
         self.global_num_tokens: list[int] | None = None
         self.bid = 0
         self.stash = Stash()
@@ -167,9 +201,18 @@ class ScheduleBatch:
     def is_empty(self) -> bool:
         return len(self.reqs) == 0
 
+    def token_end(self, i: int) -> int:
+        """End of request `i`'s tokens in this pass's token-major tensors (`out_cache_loc`)."""
+        return sum(self.extend_lens[: i + 1])
+
     @property
     def return_logprob(self) -> bool:
         return any(r.return_logprob for r in self.reqs)
+
+    @property
+    def is_embedding(self) -> bool:
+        # An embedding model serves embedding requests only, so a batch is all or nothing.
+        return bool(self.reqs) and self.reqs[0].is_embedding
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -246,7 +289,13 @@ class ScheduleBatch:
         self.req_pool_indices = torch.tensor(pool_indices, dtype=torch.int64)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
         self.out_cache_loc = out_cache_loc
-        self.sampling_info = SamplingBatchInfo.from_reqs(reqs)
+        # Built from each request's prompt and existing outputs, so a retracted request's counts
+        # are complete again when it re-enters.
+        self.penalties = BatchPenalties.from_reqs(reqs, self.vocab_size)
+        self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.penalties)
+        images = [r.image_inputs for r in reqs]
+        self.image_inputs = images if any(images) else None
+        self.input_embeds, self.input_embeds_mask = gather_input_embeds(reqs, self.prefix_lens, positions)
 
     def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
         """Append the running decode requests to this prefill batch as 1-token extends (H3)."""
@@ -265,7 +314,14 @@ class ScheduleBatch:
         self.reqs = self.reqs + running_batch.reqs
         self.req_pool_indices = torch.cat([self.req_pool_indices, running_batch.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, running_batch.seq_lens])
-        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs)
+        self.penalties = self.penalties.merge(running_batch.penalties)
+        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.penalties)
+        if self.image_inputs is not None:
+            self.image_inputs = self.image_inputs + [None] * running_bs
+        if self.input_embeds_mask is not None:
+            self.input_embeds_mask = torch.cat(
+                [self.input_embeds_mask, torch.zeros(running_bs, dtype=torch.bool)]
+            )
 
     # -- idle -----------------------------------------------------------------------------------
 
@@ -287,10 +343,13 @@ class ScheduleBatch:
         return self.token_to_kv_pool.available_size() >= bs
 
     def prepare_for_decode(self) -> None:
-        """One new token per request: its input is the last sampled id (reference P6)."""
+        """One new token per request: its input is the last sampled id, a placeholder while that id
+        is still in flight on a pipelined worker (reference P6, K5)."""
         self.forward_mode = ForwardMode.DECODE
+        self.image_inputs = None
+        self.input_embeds = self.input_embeds_mask = None  # decode inputs are sampled ids
         bs = self.batch_size()
-        self.input_ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
+        self.input_ids = torch.tensor([r.last_token_id() for r in self.reqs], dtype=torch.int64)
         self.out_cache_loc = self.alloc_token_slots(bs)
         # seq_lens before this step is the position of the new token.
         self.positions = self.seq_lens.clone()
@@ -300,7 +359,9 @@ class ScheduleBatch:
         self.extend_lens = [1] * bs
         self.extend_num_tokens = bs
         self.extend_logprob_start_lens = [0] * bs
-        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs)
+        # The one penalty update per step: the tokens sampled by the previous step.
+        self.penalties.cumulate_output_tokens(self.input_ids)
+        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.penalties)
 
     # -- membership -----------------------------------------------------------------------------
 
@@ -316,6 +377,7 @@ class ScheduleBatch:
             ]
         if len(keep_indices) == 0:
             self.reqs = []
+            self.penalties = BatchPenalties(0, self.vocab_size)
             self.req_pool_indices = torch.empty((0,), dtype=torch.int64)
             self.seq_lens = torch.empty((0,), dtype=torch.int64)
             self.output_ids = None
@@ -324,6 +386,7 @@ class ScheduleBatch:
             return
         index = torch.tensor(keep_indices, dtype=torch.int64)
         self.reqs = [self.reqs[i] for i in keep_indices]
+        self.penalties = self.penalties.filter(keep_indices)
         self.req_pool_indices = self.req_pool_indices[index]
         self.seq_lens = self.seq_lens[index]
         self.out_cache_loc = None
@@ -332,6 +395,9 @@ class ScheduleBatch:
 
     def merge_batch(self, other: "ScheduleBatch") -> None:
         self.reqs = self.reqs + other.reqs
+        self.penalties = self.penalties.merge(other.penalties)
+        if self.vocab_size is None:
+            self.vocab_size = other.vocab_size
         self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
         self.out_cache_loc = None
@@ -344,7 +410,7 @@ class ScheduleBatch:
         """A shallow copy that keeps what result processing needs while the next batch is built."""
         new = ScheduleBatch(
             list(self.reqs), self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache,
-            self.forward_mode,
+            self.forward_mode, self.vocab_size,
         )
         new.out_cache_loc = self.out_cache_loc
         new.decoding_reqs = self.decoding_reqs
@@ -372,8 +438,37 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             extend_logprob_start_lens=list(self.extend_logprob_start_lens),
             input_embeds=self.input_embeds,
+            image_inputs=self.image_inputs,
+            input_embeds_mask=self.input_embeds_mask,
+            is_embedding=self.is_embedding,
+            lora_paths=self.lora_paths(),
             global_num_tokens=self.global_num_tokens,
         )
+
+    def lora_paths(self) -> list[str | None] | None:
+        paths = [r.lora_path for r in self.reqs]
+        return paths if any(p is not None for p in paths) else None
+
+
+def gather_input_embeds(
+    reqs: list[Req], prefix_lens: list[int], positions: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The supplied vectors of an extend pass and the mask of the tokens they replace, or
+    (None, None) when no request brought input_embeds. `positions[i]` are request i's positions
+    in this pass; those below its input_embeds length take its vectors (later positions, e.g.
+    output tokens re-prefilled after a retraction, are ordinary ids)."""
+    if all(r.input_embeds is None for r in reqs):
+        return None, None
+    rows: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    for req, pre_len, pos in zip(reqs, prefix_lens, positions):
+        if req.input_embeds is None:
+            masks.append(torch.zeros(len(pos), dtype=torch.bool))
+            continue
+        num_embeds = len(req.input_embeds)
+        masks.append(pos < num_embeds)
+        rows.append(req.input_embeds[pre_len : min(pre_len + len(pos), num_embeds)])
+    return torch.cat(rows), torch.cat(masks)
 
 
 def idle_worker_batch() -> ModelWorkerBatch:

@@ -208,7 +208,16 @@ class PrefillAdder:
         each request is matched here.
         """
         running_bs = scheduler.running_batch.batch_size() if scheduler.running_batch is not None else 0
+        running_loras = None
+        if scheduler.lora_names:
+            running_loras = {r.lora_path for r in scheduler.running_batch.reqs} if running_bs else set()
         for req in ordered:
+            if running_loras is not None:
+                # The base model (None) counts as one adapter, as in the reference.
+                loras = running_loras | {r.lora_path for r in self.can_run_list} | {req.lora_path}
+                if len(loras) > scheduler.max_loras_per_batch:
+                    scheduler.batch_is_full = True
+                    break
             if running_bs + len(self.can_run_list) >= scheduler.max_running_requests:
                 scheduler.batch_is_full = True
                 break
@@ -222,7 +231,10 @@ class PrefillAdder:
 
 
 def _needs_whole_prompt(req: "Req") -> bool:
-    # Prompt logprobs need the whole prompt in one pass, so such a request is never chunked.
+    # Prompt logprobs need the whole prompt in one pass, so such a request is never chunked; nor
+    # is an input_embeds one, whose KV cannot go through the prefix cache between chunks.
+    if req.input_embeds is not None:
+        return True
     return (
         req.return_logprob
         and req.normalized_prompt_logprob is None

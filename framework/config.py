@@ -44,8 +44,28 @@ class ModelSettings(_Section):
     context_length: int | None = Field(
         None, gt=0, description="Context length; empty: the model config's max_position_embeddings."
     )
+    is_embedding: bool = Field(
+        False, description="Serve the model as an embedding model (/encode, /v1/embeddings) even though "
+        "its architecture is a generation one; LlamaModel-style checkpoints (no LM head) are embedding models anyway.",
+    )
     random_seed: int = Field(0, description="Seed for unseeded sampling.")
     served_model_name: str | None = Field(None, description="Model name reported by the API; empty: the path's name.")
+    lora_paths: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapters (PEFT folders) to serve, as name=path or path (then the name is the path); "
+        "requests pick one by name with lora_path. Prefix sharing is off while any is loaded.",
+    )
+    max_loras_per_batch: int = Field(
+        8, gt=0, description="Distinct adapters (the base model counts as one) in the running and prefill batches."
+    )
+
+    @field_validator("lora_paths")
+    @classmethod
+    def _lora_name_path_pairs(cls, v):
+        from framework.model.lora import parse_lora_paths
+
+        parse_lora_paths(v)
+        return v
 
 
 class SchedulerSettings(_Section):
@@ -77,6 +97,14 @@ class SchedulerSettings(_Section):
         False, description="Test only: retract on every decode step with more than 10 requests."
     )
     stream_interval: int = Field(1, gt=0, description="Stream every this many decode steps.")
+    enable_jump_forward: bool = Field(
+        False,
+        description="Structured output: append the text a grammar forces without a forward pass per "
+        "token (retokenized, re-prefilled). Ignored with a pipelined (overlap) worker.",
+    )
+    grammar_compile_threads: int = Field(
+        1, gt=0, description="Threads compiling json_schema/regex grammars off the scheduler loop."
+    )
     check_leaks: bool = Field(
         False, description="Raise instead of warning when the idle check finds leaked KV or request slots."
     )
@@ -105,19 +133,31 @@ class WorkerSettings(_Section):
     )
     device: str = Field("cpu", description="Torch device.")
     num_threads: int | None = Field(None, gt=0, description="Intra-op threads for the forward pass; empty: all cores.")
+    overlap_penalties: Literal["ignore", "fallback"] = Field(
+        "ignore",
+        description="Frequency/presence/repetition penalties with the overlap worker: ignore (0.3.6: "
+        "warn and drop them per request) or fallback (start the plain tp worker so they apply).",
+    )
 
 
 class ParallelSettings(_Section):
     tp_size: int = Field(
         1, gt=0, description="Tensor-parallel size: one scheduler process per rank (batchyard serve only)."
     )
-    dp_size: int = Field(1, gt=0, description="Data-parallel replicas.")
+    dp_size: int = Field(1, gt=0, description="Data-parallel replicas behind the controller, tp_size ranks each.")
     enable_dp_attention: bool = Field(
         False, description="Data-parallel attention (each of the tp_size ranks has its own requests) with "
         "tensor-parallel MLP; one node only."
     )
     load_balance_method: Literal["round_robin", "shortest_queue"] = Field(
-        "round_robin", description="How the data-parallel controller routes requests."
+        "round_robin",
+        description="How the data-parallel controller routes requests: round_robin, or shortest_queue "
+        "(to the replica with the fewest unfinished requests).",
+    )
+    cpu_affinity: bool = Field(
+        True,
+        description="Pin each scheduler (rank or replica) process to its share of this process's CPU "
+        "cores and size torch's thread pool to it (worker.num_threads, when set, wins).",
     )
     nnodes: int = Field(1, gt=0, description="Number of machines; each runs tp_size // nnodes ranks.")
     node_rank: int = Field(0, ge=0, description="This machine's rank; node 0 runs the HTTP server and rank 0.")
@@ -135,12 +175,18 @@ class ServerSettings(_Section):
     enable_metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
     log_requests: bool = Field(False, description="Log every finished request.")
     log_level: str = Field("info", description="Log level.")
+    profile_dir: str | None = Field(
+        None, description="Directory for the torch profiler traces of /start_profile and /stop_profile; "
+        "empty: <tempdir>/batchyard-profiles.",
+    )
 
 
 class PluginSelection(_Section):
     policy: str = Field("lpm", description="Scheduling policy plugin (lpm, fcfs, dfs-weight, lof, random, ...).")
     cache: str = Field("radix", description="Prefix cache plugin (radix, chunk, ...).")
-    worker: str = Field("tp", description="Model worker plugin (tp, ...).")
+    worker: str = Field(
+        "tp", description="Model worker plugin (tp, overlap, ...); overlap falls back to tp where it cannot run."
+    )
     disable: list[str] = Field(default_factory=list, description="Observer/default plugins to leave inactive.")
 
 

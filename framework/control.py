@@ -25,14 +25,15 @@ class ControlMixin:
 
     def abort_request(self, rid: str) -> None:
         """Abort wherever the request is; it is reported as aborted (the reference is silent for
-        waiting requests and misses the chunked one, QUIRK 4)."""
-        for i, req in enumerate(self.waiting_queue):
-            if req.rid == rid:
-                del self.waiting_queue[i]
-                req.finished_reason = FinishAbort("Aborted by the client.")
-                self.hooks.on_request_finished(req, self)
-                self.stream_output([req])
-                return
+        waiting requests and misses the chunked one and the grammar queue, QUIRK 4)."""
+        for queue in (self.waiting_queue, self.grammar_queue):
+            for i, req in enumerate(queue):
+                if req.rid == rid:
+                    del queue[i]
+                    req.finished_reason = FinishAbort("Aborted by the client.")
+                    self.hooks.on_request_finished(req, self)
+                    self.stream_output([req])
+                    return
         if self.being_chunked_req is not None and self.being_chunked_req.rid == rid:
             # Released when the next round takes it out of the last batch (D1).
             self.being_chunked_req.finished_reason = FinishAbort("Aborted by the client.")
@@ -47,21 +48,50 @@ class ControlMixin:
                     self.stream_output([req])
                     return
 
-    def flush_cache(self) -> bool:
-        # Finished requests may still sit in the running or last batch until the next round
-        # filters them; their KV is already released, so they do not block a flush.
-        batches = (self.running_batch, self.last_batch)
+    def has_requests(self) -> bool:
+        """Requests are waiting or running. Finished ones may still sit in the running or last
+        batch (or a batch whose result is pending) until the next round filters them; their KV is
+        already released, so they do not count."""
+        batches = (self.running_batch, self.last_batch, *(b for b, _ in self.result_queue))
         running = any(not r.finished() for b in batches if b is not None for r in b.reqs)
-        if self.waiting_queue or self.being_chunked_req or running or self.result_queue:
+        return bool(self.waiting_queue or self.being_chunked_req or running)
+
+    def flush_cache(self) -> bool:
+        if self.has_requests():
             logger.warning("Cache not flushed: there are running or waiting requests.")
             return False
+        # A pipelined worker may still run a batch of finished requests: let it free their slots.
+        while self.result_queue:
+            self.process_batch_result(*self.result_queue.popleft())
         self.running_batch = self.last_batch = None
         self.tree_cache.reset()
+        self.grammar_backend.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool.clear()
         self.cache_hit_tokens = self.cache_total_tokens = 0
         logger.info("Cache flushed.")
         return True
+
+    def update_weights(self, model_path: str) -> tuple[bool, str]:
+        """New weights for the running worker, then an empty cache: the cached KV was computed
+        by the old weights (R4). Refused while requests run, which would mix the two."""
+        if self.has_requests():
+            return False, "Cannot update weights while requests are running or waiting; try again when idle."
+        success, message = self.worker.update_weights(model_path)
+        if success:
+            flushed = self.flush_cache()
+            assert flushed, "idle scheduler must flush"
+            logger.info("Weights updated from %s", model_path)
+        else:
+            logger.warning("Weight update failed: %s", message)
+        return success, message
+
+    def profile(self, action: str) -> tuple[bool, str]:
+        if action == "start":
+            return self.profiler.start()
+        if action == "stop":
+            return self.profiler.stop()
+        return False, f"unknown profile action {action!r}"
 
     def open_session(self, msg: OpenSessionReq) -> OpenSessionReqOutput:
         if not self.sessions.open(msg.session_id, msg.capacity_of_str_len):
@@ -97,6 +127,8 @@ class ControlMixin:
             req_slots_total=self.req_to_token_pool.size,
             num_sessions=len(self.sessions),
             forward_ct=self.forward_ct,
+            num_received_reqs=self.num_received_reqs,
+            dp_rank=self.dp_rank,
         )
 
     def send_reply(self, reply) -> None:

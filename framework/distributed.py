@@ -170,8 +170,9 @@ def node_ranks(par: "ParallelSettings") -> list[int]:
     return list(range(par.node_rank * per_node, (par.node_rank + 1) * per_node))
 
 
-def check_layout(par: "ParallelSettings") -> None:
-    """Settings-only checks, before anything is loaded or spawned."""
+def check_layout(par: "ParallelSettings", one_replica: bool = False) -> None:
+    """Settings-only checks, before anything is loaded or spawned. `one_replica`: the server is
+    one replica of dp_size (DP_RANK is set), started on its own."""
     if par.tp_size % par.nnodes:
         raise ParallelConfigError(
             f"parallel.tp_size ({par.tp_size}) must be a multiple of parallel.nnodes ({par.nnodes})"
@@ -184,8 +185,27 @@ def check_layout(par: "ParallelSettings") -> None:
         raise ParallelConfigError(
             "parallel.enable_dp_attention runs on one node: every rank needs the tokenizer's IPC sockets"
         )
-    if par.dp_size > 1 and not par.enable_dp_attention:
-        raise ParallelConfigError("parallel.dp_size > 1 needs the data-parallel controller, not wired into serve")
+    if par.enable_dp_attention and one_replica:
+        raise ParallelConfigError(
+            "DP_RANK names one replica, but with parallel.enable_dp_attention the ranks of one group are "
+            "the replicas: unset DP_RANK"
+        )
+    if par.dp_size > 1 and not par.enable_dp_attention and not one_replica:
+        check_replicas_layout(par)
+
+
+def check_replicas_layout(par: "ParallelSettings") -> None:
+    """dp_size replicas behind the controller run on one node, each rank group at a free port."""
+    if par.nnodes > 1:
+        raise ParallelConfigError(
+            "parallel.dp_size > 1 runs its replicas on one node; across nodes, start one server per "
+            "replica with DP_RANK set"
+        )
+    if par.dist_init_addr and par.tp_size > 1:
+        raise ParallelConfigError(
+            "parallel.dist_init_addr names one rendezvous, but dp_size > 1 replicas are one tensor-parallel "
+            "group each (each gets a free local port): leave it empty"
+        )
 
 
 def check_model_fits(config: "ModelConfig", tp: int, dp_attention: bool) -> None:

@@ -4,6 +4,7 @@
     engine = Engine("serve.toml")                      # or Engine(settings), or Engine(**overrides)
     out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
     out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
+    Engine(model={"path": "/models/my-embedder"}).encode(["one", "two"])[1]["embedding"]
 
 The Engine is one scheduler in this process, so it runs a single rank: parallel.tp_size > 1 is a
 start-up error pointing to `batchyard serve`, which runs one scheduler process per rank.
@@ -18,8 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from framework.config import Settings
+from framework.images import ImageProcessor, images_per_prompt
 from framework.messages import AbortReq, BatchTokenOut, GenerateReqInput, ReqOutput
-from framework.request import FinishMatchedStr, FinishMatchedToken, SamplingParams
+from framework.model.loader import resolve_model
+from framework.multimodal import ImageInputs
+from framework.request import (
+    FinishMatchedStr,
+    FinishMatchedToken,
+    SamplingParams,
+    input_embeds_tensor,
+    split_input_embeds,
+)
 from framework.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -44,6 +54,15 @@ def trim_output(tokenizer, out: ReqOutput) -> str:
     return text
 
 
+def _one_per_prompt(name: str, value: Any, num_prompts: int) -> list[Any]:
+    """A list is one value per prompt; anything else is shared by all prompts."""
+    if not isinstance(value, list):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"{name}: got {len(value)} values for {num_prompts} prompts")
+    return value
+
+
 class Engine:
     """Offline batch generation with the full scheduler and plugins."""
 
@@ -59,10 +78,17 @@ class Engine:
             self.settings = settings
         else:
             self.settings = Settings.load(settings, **overrides)
+        par = self.settings.parallel
+        if par.dp_size > 1 and not par.enable_dp_attention:
+            raise ValueError(
+                f"parallel.dp_size={par.dp_size} runs one scheduler process per replica: use "
+                "`batchyard serve` (the in-process Engine is one replica)"
+            )
         self._outputs: dict[str, ReqOutput] = {}
         self.scheduler = Scheduler(self.settings, output_sink=self._collect, extra_plugins=extra_plugins)
         self.tokenizer = self.scheduler.tokenizer
         self._rid_counter = itertools.count()
+        self._image_processor: ImageProcessor | None = None
 
     def _collect(self, batch_out: BatchTokenOut) -> None:
         for out in batch_out.outputs:
@@ -79,16 +105,74 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         priority: int = 0,
+        image_data: Any = None,
+        input_embeds: Any = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
 
-        Give either `prompt` (text) or `input_ids`. `sampling_params` is one dict for all prompts or
+        Give exactly one of `prompt` (text), `input_ids` or `input_embeds`: per prompt a
+        [num_tokens][hidden_size] list or tensor of vectors that replace the embedding lookup
+        (such a prompt shares no prefix cache). `sampling_params` is one dict for all prompts or
         one per prompt. `priority` (larger is more important) is kept by the radix cache's
-        `priority` eviction order. Raises ValueError naming the problem for bad input; nothing is
+        `priority` eviction order. `lora_path` names a loaded LoRA adapter (model.lora_paths),
+        one for all prompts or one per prompt; None is the base model. `image_data` (multimodal
+        models): for one prompt an image or a list of images, for a batch one entry per prompt; an
+        image is a data URL, a file path, base64 text or a PIL image, and each goes where the prompt
+        has an image token. An image request longer than the context is answered with
+        `finish_reason` abort (AA3). Raises ValueError naming the problem for bad input; nothing is
         left queued.
         """
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
+        single, id_lists, texts, embeds = self._prompts(prompt, input_ids, input_embeds)
+        param_dicts = _one_per_prompt("sampling_params", sampling_params, len(id_lists))
+        lora_paths = _one_per_prompt("lora_path", lora_path, len(id_lists))
+
+        images = self._image_inputs(images_per_prompt(image_data, len(id_lists), not single))
+        messages = []
+        for ids, text, vectors, pd, image_inputs, lora in zip(
+            id_lists, texts, embeds, param_dicts, images, lora_paths
+        ):
+            params = SamplingParams.from_dict(pd)
+            params.verify()
+            params.normalize(self.tokenizer)
+            if params.n != 1:
+                raise ValueError("sampling_params.n > 1 is served by the HTTP API; the Engine takes n=1")
+            messages.append(
+                GenerateReqInput(
+                    rid=self._new_rid(), input_ids=ids, sampling_params=params, input_text=text,
+                    return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_logprobs_num, priority=priority, input_embeds=vectors,
+                    image_inputs=image_inputs, lora_path=lora,
+                )
+            )
+        return self._run(messages, single)
+
+    def encode(
+        self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None
+    ) -> dict | list[dict]:
+        """Embed one prompt (returns a dict) or a list of prompts (returns a list) with an
+        embedding model: ``{"embedding": [float, ...] (unit length), "meta_info": {...}}``.
+        Raises ValueError for bad input or a generation model."""
+        single, id_lists, texts, _ = self._prompts(prompt, input_ids)
+        messages = [
+            GenerateReqInput(
+                rid=self._new_rid(), input_ids=ids, sampling_params=SamplingParams(max_new_tokens=0),
+                input_text=text, is_embedding=True,
+            )
+            for ids, text in zip(id_lists, texts)
+        ]
+        return self._run(messages, single)
+
+    def _prompts(self, prompt: Any, input_ids: Any, input_embeds: Any = None):
+        """(single, ids per prompt, text or None per prompt, input_embeds or None per prompt)."""
+        if sum(x is not None for x in (prompt, input_ids, input_embeds)) != 1:
+            raise ValueError("give exactly one of prompt, input_ids or input_embeds")
+        if input_embeds is not None:
+            single, values = split_input_embeds(input_embeds)
+            hidden_size = self.scheduler.worker.hidden_size
+            embeds = [input_embeds_tensor(v, hidden_size) for v in values]
+            # Placeholder ids: the vectors are the prompt.
+            return single, [[0] * len(e) for e in embeds], [None] * len(embeds), embeds
         single = isinstance(prompt, str) or (
             input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], int))
         )
@@ -103,38 +187,29 @@ class Engine:
         else:
             id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
             texts = [None] * len(id_lists)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(id_lists):
-                raise ValueError(
-                    f"sampling_params: got {len(sampling_params)} dicts for {len(id_lists)} prompts"
-                )
-            param_dicts = sampling_params
-        else:
-            param_dicts = [sampling_params] * len(id_lists)
+        return single, id_lists, texts, [None] * len(id_lists)
 
-        messages = []
-        for ids, text, pd in zip(id_lists, texts, param_dicts):
-            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
-                raise ValueError("input_ids must be lists of integers")
-            vocab = self.scheduler.worker.vocab_size
-            if any(t < 0 or t >= vocab for t in ids):
-                raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
-            error = self.scheduler.validate_input(ids)
-            if error is not None:
-                raise ValueError(error)
-            params = SamplingParams.from_dict(pd)
-            params.verify()
-            params.normalize(self.tokenizer)
-            if params.n != 1:
-                raise ValueError("sampling_params.n > 1 is served by the HTTP API; the Engine takes n=1")
-            messages.append(
-                GenerateReqInput(
-                    rid=f"engine-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
-                    sampling_params=params, input_text=text, return_logprob=return_logprob,
-                    logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                    priority=priority,
-                )
-            )
+    def _new_rid(self) -> str:
+        return f"engine-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"
+
+    def _check(self, msg: GenerateReqInput) -> None:
+        ids = msg.input_ids
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise ValueError("input_ids must be lists of integers")
+        vocab = self.scheduler.worker.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
+        error = (
+            self.scheduler.validate_request(msg) or self.scheduler.validate_input(ids)
+            or self.scheduler.validate_lora(msg.lora_path)
+        )
+        if error is not None:
+            raise ValueError(error)
+
+    def _run(self, messages: list[GenerateReqInput], single: bool) -> dict | list[dict]:
+        """Check every request, then run them all to completion; their outputs as dicts."""
+        for msg in messages:
+            self._check(msg)
         for msg in messages:
             self.scheduler.send(msg)
         rids = [m.rid for m in messages]
@@ -146,6 +221,15 @@ class Engine:
             raise
         results = [self._to_dict(self._outputs.pop(rid)) for rid in rids]
         return results[0] if single else results
+
+    def _image_inputs(self, per_prompt: list[list | None]) -> list[ImageInputs | None]:
+        if all(images is None for images in per_prompt):
+            return per_prompt
+        if self.scheduler.worker.image_info is None:
+            raise ValueError("image_data: this model does not take images")
+        if self._image_processor is None:
+            self._image_processor = ImageProcessor.from_model_folder(resolve_model(self.settings.model.path))
+        return [None if images is None else self._image_processor.process(images) for images in per_prompt]
 
     def _run_until_done(self, rids: list[str]) -> None:
         pending = set(rids)
@@ -161,6 +245,8 @@ class Engine:
         self.scheduler.run_once()
 
     def _to_dict(self, out: ReqOutput) -> dict:
+        if out.embedding is not None:
+            return {"embedding": list(out.embedding), "meta_info": dict(out.meta_info)}
         return {
             "text": trim_output(self.tokenizer, out),
             "output_ids": list(out.output_ids),
@@ -169,6 +255,27 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
+
+    def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
+        """Load the weights of `model_path` (same architecture) without a restart; the prefix
+        cache is flushed. On failure the old weights keep serving. Returns (success, message)."""
+        return self.scheduler.update_weights(model_path)
+
+    def start_profile(self) -> str:
+        """Start the torch profiler (traces go to `server.profile_dir`); raises ValueError if
+        it is already running."""
+        return self._checked(self.scheduler.profile("start"))
+
+    def stop_profile(self) -> str:
+        """Stop the profiler and write its trace; returns the trace file's path."""
+        return self._checked(self.scheduler.profile("stop"))
+
+    @staticmethod
+    def _checked(reply: tuple[bool, str]) -> str:
+        success, message = reply
+        if not success:
+            raise ValueError(message)
+        return message
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

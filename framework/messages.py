@@ -6,7 +6,9 @@ the offline Engine.
 Server-mode routes (framework/server): TokenizerManager -> Scheduler: GenerateReqInput, AbortReq and
 the control requests; Scheduler -> Detokenizer: BatchTokenOut; Detokenizer -> TokenizerManager:
 BatchStrOut; Scheduler -> TokenizerManager: the control replies (``*Output``, SchedulerStats), each
-carrying the ``request_id`` of the request it answers.
+carrying the ``request_id`` of the request it answers. With data parallelism a controller stands
+between: TokenizerManager -> controller -> one or all replicas; the replicas' control replies and
+``ReplicaFinished`` reports go to the controller, which forwards (or combines) the replies.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from framework.multimodal import ImageInputs
 from framework.request import FinishReason, SamplingParams
 
 
 @dataclass
 class GenerateReqInput:
-    """A tokenized generation request (TokenizedGenerateReqInput)."""
+    """A tokenized request (TokenizedGenerateReqInput; with `is_embedding`, the reference's
+    TokenizedEmbeddingReqInput: a prefill whose output is the pooled hidden state)."""
 
     rid: str
     input_ids: list[int]
@@ -32,6 +36,11 @@ class GenerateReqInput:
     session_id: str | None = None
     session_rid: str | None = None
     priority: int = 0
+    image_inputs: ImageInputs | None = None
+    is_embedding: bool = False
+    # [len(input_ids), hidden] float32 prompt vectors; input_ids are then placeholders (zeros).
+    input_embeds: Any = None
+    lora_path: str | None = None
 
 
 @dataclass
@@ -54,6 +63,7 @@ class ReqOutput:
     output_ids: list[int]  # all output ids so far
     finished_reason: FinishReason | None
     meta_info: dict[str, Any]
+    embedding: list[float] | None = None  # an embedding request's output
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -77,6 +87,7 @@ class StrOutput:
     output_ids: list[int]
     finished_reason: FinishReason | None
     meta_info: dict[str, Any]
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -123,6 +134,36 @@ class CloseSessionReqOutput:
 
 
 @dataclass
+class UpdateWeightsReq:
+    """Load new weights from a local folder into the running worker (reference R4)."""
+
+    model_path: str
+    request_id: str | None = None
+
+
+@dataclass
+class UpdateWeightsReqOutput:
+    request_id: str | None
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class ProfileReq:
+    """Start or stop the torch profiler in the scheduler process (reference R5)."""
+
+    action: str  # "start" or "stop"
+    request_id: str | None = None
+
+
+@dataclass
+class ProfileReqOutput:
+    request_id: str | None
+    success: bool
+    message: str = ""  # on a successful stop: the trace file's path
+
+
+@dataclass
 class GetStatsReq:
     """Ask for a SchedulerStats snapshot (for /get_server_info and /metrics)."""
 
@@ -147,6 +188,22 @@ class SchedulerStats:
     req_slots_total: int
     num_sessions: int
     forward_ct: int
+    num_received_reqs: int = 0
+    # The replica this scheduler is (None without data parallelism); a data-parallel
+    # controller's aggregate has None here and the replicas' own stats in `replicas`.
+    dp_rank: int | None = None
+    replicas: list["SchedulerStats"] = field(default_factory=list)
+
+
+@dataclass
+class ReplicaFinished:
+    """Replica -> data-parallel controller: these requests finished (their last output was sent).
+
+    The controller's load of a replica and its abort routing are the requests it sent there that
+    have not been reported finished."""
+
+    dp_rank: int
+    rids: list[str]
 
 
 @dataclass
@@ -158,6 +215,8 @@ class SchedulerReady:
     context_len: int
     vocab_size: int
     pid: int
+    hidden_size: int = 0
+    is_generation: bool = True
 
 
 @dataclass

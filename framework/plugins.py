@@ -45,6 +45,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("chunk", "plugins.caches.chunk"),
     ("radix", "plugins.caches.radix"),
     ("tp", "plugins.workers.tp"),
+    ("overlap", "plugins.workers.overlap"),
     ("dp-attention", "plugins.workers.dp_attention"),
 )
 

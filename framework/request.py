@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -126,6 +129,14 @@ class SamplingParams:
     stop_strs: list[str] = field(default_factory=list)
     stop_str_max_len: int = 0
 
+    def has_output_penalties(self) -> bool:
+        """Frequency, presence or repetition penalty set (they need every sampled token)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def drop_output_penalties(self) -> None:
+        self.frequency_penalty = self.presence_penalty = 0.0
+        self.repetition_penalty = 1.0
+
     @classmethod
     def from_dict(cls, data: dict | None) -> "SamplingParams":
         """Build from a user dict; unknown keys are an error naming them."""
@@ -165,8 +176,9 @@ class SamplingParams:
             raise ValueError(f"sampling_params.frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"sampling_params.presence_penalty: must be in [-2, 2], got {self.presence_penalty}")
-        if not 0.0 <= self.repetition_penalty <= 2.0:
-            raise ValueError(f"sampling_params.repetition_penalty: must be in [0, 2], got {self.repetition_penalty}")
+        # The reference allows 0, which divides positive logits by zero (inf logits, NaN probabilities).
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"sampling_params.repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
         if self.min_new_tokens < 0:
             raise ValueError(f"sampling_params.min_new_tokens: must be >= 0, got {self.min_new_tokens}")
         if self.n < 1:
@@ -181,10 +193,17 @@ class SamplingParams:
                 )
         if self.regex is not None and self.json_schema is not None:
             raise ValueError("sampling_params: regex and json_schema cannot both be set")
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+        if self.stop_token_ids is not None and not (
+            isinstance(self.stop_token_ids, (list, tuple, set))
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)
         ):
-            raise ValueError("sampling_params.stop_token_ids: must be a list of integers")
+            raise ValueError("sampling_params.stop_token_ids: must be a list of non-negative integers")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"sampling_params.seed: must be an integer or null, got {self.seed!r}")
+        if self.regex is not None or self.json_schema is not None:
+            from framework.grammar import check_grammar_params  # imports xgrammar, only when used
+
+            check_grammar_params(self)
 
     def normalize(self, tokenizer=None) -> None:
         """Greedy when temperature ~ 0; top_k -1 means all; stop strings and their max token length."""
@@ -215,6 +234,58 @@ class SamplingParams:
 
 
 # ---------------------------------------------------------------------------------------------
+# Request kinds and input_embeds
+
+
+def request_kind_error(is_embedding: bool, is_generation: bool) -> str | None:
+    """Why a request cannot be served by this model (embedding vs generation), or None."""
+    if is_embedding and is_generation:
+        return ("This model does not appear to be an embedding model: /encode and /v1/embeddings "
+                "need one (a LlamaModel checkpoint, or model.is_embedding = true).")
+    if not is_embedding and not is_generation:
+        return ("This model is an embedding model: it serves /encode and /v1/embeddings, "
+                "not generation.")
+    return None
+
+
+def split_input_embeds(value: Any) -> tuple[bool, list[Any]]:
+    """(single, one value per prompt) for input_embeds given for one prompt (a list of vectors,
+    a 2-D tensor) or for several (a list of those, a 3-D tensor)."""
+    if hasattr(value, "dim"):
+        return (True, [value]) if value.dim() != 3 else (False, list(value))
+    try:
+        first = value[0][0]
+    except (TypeError, IndexError, KeyError):
+        return True, [value]  # not nested enough: input_embeds_tensor names the problem
+    if isinstance(first, (list, tuple)) or hasattr(first, "dim"):
+        return False, list(value)
+    return True, [value]
+
+
+def input_embeds_tensor(value: Any, hidden_size: int) -> "torch.Tensor":
+    """A prompt given as vectors (a [num_tokens][hidden_size] list of numbers, or a tensor) as a
+    float32 tensor; ValueError naming the problem otherwise."""
+    import torch
+
+    try:
+        embeds = torch.as_tensor(value, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError("input_embeds: must be a list of vectors (lists of numbers) of equal length") from None
+    if embeds is value:
+        embeds = embeds.clone()  # the request keeps it; the caller's tensor may change
+    if embeds.dim() != 2 or embeds.shape[0] == 0:
+        raise ValueError(f"input_embeds: must be a non-empty list of vectors, got shape {list(embeds.shape)}")
+    if embeds.shape[1] != hidden_size:
+        raise ValueError(
+            f"input_embeds: each vector must have {hidden_size} numbers (the model's hidden size), "
+            f"got {embeds.shape[1]}"
+        )
+    if not bool(torch.isfinite(embeds).all()):
+        raise ValueError("input_embeds: values must be finite")
+    return embeds
+
+
+# ---------------------------------------------------------------------------------------------
 # Requests
 
 
@@ -234,18 +305,34 @@ class Req:
         eos_token_ids: set[int] | None = None,
         session_id: str | None = None,
         priority: int = 0,
+        is_embedding: bool = False,
+        input_embeds: Any = None,
+        lora_path: str | None = None,
     ):
         self.rid = rid
         # Larger is more important; read by the priority-aware radix eviction order.
         self.priority = priority
+        # The LoRA adapter's name, None for the base model (reference AB2).
+        self.lora_path = lora_path
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.output_ids: list[int] = []
+        # The id of the token sampled by a launched batch whose result is not processed yet: a
+        # placeholder from a pipelined worker (reference K5), or None when `output_ids` is current.
+        self.future_token_id: int | None = None
         self.fill_ids: list[int] = []
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids or set()
         self.session_id = session_id
         self.stream = stream
+        # Images of a multimodal request; origin_input_ids then holds their pad ids (AA3).
+        self.image_inputs: Any = None
+        # An embedding request: one prefill, then `embedding` is its output (reference Y4).
+        self.is_embedding = is_embedding
+        self.embedding: list[float] | None = None
+        # [len(origin_input_ids), hidden] float32 vectors that replace the embedding lookup of
+        # the prompt, whose ids are then placeholders (reference Z2).
+        self.input_embeds = input_embeds
 
         # Memory state.
         self.req_pool_idx: int | None = None
@@ -290,6 +377,14 @@ class Req:
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    def num_sampled_tokens(self) -> int:
+        """Output tokens sampled so far, the one still in flight included."""
+        return len(self.output_ids) + (self.future_token_id is not None)
+
+    def last_token_id(self) -> int:
+        """The input of this request's next decode step: the in-flight token, else the last output."""
+        return self.future_token_id if self.future_token_id is not None else self.output_ids[-1]
+
     def init_next_round_input(self, tree_cache=None) -> None:
         """Set `fill_ids` and, when a cache is given, match the prefix (reference D4 step 8)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
@@ -304,6 +399,8 @@ class Req:
         self.fill_ids = self.origin_input_ids + self.output_ids
         input_len = len(self.fill_ids)
         max_prefix_len = input_len - 1
+        if self.input_embeds is not None:
+            max_prefix_len = 0  # placeholder ids: a cached prefix under them is not this prompt's KV
         if self.return_logprob:
             if self.normalized_prompt_logprob is None:
                 max_prefix_len = min(max_prefix_len, input_len - 2)
@@ -339,6 +436,8 @@ class Req:
         self.last_node = None
         self.extend_input_len = 0
         self.is_retracted = True
+        # The in-flight token is dropped: it is recomputed by the re-prefill.
+        self.future_token_id = None
         # No prompt logprobs on the re-prefill.
         self.logprob_start_len = 10**9
 

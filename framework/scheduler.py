@@ -16,6 +16,7 @@ from typing import Any, Callable
 from framework.batch import ScheduleBatch
 from framework.budget import NewTokenRatio, PrefillAdder
 from framework.config import Settings
+from framework.model.lora import parse_lora_paths
 from framework.messages import (
     AbortReq,
     BatchTokenOut,
@@ -25,10 +26,20 @@ from framework.messages import (
     GenerateReqInput,
     GetStatsReq,
     OpenSessionReq,
+    ProfileReq,
+    ProfileReqOutput,
     ReqOutput,
+    UpdateWeightsReq,
+    UpdateWeightsReqOutput,
 )
+from framework.grammar import (
+    GRAMMAR_FUTURE_KEY, GRAMMAR_KEY, GrammarBackend, accept_last_token, batch_vocab_mask, grammar_key,
+    grammar_of, jump_forward_ids,
+)
+from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
 from framework.plugins import PluginManager
-from framework.request import FinishAbort, Req, Stash
+from framework.profiling import TorchProfiler
+from framework.request import FinishAbort, FinishLength, FinishMatchedToken, Req, Stash, StashKey, request_kind_error
 from framework.control import ControlMixin
 from framework.sessions import SessionController, SessionError
 from framework.worker import BatchResult, ResultHandle
@@ -48,8 +59,10 @@ class Scheduler(ControlMixin):
         tp_rank: int = 0,
         extra_plugins: tuple[Any, ...] = (),
         reply_sink: Callable[[Any], None] | None = None,
+        dp_rank: int | None = None,
     ):
         self.settings = settings
+        self.dp_rank = dp_rank
         self.reply_sink = reply_sink
         self.sessions = SessionController()
         self.tp_rank = tp_rank
@@ -62,6 +75,7 @@ class Scheduler(ControlMixin):
         self.token_to_kv_pool = self.worker.token_to_kv_pool
         self.tree_cache = self.hooks.create_cache(settings, self.req_to_token_pool, self.token_to_kv_pool)
         self.tokenizer = self.worker.tokenizer
+        self.is_generation = self.worker.is_generation
 
         sched = settings.scheduler
         self.max_total_num_tokens = self.worker.max_total_num_tokens
@@ -76,10 +90,32 @@ class Scheduler(ControlMixin):
         self.max_req_input_len = self.max_req_len - 5
         assert self.max_req_input_len > 0, "context or KV pool too small"
         self.force_retract = sched.force_retract
+        self.lora_names = list(parse_lora_paths(settings.model.lora_paths))
+        self.max_loras_per_batch = settings.model.max_loras_per_batch
+        if self.lora_names and settings.parallel.tp_size > 1:
+            raise ValueError("model.lora_paths: LoRA adapters are not supported with parallel.tp_size > 1")
+        if self.lora_names and not self.tree_cache.disable:
+            # Prefixes computed under different adapters have different KV (reference AB1).
+            raise ValueError(
+                f"model.lora_paths: the {type(self.tree_cache).__name__} shares prefixes between "
+                "requests, which requests with different LoRA adapters must not (the bundled radix and "
+                "chunk caches share nothing while adapters are loaded)"
+            )
         self.retract_decode_steps = sched.retract_decode_steps
+        self.grammar_backend = GrammarBackend(
+            self.tokenizer, self.worker.vocab_size, sched.grammar_compile_threads
+        )
+        # The mask of batch N+1 needs batch N's tokens, which a pipelined worker has not returned
+        # yet when N+1 is launched; jump-forward is off there, as in the reference.
+        self.enable_jump_forward = sched.enable_jump_forward and not self.worker.is_pipelined
+        # TP ranks must admit the same requests: they wait for each compilation instead of the
+        # reference's all-reduce of the ready count (X2).
+        self.wait_for_grammars = settings.parallel.tp_size > 1
 
         # Running state (reference B4).
         self.waiting_queue: list[Req] = []
+        # Requests whose grammar is still compiling, in arrival order (reference X1, X2).
+        self.grammar_queue: list[Req] = []
         self.running_batch: ScheduleBatch | None = None
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
@@ -93,12 +129,15 @@ class Scheduler(ControlMixin):
         self.cache_hit_tokens = 0
         self.cache_total_tokens = 0
         self.num_retractions = 0
+        self.num_received_reqs = 0
+        self.num_late_finish_frees = 0  # KV slots of requests that finished one step late (K6)
         self.new_token_ratio = NewTokenRatio(
             sched.init_new_token_ratio, sched.schedule_conservativeness,
             sched.min_new_token_ratio_factor, sched.new_token_ratio_decay_steps,
         )
         self.inbox: collections.deque[Any] = collections.deque()
         self.stash = Stash()  # per-plugin scheduler-wide state
+        self.profiler = TorchProfiler(settings.server.profile_dir)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -121,7 +160,8 @@ class Scheduler(ControlMixin):
 
     def has_work(self) -> bool:
         return bool(
-            self.inbox or self.waiting_queue or self.result_queue or self.being_chunked_req
+            self.inbox or self.waiting_queue or self.grammar_queue or self.result_queue
+            or self.being_chunked_req
             or (self.running_batch is not None and not self.running_batch.is_empty())
             or (self.last_batch is not None and not self.last_batch.is_empty())
         )
@@ -150,9 +190,15 @@ class Scheduler(ControlMixin):
                 self.send_reply(self.close_session(msg))
             elif isinstance(msg, GetStatsReq):
                 self.send_reply(self.get_stats(msg.request_id))
+            elif isinstance(msg, UpdateWeightsReq):
+                self.send_reply(UpdateWeightsReqOutput(msg.request_id, *self.update_weights(msg.model_path)))
+            elif isinstance(msg, ProfileReq):
+                self.send_reply(ProfileReqOutput(msg.request_id, *self.profile(msg.action)))
             else:
                 # The reference raises here and kills the server; an unknown message is logged.
                 logger.error("scheduler received an unknown message: %r", type(msg).__name__)
+        if self.grammar_queue:
+            self.move_ready_grammar_requests()
 
     def validate_input(self, input_ids: list[int]) -> str | None:
         """Why a prompt cannot be served, or None."""
@@ -165,41 +211,126 @@ class Scheduler(ControlMixin):
             )
         return None
 
-    def handle_generate_request(self, msg: GenerateReqInput) -> None:
-        input_ids = msg.input_ids
-        session_error = None
+    def validate_lora(self, lora_path: str | None) -> str | None:
+        """Why a request's adapter cannot be served, or None."""
+        if lora_path is None or lora_path in self.lora_names:
+            return None
+        loaded = ", ".join(self.lora_names) if self.lora_names else "none (see model.lora_paths)"
+        return f"lora_path: unknown LoRA adapter {lora_path!r}; loaded adapters: {loaded}"
+
+    def validate_request(self, msg: GenerateReqInput) -> str | None:
+        """Why a request cannot be served by this model, or None (before any session history)."""
+        error = request_kind_error(msg.is_embedding, self.is_generation)
+        if error is not None or msg.input_embeds is None:
+            return error
         if msg.session_id is not None:
+            return "input_embeds: a session request takes text or input_ids"
+        if msg.return_logprob and msg.logprob_start_len not in (-1, len(msg.input_ids) - 1):
+            return "logprob_start_len: an input_embeds prompt has no tokens to score; leave it at -1"
+        shape = tuple(msg.input_embeds.shape)
+        if shape != (len(msg.input_ids), self.worker.hidden_size):
+            return (f"input_embeds: shape {list(shape)} does not match {len(msg.input_ids)} placeholder "
+                    f"ids and the model's hidden size {self.worker.hidden_size}")
+        return None
+
+    def handle_generate_request(self, msg: GenerateReqInput) -> None:
+        self.num_received_reqs += 1
+        input_ids = msg.input_ids
+        error = self.validate_request(msg)
+        if msg.session_id is not None and error is None:
             try:
                 input_ids = self.sessions.input_ids_for(msg.session_id, msg.session_rid, input_ids)
             except SessionError as exc:
-                session_error = str(exc)
+                error = str(exc)
         req = Req(
             msg.rid, input_ids, msg.sampling_params, origin_input_text=msg.input_text,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, stream=msg.stream,
             eos_token_ids=self.worker.eos_token_ids, session_id=msg.session_id,
-            priority=msg.priority,
+            priority=msg.priority, is_embedding=msg.is_embedding, input_embeds=msg.input_embeds, lora_path=msg.lora_path,
         )
         req.tokenizer = self.tokenizer
+        image_error = self.attach_images(req, msg.image_inputs) if msg.image_inputs is not None else None
         if req.logprob_start_len == -1:
             # Over the whole input, session history included (the reference counts only the new
             # segment, which limits a continued request's prefix hit when it asks for logprobs).
             req.logprob_start_len = len(req.origin_input_ids) - 1
-        error = session_error or self.validate_input(req.origin_input_ids)
+        error = (
+            error or image_error or self.validate_input(req.origin_input_ids)
+            or self.validate_lora(req.lora_path)
+        )
         if error is not None:
             # Rejected before it takes any memory (the reference prefills first, QUIRK 5).
-            req.finished_reason = FinishAbort(error)
-            self.stream_output([req])
+            self.reject(req, error)
             return
         if msg.session_id is not None:
             self.sessions.record(msg.session_id, req)
         params = req.sampling_params
-        params.max_new_tokens = min(
+        if params.has_output_penalties() and not self.worker.supports_output_penalties:
+            # Reference W4: under the overlap scheduler these penalties are ignored with a warning.
+            logger.warning(
+                "Request %s: frequency/presence/repetition penalties are ignored by the %s worker "
+                "(set worker.overlap_penalties = \"fallback\" to apply them).",
+                req.rid, self.settings.plugins.worker,
+            )
+            params.drop_output_penalties()
+        params.max_new_tokens = 0 if req.is_embedding else min(
             params.max_new_tokens if params.max_new_tokens is not None else 1 << 30,
             self.max_req_len - len(req.origin_input_ids) - 1,
         )
+        key = grammar_key(params)
+        if key is not None:
+            if self.worker.is_pipelined:
+                self.reject(req, "json_schema/regex are not supported with a pipelined (overlap) worker yet.")
+                return
+            req.stash[GRAMMAR_FUTURE_KEY] = self.grammar_backend.submit(key)
+            self.grammar_queue.append(req)
+            self.move_ready_grammar_requests()
+            return
+        self.enqueue(req)
+
+    def enqueue(self, req: Req) -> None:
         self.waiting_queue.append(req)
         self.hooks.on_request_received(req, self)
+
+    def attach_images(self, req: Req, images: ImageInputs) -> str | None:
+        """Expand the prompt's image tokens into hash-derived pad ids (AA3); why not, or None."""
+        info = getattr(self.worker, "image_info", None)
+        if info is None:
+            return "image_data: this model does not take images"
+        try:
+            req.origin_input_ids = expand_image_tokens(req.origin_input_ids, images, info, self.worker.vocab_size)
+        except ValueError as exc:
+            return str(exc)
+        req.image_inputs = images
+        if len(req.origin_input_ids) > self.max_req_input_len:
+            # An image cannot be truncated; refused before it takes memory (QUIRK 5 fixed).
+            return IMAGE_TOO_LONG_MESSAGE
+        return None
+
+    def reject(self, req: Req, message: str) -> None:
+        """Finish a request that never took memory, reporting `message`."""
+        req.finished_reason = FinishAbort(message)
+        self.stream_output([req])
+
+    def move_ready_grammar_requests(self) -> None:
+        """Move requests whose grammar is compiled to the waiting queue, in order; stop at the
+        first still compiling (the reference's head-of-line order, without its 50 ms wait).
+        A grammar that failed to compile finishes its request with the error."""
+        num_ready = 0
+        for req in self.grammar_queue:
+            future = req.stash[GRAMMAR_FUTURE_KEY]
+            if not future.done() and not self.wait_for_grammars:
+                break
+            num_ready += 1
+            del req.stash[GRAMMAR_FUTURE_KEY]
+            try:
+                req.stash[GRAMMAR_KEY] = self.grammar_backend.make_grammar(future)
+            except Exception as exc:  # a compile error belongs to this request alone
+                self.reject(req, f"Grammar compilation failed: {exc}")
+                continue
+            self.enqueue(req)
+        del self.grammar_queue[:num_ready]
 
     # -- batch selection (reference D) ------------------------------------------------------------
 
@@ -211,7 +342,7 @@ class Scheduler(ControlMixin):
                 last.filter_batch(being_chunked_req=req)
                 if req.finished():  # aborted between two chunks
                     self.being_chunked_req = None
-                    self.finish_req(req)
+                    self.finish_req(req, token_ids=req.fill_ids)  # only its chunks so far have KV
                     self.stream_output([req])
                 else:
                     self.tree_cache.cache_unfinished_req(req)
@@ -265,7 +396,10 @@ class Scheduler(ControlMixin):
             self.being_chunked_req.is_being_chunked += 1
         self.log_prefill_stats(adder, can_run_list, running_bs)
 
-        new_batch = ScheduleBatch(can_run_list, self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache)
+        new_batch = ScheduleBatch(
+            can_run_list, self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache,
+            vocab_size=self.worker.vocab_size,
+        )
         new_batch.prepare_for_extend()
         if (
             self.is_mixed_chunk
@@ -299,10 +433,39 @@ class Scheduler(ControlMixin):
                 self.waiting_queue.extend(retracted)
         else:
             self.new_token_ratio.step()
+        if self.enable_jump_forward:
+            self.jump_forward(batch)
+            if batch.is_empty():
+                self.batch_is_full = False
+                return None
         if batch.batch_size() < initial_bs:
             self.batch_is_full = False
         batch.prepare_for_decode()
         return batch
+
+    def jump_forward(self, batch: ScheduleBatch) -> None:
+        """Requests whose grammar forces the next characters get them appended, retokenized, and
+        go back to waiting to be re-prefilled over their cached prefix (reference J)."""
+        keep = []
+        for i, req in enumerate(batch.reqs):
+            # Logprobs of jumped tokens would need the reference's re-derivation (J2 step 5).
+            if grammar_of(req) is None or req.return_logprob:
+                keep.append(i)
+                continue
+            old_len = len(req.output_ids)
+            new_ids = jump_forward_ids(req, self.tokenizer)
+            if new_ids is None:
+                keep.append(i)
+                continue
+            # Cache the tokens computed so far; the slot and the lock are released.
+            self.tree_cache.cache_finished_req(req)
+            req.output_ids = new_ids
+            req.stash[JUMPED_TOKENS_KEY] = req.stash.get(JUMPED_TOKENS_KEY, 0) + len(new_ids) - old_len
+            req.reset_for_retract()
+            req.vid += 1  # the detokenizer restarts this request's incremental state
+            self.waiting_queue.append(req)
+        if len(keep) < batch.batch_size():
+            batch.filter_batch(keep_indices=keep)
 
     def retract_req(self, req: Req, kv_len: int) -> None:
         """Release a running request's memory and send it back to waiting (used by on_decode_oom)."""
@@ -313,7 +476,13 @@ class Scheduler(ControlMixin):
 
     def run_batch(self, batch: ScheduleBatch) -> ResultHandle:
         self.forward_ct += 1
-        return self.worker.launch(batch.get_model_worker_batch())
+        if batch.sampling_info is not None:
+            batch.sampling_info.vocab_mask = batch_vocab_mask(batch.reqs, self.worker.vocab_size)
+        handle = self.worker.launch(batch.get_model_worker_batch())
+        # The next decode step may be built before this result is processed (pipelined worker).
+        for req, token_id in zip(batch.reqs, handle.next_token_ids):
+            req.future_token_id = token_id
+        return handle
 
     def process_batch_result(self, batch: ScheduleBatch, handle: ResultHandle) -> None:
         result = handle.result()
@@ -321,39 +490,60 @@ class Scheduler(ControlMixin):
             self.hooks.on_batch_result(batch, result, self)
             return
         if batch.forward_mode.is_decode():
-            self.process_batch_result_decode(batch, result)
+            self.process_batch_result_decode(batch, result, handle.next_token_ids)
+        elif batch.is_embedding:
+            self.process_batch_result_embedding(batch, result)
         else:
-            self.process_batch_result_prefill(batch, result)
+            self.process_batch_result_prefill(batch, result, handle.next_token_ids)
         self.hooks.on_batch_result(batch, result, self)
 
-    def process_batch_result_prefill(self, batch: ScheduleBatch, result: BatchResult) -> None:
+    def process_batch_result_prefill(self, batch: ScheduleBatch, result: BatchResult, launched: list[int]) -> None:
         decoding = {id(r) for r in batch.decoding_reqs} if batch.decoding_reqs else set()
         for i, req in enumerate(batch.reqs):
-            if req.is_retracted or req.finished():
+            if req.is_retracted:
                 continue
             if req.is_being_chunked > 0:
                 # A middle chunk: its sampled token is discarded.
                 req.is_being_chunked -= 1
                 continue
-            req.output_ids.append(result.next_token_ids[i])
+            if req.finished():
+                self.free_late_finished_slot(batch, i)
+                continue
+            self.append_token(req, result.next_token_ids[i], launched[i])
             self.add_logprobs(req, i, result, is_prefill=id(req) not in decoding)
-            req.check_finished()
+            self.check_finished(req)
             if req.finished():
                 self.finish_req(req)
-            elif id(req) not in decoding:
+            elif id(req) not in decoding and req.input_embeds is None:
+                # (An input_embeds request keeps its KV to itself, see finish_req.)
                 self.tree_cache.cache_unfinished_req(req)
         if decoding:
             self.note_decode_step(len(decoding))
         self.stream_output(batch.reqs)
 
-    def process_batch_result_decode(self, batch: ScheduleBatch, result: BatchResult) -> None:
+    def process_batch_result_embedding(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        for i, req in enumerate(batch.reqs):
+            if req.finished():  # aborted meanwhile
+                continue
+            if req.is_being_chunked > 0:
+                req.is_being_chunked -= 1  # a middle chunk: neither finished nor cached (post1)
+                continue
+            req.embedding = result.embeddings[i]
+            req.finished_reason = FinishLength(length=0)
+            self.finish_req(req)
+        self.stream_output(batch.reqs)
+
+    def process_batch_result_decode(self, batch: ScheduleBatch, result: BatchResult, launched: list[int]) -> None:
         self.token_to_kv_pool.free_group_begin()
         for i, req in enumerate(batch.reqs):
-            if req.is_retracted or req.finished():
+            if req.is_retracted:
                 continue
-            req.output_ids.append(result.next_token_ids[i])
+            if req.finished():
+                self.free_late_finished_slot(batch, i)
+                continue
+            self.append_token(req, result.next_token_ids[i], launched[i])
             self.add_logprobs(req, i, result, is_prefill=False)
-            req.check_finished()
+            self.check_finished(req)
             if req.finished():
                 self.finish_req(req)
         self.token_to_kv_pool.free_group_end()
@@ -362,14 +552,45 @@ class Scheduler(ControlMixin):
         if self.running_batch is not None and self.running_batch.is_empty():
             self.running_batch = None
 
+    def append_token(self, req: Req, token_id: int, launched_id: int) -> None:
+        req.output_ids.append(token_id)
+        # Unless a later batch, launched meanwhile, already holds the request's next placeholder.
+        if req.future_token_id == launched_id:
+            req.future_token_id = None
+
+    def free_late_finished_slot(self, batch: ScheduleBatch, i: int) -> None:
+        """Request `i` finished (or was aborted) while this batch was in flight, so the batch gave
+        it a KV slot for a token it will never keep: free that slot, exactly once. Only a pipelined
+        worker gets here; `cache_finished_req` covers `(origin + output)[:-1]` (reference K6)."""
+        end = batch.token_end(i)
+        self.token_to_kv_pool.free(batch.out_cache_loc[end - 1 : end])
+        self.num_late_finish_frees += 1
+
+    def check_finished(self, req: Req) -> None:
+        """The grammar accepts the new token first (after the logprobs, as in the reference); a
+        completed grammar finishes the request."""
+        if accept_last_token(req) and not req.finished():
+            req.finished_reason = FinishMatchedToken(matched=req.output_ids[-1])
+        req.check_finished()
+
     def note_decode_step(self, num_tokens: int) -> None:
         self.forward_ct_decode = (self.forward_ct_decode + 1) % (1 << 30)
         self.num_generated_tokens += num_tokens
         if self.forward_ct_decode % self.settings.scheduler.decode_log_interval == 0:
             self.log_decode_stats()
 
-    def finish_req(self, req: Req) -> None:
-        self.tree_cache.cache_finished_req(req)
+    def finish_req(self, req: Req, token_ids: list[int] | None = None) -> None:
+        """Release a finished request's KV to the cache; `token_ids` are those with KV when not
+        the cache's default (origin + output minus the last sampled token)."""
+        if req.input_embeds is not None:
+            # Its KV is keyed by placeholder ids, useless to any other request: all of it goes
+            # back, as for a retraction (it never matched a prefix and is never chunked).
+            self.tree_cache.retract_req(req, kv_len=req.seqlen() - 1)
+        else:
+            if token_ids is None and req.is_embedding:
+                # No output token: the whole prompt has KV (the reference appends a dummy 0 instead).
+                token_ids = req.origin_input_ids
+            self.tree_cache.cache_finished_req(req, token_ids)
         self.hooks.on_request_finished(req, self)
 
     def add_logprobs(self, req: Req, i: int, result: BatchResult, is_prefill: bool) -> None:
@@ -409,6 +630,7 @@ class Scheduler(ControlMixin):
             "id": req.rid,
             "prompt_tokens": len(req.origin_input_ids),
             "completion_tokens": len(req.output_ids),
+            "completion_tokens_wo_jump_forward": len(req.output_ids) - req.stash.get(JUMPED_TOKENS_KEY, 0),
             "cached_tokens": req.cached_tokens,
             "finish_reason": req.finished_reason.to_json() if req.finished_reason else None,
         }
@@ -423,7 +645,8 @@ class Scheduler(ControlMixin):
         params = req.sampling_params
         return ReqOutput(
             rid=req.rid, vid=req.vid, output_ids=list(req.output_ids),
-            finished_reason=req.finished_reason, meta_info=meta, no_stop_trim=params.no_stop_trim,
+            finished_reason=req.finished_reason, meta_info=meta, embedding=req.embedding,
+            no_stop_trim=params.no_stop_trim,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
@@ -494,5 +717,10 @@ class Scheduler(ControlMixin):
         )
 
     def shutdown(self) -> None:
+        self.grammar_backend.shutdown()
         self.worker.shutdown()
+
+
+# Output tokens appended by jump-forward rather than sampled.
+JUMPED_TOKENS_KEY = StashKey("jumped_tokens")
 

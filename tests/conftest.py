@@ -38,6 +38,19 @@ def default_tokenizer(default_model_folder):
     return load_tokenizer(default_model_folder)
 
 
+def save_random_model(model, folder, tokenizer) -> str:
+    """Redraw a random model's matrices from N(0, 0.2) and save it with `tokenizer` as an HF folder.
+    Larger weights than the default init make the logits less flat, so greedy decoding meets
+    fewer near-ties."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory, default_tokenizer) -> str:
     """A tiny random-weight llama with the default model's tokenizer, saved as an HF folder."""
@@ -52,15 +65,7 @@ def tiny_model_folder(tmp_path_factory, default_tokenizer) -> str:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    # Larger weights than the default init make the random model's logits less flat, so greedy
-    # decoding meets fewer near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    default_tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_random_model(model, folder, default_tokenizer)
 
 
 def tiny_settings(folder: str, **sections):
@@ -170,3 +175,37 @@ def sharegpt_prompts(default_tokenizer):
     from framework.bench.datasets import sample_sharegpt
 
     return [r.prompt_ids for r in sample_sharegpt(default_tokenizer, 40, seed=7)]
+
+
+@pytest.fixture(scope="session")
+def tiny_embedding_folder(tmp_path_factory, default_tokenizer) -> str:
+    """A tiny random `LlamaModel` (a decoder without LM head: an embedding model) as an HF folder."""
+    from transformers import LlamaConfig, LlamaModel
+
+    folder = tmp_path_factory.mktemp("tiny-llama-embedding")
+    config = LlamaConfig(vocab_size=len(default_tokenizer), **TINY_CONFIG)
+    torch.manual_seed(1)
+    model = LlamaModel(config)
+    return save_random_model(model, folder, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def hf_embedder(tiny_embedding_folder):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(tiny_embedding_folder, dtype=torch.float32).eval()
+
+
+def hf_embedding(decoder, ids: list[int]) -> torch.Tensor:
+    """The reference: transformers' last hidden state of the last token, normalized."""
+    with torch.no_grad():
+        hidden = decoder(torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden.float(), dim=0)
+
+
+def assert_same_direction(ours: list[float], ref: torch.Tensor, min_cosine: float = 0.999) -> None:
+    vec = torch.tensor(ours)
+    assert vec.shape == ref.shape
+    assert abs(float(vec.norm()) - 1.0) < 1e-4
+    cosine = float(torch.dot(vec, ref))
+    assert cosine >= min_cosine, f"cosine {cosine:.6f}"

@@ -36,13 +36,13 @@ def tiny_server_args(model_folder: str) -> list[str]:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "framework.cli", "serve", "--server.host", "127.0.0.1",
                "--server.port", str(self.port), *args]
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -81,8 +81,8 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], log_path: Path):
-    server = ServerProcess(args, log_path)
+def running_server(args: list[str], log_path: Path, env: dict | None = None):
+    server = ServerProcess(args, log_path, env)
     try:
         server.wait_ready()
         yield server

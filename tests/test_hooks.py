@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from framework import hookimpl
 from framework.batch import ForwardMode
 from framework.hookspecs import ALL_HOOKS
@@ -63,13 +65,9 @@ def test_recorder_covers_every_hook():
     assert {c for c in dir(Recorder) if not c.startswith("_")} - {"calls"} == set(ALL_HOOKS)
 
 
-def test_hook_order_through_one_prefill_and_two_decodes(make_engine):
-    rec = Recorder()
-    engine = make_engine(extra_plugins=(rec,))
-    assert rec.calls == ["register_settings", "create_worker", "create_cache"]
-    rec.calls.clear()
-    engine.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
-    expected = [
+HOOK_ORDER = {
+    # The plain worker: each batch's result is processed before the next batch is built.
+    "tp": [
         "on_request_received",
         "select_prefill",
         "prepare_batch:EXTEND",
@@ -81,7 +79,36 @@ def test_hook_order_through_one_prefill_and_two_decodes(make_engine):
         "on_batch_result:DECODE",
         "prepare_batch:None",
         "on_idle",
-    ]
+    ],
+    # The overlap worker: batch N+1 is built and launched before batch N's result is processed,
+    # so the request runs one decode step past its finish (its result is dropped, K6).
+    "overlap": [
+        "on_request_received",
+        "select_prefill",
+        "prepare_batch:EXTEND",
+        "prepare_batch:DECODE",
+        "on_batch_result:EXTEND",
+        "prepare_batch:DECODE",
+        "on_batch_result:DECODE",
+        "prepare_batch:DECODE",
+        "on_request_finished",
+        "on_batch_result:DECODE",
+        "prepare_batch:None",
+        "on_batch_result:DECODE",
+        "prepare_batch:None",
+        "on_idle",
+    ],
+}
+
+
+@pytest.mark.parametrize("worker", sorted(HOOK_ORDER))
+def test_hook_order_through_one_prefill_and_two_decodes(make_engine, worker):
+    rec = Recorder()
+    engine = make_engine(extra_plugins=(rec,), plugins={"worker": worker})
+    assert rec.calls == ["register_settings", "create_worker", "create_cache"]
+    rec.calls.clear()
+    engine.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+    expected = HOOK_ORDER[worker]
     assert rec.calls[: len(expected)] == expected
     assert all(c in ("prepare_batch:None", "on_idle") for c in rec.calls[len(expected):])
 
@@ -127,7 +154,8 @@ def test_prepare_batch_is_chained(make_engine):
             seen.append(None if batch is None else (batch.forward_mode.name, batch.stash.get(key)))
             return batch
 
-    engine = make_engine(extra_plugins=(Last(), First()))
+    # The plain worker: no extra one-step-late decode pass (the overlap order is tested above).
+    engine = make_engine(extra_plugins=(Last(), First()), plugins={"worker": "tp"})
     out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 3
     # The prefill batch becomes the running batch, so its stash counts every pass First saw.

@@ -103,8 +103,10 @@ def test_retraction_under_a_small_kv_pool(make_engine, hf_tiny, prompts, referen
 
 @pytest.mark.e2e
 def test_real_model_lpm_radix_equals_fcfs_chunk(default_model_folder, sharegpt_prompts):
-    """On SmolLM2 in fp32: lpm+radix and fcfs+chunk give the same greedy outputs (256-token
-    prompts, 32 new tokens). At a divergence the transformers reference decides tie or failure."""
+    """On SmolLM2 in fp32: lpm+radix on the overlap worker and fcfs+chunk on the plain worker give
+    the same greedy outputs (256-token prompts, 32 new tokens), so one pair of real-model runs
+    checks both the policy x cache and the overlap x plain equality. At a divergence the
+    transformers reference decides tie or failure."""
     from transformers import AutoModelForCausalLM
 
     from framework.engine import Engine
@@ -113,12 +115,12 @@ def test_real_model_lpm_radix_equals_fcfs_chunk(default_model_folder, sharegpt_p
     prompts = [p[:256] for p in sharegpt_prompts]
     params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     outputs = {}
-    for policy, cache in [("lpm", "radix"), ("fcfs", "chunk")]:
+    for policy, cache, worker in [("lpm", "radix", "overlap"), ("fcfs", "chunk", "tp")]:
         engine = Engine(
             model={"path": default_model_folder, "dtype": "float32"},
             cache={"max_total_tokens": 30000},
             scheduler={"check_leaks": True},
-            plugins={"policy": policy, "cache": cache},
+            plugins={"policy": policy, "cache": cache, "worker": worker},
         )
         try:
             outputs[policy] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from framework.batch import ForwardMode, ModelWorkerBatch, SamplingBatchInfo, idle_worker_batch
+from framework.batch import ForwardMode, ModelWorkerBatch, SamplingBatchInfo, idle_worker_batch, step_seed
 from framework.model import ModelRunner, Sampler, llama
 from framework.model.logits import LogitsOutput
 
@@ -293,7 +293,8 @@ def test_input_logprobs_match_hf(hf_model, runner):
 # -- sampler ------------------------------------------------------------------------------------
 
 
-def _info(temps, top_ps=None, top_ks=None, min_ps=None, seeds=None, masks=None) -> SamplingBatchInfo:
+def _info(temps, top_ps=None, top_ks=None, min_ps=None, seeds=None) -> SamplingBatchInfo:
+    """`seeds`: per row a request seed (its first step's key is used) or None."""
     bs = len(temps)
     top_ks = top_ks or [1 << 30] * bs
     min_ps = min_ps or [0.0] * bs
@@ -302,10 +303,9 @@ def _info(temps, top_ps=None, top_ks=None, min_ps=None, seeds=None, masks=None) 
         top_ps=torch.tensor(top_ps or [1.0] * bs, dtype=torch.float32),
         top_ks=torch.tensor(top_ks, dtype=torch.int64),
         min_ps=torch.tensor(min_ps, dtype=torch.float32),
-        seeds=seeds or [None] * bs,
+        seeds=[None if s is None else step_seed(s, 0) for s in seeds or [None] * bs],
         is_all_greedy=all(k <= 1 for k in top_ks),
         need_min_p_sampling=any(p > 0 for p in min_ps),
-        min_new_tokens_masks=masks or [None] * bs,
     )
 
 
@@ -385,18 +385,6 @@ def test_sampler_matches_distribution():
     ids = Sampler()(logits, _info([0.5] * 4000))
     freq = torch.bincount(ids, minlength=10).float() / 4000
     torch.testing.assert_close(freq, probs**2 / (probs**2).sum(), atol=0.03, rtol=0)
-
-
-def test_sampler_min_new_tokens_mask():
-    logits = _logits(4)
-    logits[:, 5] = 100.0
-    logits[:, 9] = 99.0
-    masks = [[5], None, [5, 9], [5]]
-    greedy = Sampler()(logits, _info([1.0] * 4, top_ks=[1] * 4, masks=masks))
-    assert greedy.tolist()[:2] == [9, 5] and greedy[2] not in (5, 9) and greedy[3] == 9
-    sampled = Sampler()(logits, _info([1.0] * 4, masks=masks))
-    assert sampled[0] != 5 and sampled[2] not in (5, 9)
-    assert logits[0, 5] == 100.0  # the caller's logits are left intact
 
 
 # -- the real default model ---------------------------------------------------------------------

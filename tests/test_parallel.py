@@ -1,4 +1,5 @@
-"""Tensor parallelism, DP attention and the multi-node arguments, on real server subprocesses.
+"""Tensor parallelism, DP attention, replicas of several ranks and the multi-node arguments, on real
+server subprocesses.
 
 Every parallel layout must give the same greedy outputs as one rank (the in-process Engine, tp 1)
 under the project's equality rule, with gloo collectives between the ranks' processes.
@@ -49,14 +50,26 @@ def generate_all(url: str, prompts: list[list[int]], params: dict = GREEDY) -> l
     return [out["output_ids"] for out in resp.json()]
 
 
-def test_tp2_matches_one_rank(tiny_model_folder, prompts, single_rank_outputs, hf_tiny, tmp_path):
-    args = tiny_server_args(tiny_model_folder) + ["--parallel.tp-size", "2"]
+def assert_both_replicas_served(info: dict, num_requests: int) -> None:
+    """Behind the controller: stats merged from replicas 0 and 1, each of which got requests."""
+    replicas = info["scheduler_stats"]["replicas"]
+    assert [r["dp_rank"] for r in replicas] == [0, 1], replicas
+    received = [r["num_received_reqs"] for r in replicas]
+    assert sum(received) == num_requests and min(received) > 0, received
+
+
+def test_two_replicas_of_two_ranks_match_one_rank(tiny_model_folder, prompts, single_rank_outputs, hf_tiny, tmp_path):
+    """dp_size 2 x tp_size 2: the controller in front of two tensor-parallel groups (plain TP on
+    one node is what each replica runs; the two-node test covers TP without the controller)."""
+    args = tiny_server_args(tiny_model_folder) + ["--parallel.tp-size", "2", "--parallel.dp-size", "2"]
     with running_server(args, tmp_path / "server.log") as server:
         outputs = generate_all(server.url, prompts)
-        pids = httpx.get(server.url + "/get_server_info").json()["process_ids"]
-    ties = assert_same_greedy({"tp2": outputs}, prompts, single_rank_outputs, hf_tiny)
-    print(f"tp2: {ties} near-ties")
-    assert {"scheduler", "scheduler-tp1"} <= set(pids)
+        info = httpx.get(server.url + "/get_server_info").json()
+    ties = assert_same_greedy({"dp2 x tp2": outputs}, prompts, single_rank_outputs, hf_tiny)
+    print(f"dp2 x tp2: {ties} near-ties")
+    pids = info["process_ids"]
+    assert {"dp_controller", "scheduler-dp0", "scheduler-dp0-tp1", "scheduler-dp1", "scheduler-dp1-tp1"} <= set(pids)
+    assert_both_replicas_served(info, len(prompts))
     assert not any(pid_alive(pid) for pid in pids.values()), "processes left after shutdown"
 
 
@@ -78,13 +91,15 @@ def test_dp_attention_matches_one_rank_and_idles(tiny_model_folder, prompts, sin
         while len(idle_counts(server.log())) == seen and time.monotonic() < deadline:
             time.sleep(0.1)
         streaks = idle_counts(server.log())[seen:]
-        pids = httpx.get(server.url + "/get_server_info").json()["process_ids"]
+        info = httpx.get(server.url + "/get_server_info").json()
     ties = assert_same_greedy({"dp-attention": outputs, "dp-attention alone": [single]},
                               prompts, single_rank_outputs, hf_tiny)
     print(f"dp attention: {ties} near-ties, IDLE streaks after the single request: {streaks}")
     assert len(streaks) == 1, streaks
     assert streaks[0][1] == NUM_NEW_TOKENS
-    assert {"scheduler", "scheduler-tp1", "router"} <= set(pids)
+    pids = info["process_ids"]
+    assert {"scheduler", "scheduler-tp1", "dp_controller"} <= set(pids)
+    assert_both_replicas_served(info, len(prompts) + 1)
     assert not any(pid_alive(pid) for pid in pids.values()), "processes left after shutdown"
 
 
@@ -101,7 +116,7 @@ def test_two_nodes_on_loopback(tiny_model_folder, prompts, single_rank_outputs, 
         )
     try:
         with running_server(common + ["--parallel.node-rank", "0"], tmp_path / "node0.log") as server:
-            outputs = generate_all(server.url, prompts[:4])
+            outputs = generate_all(server.url, prompts)
             pids = httpx.get(server.url + "/get_server_info").json()["process_ids"]
         # Node 0 stopped: node 1's rank loses its peer and the node shuts down by itself.
         node1.wait(30)
@@ -110,19 +125,20 @@ def test_two_nodes_on_loopback(tiny_model_folder, prompts, single_rank_outputs, 
             node1.kill()
             node1.wait(5)
     log = node1_log.read_text()
-    assert_same_greedy({"two nodes": outputs}, prompts[:4], single_rank_outputs[:4], hf_tiny)
+    assert_same_greedy({"two nodes": outputs}, prompts, single_rank_outputs, hf_tiny)
     assert "scheduler-tp1" not in pids, "rank 1 must run on node 1"
     node1_pids = [int(p) for p in re.findall(r"'scheduler-tp1': (\d+)", log)]
     assert node1_pids, log
     assert not any(pid_alive(pid) for pid in [*pids.values(), *node1_pids]), "processes left after shutdown"
 
 
-def test_tp_size_that_does_not_divide_the_heads_fails_at_start(tiny_model_folder):
-    cmd = [sys.executable, "-m", "framework.cli", "serve", *tiny_server_args(tiny_model_folder),
-           "--server.port", str(free_port()), "--parallel.tp-size", "3"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert "parallel.tp_size: the model's 4 attention heads do not divide into tp_size=3 ranks" in proc.stderr
+def test_tp_size_that_does_not_divide_the_heads_fails_at_start(tiny_model_folder, capfd):
+    """`serve` in this process: the check comes before anything is spawned."""
+    from framework.server.launch import serve
+    from tests.conftest import tiny_settings
+
+    assert serve(tiny_settings(tiny_model_folder, parallel={"tp_size": 3})) == 1
+    assert "parallel.tp_size: the model's 4 attention heads do not divide into tp_size=3 ranks" in capfd.readouterr().err
 
 
 def test_engine_refuses_tensor_parallelism(tiny_model_folder):
@@ -164,11 +180,22 @@ def test_model_fits_dp_attention_keeps_heads_whole():
         ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "must be below nnodes"),
         ({"tp_size": 2, "nnodes": 2}, "dist_init_addr .* is required"),
         ({"tp_size": 2, "nnodes": 2, "dist_init_addr": "h:1", "enable_dp_attention": True}, "runs on one node"),
+        ({"tp_size": 2, "dp_size": 2, "nnodes": 2, "dist_init_addr": "h:1"}, "runs its replicas on one node"),
+        ({"tp_size": 2, "dp_size": 2, "dist_init_addr": "h:1"}, "names one rendezvous"),
     ],
 )
 def test_layout_errors(fields, message):
     with pytest.raises(ParallelConfigError, match=message):
         check_layout(ParallelSettings(**fields))
+
+
+def test_layouts_with_replicas():
+    check_layout(ParallelSettings(tp_size=2, dp_size=2))
+    check_layout(ParallelSettings(tp_size=2, enable_dp_attention=True, dp_size=4))  # dp_size becomes tp_size
+    # DP_RANK set: one replica of its own, which may span nodes.
+    check_layout(ParallelSettings(tp_size=2, dp_size=2, nnodes=2, dist_init_addr="h:1"), one_replica=True)
+    with pytest.raises(ParallelConfigError, match="unset DP_RANK"):
+        check_layout(ParallelSettings(tp_size=2, enable_dp_attention=True), one_replica=True)
 
 
 def test_node_ranks():

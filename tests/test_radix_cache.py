@@ -6,14 +6,13 @@ inserts, matches, locks, evictions and request lifecycles against a dict model o
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from framework.config import Settings
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.request import Req, SamplingParams
 from plugins.caches import radix
@@ -561,10 +560,8 @@ def test_reset_drops_everything():
 
 def test_plugin_hook_builds_a_radix_cache_with_the_configured_eviction():
     req_pool, kv_pool = make_pools()
-    fake_settings = SimpleNamespace(cache=SimpleNamespace(eviction="lfu"))
-    cache = radix.create_cache(
-        settings=fake_settings, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool
-    )
+    lfu_settings = Settings.load(None, cache={"eviction": "lfu"})
+    cache = radix.create_cache(settings=lfu_settings, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool)
     assert isinstance(cache, RadixCache) and isinstance(cache.eviction_policy, LFUEviction)
     assert cache.req_to_token_pool is req_pool and cache.token_to_kv_pool is kv_pool
     assert (radix.PLUGIN_KIND, radix.PLUGIN_NAME) == ("cache", "radix")

@@ -150,6 +150,11 @@ def test_seeded_sampling_is_reproducible(make_engine):
         ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens: must be >= 0"),
         ({"input_ids": [1, 2], "sampling_params": {"min_p": math.nan}}, "min_p: must be finite"),
         ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 3}}, "frequency_penalty"),
+        ({"input_ids": [1, 2], "sampling_params": {"presence_penalty": -2.5}}, "presence_penalty: must be in [-2, 2]"),
+        ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty: must be in (0, 2]"),
+        ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [3, -1]}}, "stop_token_ids: must be a list of non-negative"),
+        ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": 3}}, "stop_token_ids: must be a list"),
+        ({"input_ids": [1, 2], "sampling_params": {"seed": 1.5}}, "seed: must be an integer"),
         ({"input_ids": [1, 2], "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}}, "min_new_tokens"),
         ({"input_ids": [1, 2], "sampling_params": {"temprature": 0}}, "unknown field(s) temprature"),
         ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature: must be a number"),
@@ -157,8 +162,8 @@ def test_seeded_sampling_is_reproducible(make_engine):
         ({"input_ids": [1, 10**9]}, "token ids must be in"),
         ({"input_ids": [1, 2.5]}, "input_ids must be lists of integers"),
         ({"prompt": ""}, "prompt is empty"),
-        ({}, "exactly one of prompt or input_ids"),
-        ({"prompt": "hi", "input_ids": [1]}, "exactly one of prompt or input_ids"),
+        ({}, "exactly one of prompt, input_ids or input_embeds"),
+        ({"prompt": "hi", "input_ids": [1]}, "exactly one of prompt, input_ids or input_embeds"),
     ],
 )
 def test_bad_input_is_a_clear_error(make_engine, kwargs, message):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import check_greedy_equal, hf_next_logprobs
 from tests.conftest_server import running_server, sse_events, tiny_server_args
 
 MAX_REQUEST_BYTES = 65536
@@ -150,6 +152,61 @@ def test_stop_string_trimmed_and_held_back(http):
     assert chunks[-1]["text"] == expected
 
 
+# -- sampling parameters ----------------------------------------------------------------------------
+
+SEEDED = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "seed": 11}
+
+
+def test_parallel_samples_with_a_seed(http):
+    samples = [p["output_ids"] for p in generate(http, text="Seeds", sampling_params={**SEEDED, "n": 3})]
+    assert len(samples) == 3 and len({tuple(s) for s in samples}) > 1  # sample j draws with seed + j
+    again = [p["output_ids"] for p in generate(http, text="Seeds", sampling_params={**SEEDED, "n": 3})]
+    assert again == samples
+    # Sample 0 is what n = 1 gives with the same seed.
+    assert generate(http, text="Seeds", sampling_params=SEEDED)["output_ids"] == samples[0]
+
+
+def test_stop_token_ids_stop_and_are_trimmed(http, default_tokenizer):
+    params = {**GREEDY, "max_new_tokens": 12, "ignore_eos": True}
+    ref = generate(http, text="Stop tokens", sampling_params=params)["output_ids"]
+    stop = ref[3]
+    out = generate(http, text="Stop tokens", sampling_params={**params, "ignore_eos": False, "stop_token_ids": [stop]})
+    assert out["output_ids"] == ref[: ref.index(stop) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == default_tokenizer.decode(ref[: ref.index(stop)])
+
+
+def test_skip_special_tokens_false_shows_them(http, default_tokenizer):
+    """A repetition penalty below 1 boosts the prompt's tokens, so a prompt of one special token
+    makes the model emit it."""
+    boost = {**GREEDY, "max_new_tokens": 3, "ignore_eos": True, "repetition_penalty": 0.05}
+    shown = []
+    for special in default_tokenizer.all_special_ids:
+        out = generate(http, input_ids=[special] * 4, sampling_params={**boost, "skip_special_tokens": False})
+        if special in out["output_ids"]:
+            shown.append((special, out))
+    assert shown, "no special token was generated"
+    for special, out in shown:
+        assert default_tokenizer.decode([special]) in out["text"]
+        hidden = generate(http, input_ids=[special] * 4, sampling_params=boost)
+        assert hidden["output_ids"] == out["output_ids"]
+        assert default_tokenizer.decode([special]) not in hidden["text"]
+
+
+def test_openai_penalties_and_seed_map_to_native(oai, http):
+    native = generate(http, text="Penalties", sampling_params={
+        "temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "frequency_penalty": 1.5,
+        "presence_penalty": 0.5, "repetition_penalty": 1.4})
+    resp = oai.completions.create(model=MODEL, prompt="Penalties", max_tokens=10, temperature=0,
+                                  frequency_penalty=1.5, presence_penalty=0.5,
+                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.4})
+    assert resp.choices[0].text == native["text"]
+    seeded = generate(http, text="Penalties", sampling_params={**SEEDED, "seed": 5, "n": 2})
+    resp = oai.completions.create(model=MODEL, prompt="Penalties", max_tokens=8, temperature=1.0, seed=5, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in resp.choices] == [s["text"] for s in seeded]
+
+
 # -- OpenAI API -------------------------------------------------------------------------------------
 
 
@@ -254,6 +311,19 @@ BAD_REQUESTS = {
     "top_p > 1": (_gen(sampling_params={"top_p": 1.5}), 400),
     "max_new_tokens < 0": (_gen(sampling_params={"max_new_tokens": -1}), 400),
     "n = 0": (_gen(sampling_params={"n": 0}), 400),
+    "n wrong type": (_gen(sampling_params={"n": 1.5}), 400),
+    "frequency_penalty > 2": (_gen(sampling_params={"frequency_penalty": 2.5}), 400),
+    "presence_penalty < -2": (_gen(sampling_params={"presence_penalty": -3}), 400),
+    "presence_penalty wrong type": (_gen(sampling_params={"presence_penalty": "a lot"}), 400),
+    "repetition_penalty = 0": (_gen(sampling_params={"repetition_penalty": 0}), 400),
+    "repetition_penalty > 2": (_gen(sampling_params={"repetition_penalty": 2.5}), 400),
+    "min_new_tokens < 0": (_gen(sampling_params={"min_new_tokens": -1}), 400),
+    "min_new_tokens > max_new_tokens": (_gen(sampling_params={"min_new_tokens": 9, "max_new_tokens": 3}), 400),
+    "stop_token_ids not a list": (_gen(sampling_params={"stop_token_ids": 5}), 400),
+    "stop_token_ids negative": (_gen(sampling_params={"stop_token_ids": [-1]}), 400),
+    "seed wrong type": (_gen(sampling_params={"seed": "lucky"}), 400),
+    "skip_special_tokens not bool": (_gen(sampling_params={"skip_special_tokens": "no"}), 400),
+    "spaces_between_special_tokens not bool": (_gen(sampling_params={"spaces_between_special_tokens": 0}), 400),
     "stream not bool": (_gen(stream="yes"), 400),
     "prompt over context": (("/generate", json.dumps({"input_ids": [5] * 3000}).encode()), 400),
     "unknown session": (_gen(session=["no-such-session", None]), 400),
@@ -263,6 +333,13 @@ BAD_REQUESTS = {
     "openai temperature < 0": (_cmpl(temperature=-1.0), 400),
     "openai top_p = 0": (_cmpl(top_p=0.0), 400),
     "openai max_tokens wrong type": (_cmpl(max_tokens="ten"), 400),
+    "openai frequency_penalty > 2": (_cmpl(frequency_penalty=5.0), 400),
+    "openai presence_penalty wrong type": (_cmpl(presence_penalty="high"), 400),
+    "openai repetition_penalty = 0": (_cmpl(repetition_penalty=0.0), 400),
+    "openai seed wrong type": (_cmpl(seed="x"), 400),
+    "openai n = 0": (_cmpl(n=0), 400),
+    "openai min_tokens > max_tokens": (_cmpl(min_tokens=20, max_tokens=4), 400),
+    "chat stop_token_ids wrong type": (_chat(stop_token_ids=["a"]), 400),
     "openai no model": (("/v1/completions", b'{"prompt": "hi"}'), 400),
     "openai prompt over context": (("/v1/completions", json.dumps({"model": MODEL, "prompt": [7] * 3000}).encode()), 400),
     "chat bad role": (("/v1/chat/completions", json.dumps(
@@ -270,9 +347,28 @@ BAD_REQUESTS = {
     "chat no messages": (("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode()), 400),
     "chat top_p > 1": (_chat(top_p=2.0), 400),
     "chat malformed json": (("/v1/chat/completions", b"{not json"), 400),
+    "bad regex": (_gen(sampling_params={"regex": "(abc"}), 400),
+    "bad json_schema": (_gen(sampling_params={"json_schema": '{"type": "objectx"}'}), 400),
+    "openai bad regex": (_cmpl(regex="[z-a]"), 400),
+    "chat bad response_format schema": (_chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}), 400),
+    "chat response_format without schema": (_chat(response_format={"type": "json_schema"}), 400),
+    "chat response_format and regex": (_chat(response_format={"type": "json_object"}, regex="a"), 400),
     "close unknown session": (("/close_session", b'{"session_id": "nope"}'), 400),
     "open_session wrong type": (("/open_session", b'{"capacity_of_str_len": "big"}'), 400),
 }
+# input_embeds (the tiny model's hidden size is 64), and the embedding endpoints on a generation model.
+BAD_REQUESTS.update({
+    "input_embeds wrong hidden size": (("/generate", json.dumps({"input_embeds": [[0.5] * 63]}).encode()), 400),
+    "input_embeds ragged": (("/generate", json.dumps({"input_embeds": [[0.5] * 64, [0.5]]}).encode()), 400),
+    "input_embeds not numbers": (("/generate", json.dumps({"input_embeds": [["x"] * 64]}).encode()), 400),
+    "input_embeds empty": (("/generate", b'{"input_embeds": []}'), 400),
+    "input_embeds and text": (_gen(input_embeds=[[0.5] * 64]), 400),
+    "input_embeds prompt logprobs": (("/generate", json.dumps(
+        {"input_embeds": [[0.5] * 64] * 2, "return_logprob": True, "logprob_start_len": 0}).encode()), 400),
+    "encode on a generation model": (("/encode", b'{"text": "hi"}'), 400),
+    "embeddings on a generation model": (("/v1/embeddings", json.dumps({"model": MODEL, "input": "hi"}).encode()), 400),
+})
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
@@ -326,3 +422,45 @@ def test_metrics_parse_and_move(http):
     assert moved("batchyard:time_to_first_token_seconds_count") == 1
     assert moved("batchyard:inter_token_latency_seconds_count") == 4
     assert after["batchyard:kv_available_tokens"] + after["batchyard:kv_evictable_tokens"] == 20000
+
+
+def test_structured_output_over_http(http, oai):
+    """regex on /generate and /v1/completions, response_format on chat (tiny random weights)."""
+    regex = r"(yes|no), [0-9]{2,4}"
+    out = generate(http, text="Reply:", sampling_params={"temperature": 0, "max_new_tokens": 32, "regex": regex})
+    assert re.fullmatch(regex, out["text"]), out["text"]
+    cmpl = oai.completions.create(model=MODEL, prompt="Reply:", max_tokens=32, temperature=0,
+                                  extra_body={"regex": regex})
+    assert re.fullmatch(regex, cmpl.choices[0].text), cmpl.choices[0].text
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    choice = chat.choices[0]
+    if choice.finish_reason == "stop":  # random weights may spend the budget on whitespace
+        assert isinstance(json.loads(choice.message.content)["ok"], bool)
+    else:
+        assert choice.message.content.lstrip().startswith("{")
+
+
+# -- input_embeds ---------------------------------------------------------------------------------
+
+
+def test_input_embeds_equals_the_same_prompt_as_ids(http, hf_tiny):
+    prompts = [list(range(300, 306)), list(range(40, 52))]
+    table = hf_tiny.model.embed_tokens.weight.detach()
+    params = {**GREEDY, "max_new_tokens": 8}
+    by_ids = generate(http, input_ids=prompts, sampling_params=params)
+    by_embeds = generate(http, input_embeds=[table[p].tolist() for p in prompts], sampling_params=params)
+    for prompt, ours, ref in zip(prompts, by_embeds, by_ids):
+        check_greedy_equal(ours["output_ids"], ref["output_ids"],
+                           lambda prefix, prompt=prompt: hf_next_logprobs(hf_tiny, prompt + prefix))
+        assert ours["text"] and ours["meta_info"]["prompt_tokens"] == len(prompt)
+        assert ours["meta_info"]["cached_tokens"] == 0
+    # A single prompt, streamed.
+    streamed = http.post("/generate", json={"input_embeds": table[prompts[1]].tolist(), "stream": True,
+                                            "sampling_params": params})
+    events = sse_events(streamed.text.splitlines())
+    assert events[-1] == "[DONE]" and events[-2]["output_ids"] == by_embeds[1]["output_ids"]

@@ -16,13 +16,21 @@ _SUPPORTED_ARCHS = {
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
 }
+# Embedding architectures (reference Y1, llama family): the decoder without its LM head, named
+# here by the generation architecture with the same decoder.
+_EMBEDDING_ARCHS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "LlamaEmbeddingModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+}
 
 
 @dataclass
 class ModelConfig:
     """Everything the model, the KV pool and the runner need to know about a checkpoint."""
 
-    architecture: str
+    architecture: str  # the generation architecture of the decoder (see _EMBEDDING_ARCHS)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -40,14 +48,19 @@ class ModelConfig:
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # The checkpoint is a decoder without LM head: an embedding model.
+    is_embedding: bool = False
     hf_config: Any = None
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> "ModelConfig":
         archs = getattr(hf_config, "architectures", None) or []
         arch = archs[0] if archs else _arch_from_model_type(hf_config.model_type)
+        is_embedding = arch in _EMBEDDING_ARCHS
+        arch = _EMBEDDING_ARCHS.get(arch, arch)
         if arch not in _SUPPORTED_ARCHS:
-            raise ValueError(f"Unsupported architecture {arch!r}; supported: {sorted(_SUPPORTED_ARCHS)}")
+            supported = sorted(_SUPPORTED_ARCHS) + sorted(_EMBEDDING_ARCHS)
+            raise ValueError(f"Unsupported architecture {arch!r}; supported: {supported}")
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         # Mistral configs may carry head_dim=None; derive it like HF does.
@@ -80,6 +93,7 @@ class ModelConfig:
             rope_scaling=dict(rope),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_ids=eos_ids,
+            is_embedding=is_embedding,
             hf_config=hf_config,
         )
 

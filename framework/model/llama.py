@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.batch import ModelWorkerBatch
-from framework.distributed import ParallelContext
+from framework.distributed import ParallelContext, check_model_fits
 from framework.memory import ReqToTokenPool, TokenToKVPool
-from framework.model.attention import AttentionMetadata, TorchNativeAttention
+from framework.model.attention import TorchNativeAttention
 from framework.model.config import ModelConfig
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
@@ -189,12 +189,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.par = par or ParallelContext()
+        check_model_fits(config, self.par.tp_size, self.par.dp_attention)
         attn_shards = self.par.attn_tp_size
         self.attn_backend = TorchNativeAttention(
             config.num_heads // attn_shards, config.num_kv_heads // attn_shards, config.head_dim
         )
         self.model = LlamaModel(config, self.attn_backend, self.par)
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings or config.is_embedding:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -260,6 +261,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if not name.startswith(("model.", "lm_head.")):
+                name = "model." + name  # a decoder-only checkpoint (LlamaModel, an embedding model)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             target, start = name, None

@@ -12,13 +12,15 @@ from typing import Any, Iterable
 import torch
 
 from framework.batch import ModelWorkerBatch
-from framework.distributed import check_model_fits, get_parallel_context
+from framework.distributed import get_parallel_context
 from framework.memory import ReqToTokenPool, TokenToKVPool
-from framework.model.config import ModelConfig
 from framework.model.cpu import tune_allocator
-from framework.model.llama import LlamaForCausalLM
-from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer
+from framework.model.config import ModelConfig
+from framework.model.llava import build_model
+from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
+from framework.model.pooler import pool_last_token
+from framework.model.lora import LoraManager
 from framework.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ class ModelRunner:
         kv_cache_memory_bytes: KV budget in bytes (default 1 GiB when both are None).
         max_running_requests: request slots; default as in the reference (P3), capped on CPU.
         context_length: overrides the model's max_position_embeddings.
+        lora_paths: LoRA adapters to serve, {name: PEFT folder} (framework/model/lora.py).
     """
 
     def __init__(
@@ -52,12 +55,13 @@ class ModelRunner:
         context_length: int | None = None,
         device: str = "cpu",
         seed: int = 0,
+        lora_paths: dict[str, str] | None = None,
     ):
         hf_config = load_hf_config(model_path)
         self._setup(
             hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
             max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
-            device, seed,
+            device, seed, lora_paths,
         )
         self.model_path = model_path
 
@@ -80,11 +84,12 @@ class ModelRunner:
         device: str = "cpu",
         seed: int = 0,
         tokenizer: Any = None,
+        lora_paths: dict[str, str] | None = None,
     ) -> "ModelRunner":
         runner = cls.__new__(cls)
         runner._setup(
             hf_config, state_dict.items(), tokenizer, dtype, max_total_tokens,
-            kv_cache_memory_bytes, max_running_requests, context_length, device, seed,
+            kv_cache_memory_bytes, max_running_requests, context_length, device, seed, lora_paths,
         )
         runner.model_path = None
         return runner
@@ -101,6 +106,7 @@ class ModelRunner:
         context_length: int | None,
         device: str,
         seed: int,
+        lora_paths: dict[str, str] | None = None,
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
@@ -110,18 +116,57 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.tokenizer = tokenizer
-        self.model_config = ModelConfig.from_hf_config(hf_config)
-        cfg = self.model_config
-        self.context_len = context_length or cfg.context_len
-
         # Sharded at load time when this process is one rank of a tensor-parallel group.
         self.par = get_parallel_context()
-        check_model_fits(cfg, self.par.tp_size, self.par.dp_attention)
-        model = LlamaForCausalLM(cfg, self.par)
-        model.load_weights(weights)
-        self.model = model.to(device=device, dtype=dtype).eval()
+        self.model_config, self.model = self._load_model(hf_config, weights)
+        cfg = self.model_config
+        self.context_len = context_length or cfg.context_len
+        # Set for multimodal models: the scheduler expands image tokens with it.
+        self.image_info = getattr(self.model, "image_info", None)
+        # Wraps the targeted linear layers, so after the weights are in place and cast.
+        self.lora = LoraManager(self.model, lora_paths) if lora_paths else None
         self.sampler = Sampler()
         self._init_memory_pools(max_total_tokens, kv_cache_memory_bytes, max_running_requests)
+
+    def _load_model(self, hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]]):
+        model_config, model = build_model(hf_config, self.par)
+        model.load_weights(weights)
+        return model_config, model.to(device=self.device, dtype=self.dtype).eval()
+
+    def update_weights(self, model_path: str) -> tuple[bool, str]:
+        """Load a checkpoint of the same architecture in place of the current weights (R4).
+
+        The new model is built and loaded aside and swapped in only when everything fits, so on
+        any error the old weights keep serving. Returns (success, message).
+        """
+        try:
+            folder = resolve_model(model_path)
+            hf_config = load_hf_config(folder)
+            model_config, model = self._load_model(hf_config, iter_safetensors(folder))
+        except Exception as exc:  # noqa: BLE001 - any load failure is reported, the old weights stay
+            return False, f"Failed to load weights from {model_path}: {type(exc).__name__}: {exc}"
+        mismatch = self._shape_mismatch(model_config, model)
+        if mismatch:
+            return False, f"Cannot update weights from {model_path}: {mismatch}; the old weights are kept"
+        self.model, self.model_config = model, model_config
+        self.model_path = model_path
+        return True, f"Updated weights from {model_path}"
+
+    def _shape_mismatch(self, new_config: ModelConfig, new_model: torch.nn.Module) -> str | None:
+        """Why `new_model` cannot replace the current one (the KV pool and the scheduler's limits
+        were sized for it), or None."""
+        for name in ("architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim"):
+            old, new = getattr(self.model_config, name), getattr(new_config, name)
+            if old != new:
+                return f"{name} differs ({old} != {new})"
+        if type(new_model) is not type(self.model):
+            return f"model class differs ({type(self.model).__name__} != {type(new_model).__name__})"
+        old_shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        new_shapes = {n: p.shape for n, p in new_model.named_parameters()}
+        if old_shapes != new_shapes:
+            differ = sorted(n for n in old_shapes.keys() | new_shapes.keys() if old_shapes.get(n) != new_shapes.get(n))
+            return f"parameter shapes differ ({', '.join(differ[:3])})"
+        return None
 
     def _init_memory_pools(
         self,
@@ -172,11 +217,33 @@ class ModelRunner:
                 # DP attention: a pass with no tokens, so this rank joins the MLP collectives (L2).
                 self.model(batch.input_ids, batch.positions, batch, self.token_to_kv_pool, self.req_to_token_pool)
             return LogitsOutput(next_token_logits=torch.empty((0, vocab_size), dtype=torch.float32))
-        hidden = self.model(
-            batch.input_ids, batch.positions, batch, self.token_to_kv_pool, self.req_to_token_pool,
-            input_embeds=batch.input_embeds,
-        )
+        if self.lora is not None:
+            self.lora.prepare(batch)
+        hidden = self._hidden_states(batch)
         return compute_logits_output(hidden, batch, self.model.compute_logits, vocab_size)
+
+    @torch.inference_mode()
+    def embed(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        """Run one pass of an embedding batch: [bs, hidden] float32, one unit vector per request."""
+        if batch.batch_size == 0:
+            return torch.empty((0, self.model_config.hidden_size), dtype=torch.float32)
+        return pool_last_token(self._hidden_states(batch), batch.extend_lens)
+
+    def _hidden_states(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        return self.model(
+            batch.input_ids, batch.positions, batch, self.token_to_kv_pool, self.req_to_token_pool,
+            input_embeds=self._input_embeds(batch),
+        )
+
+    def _input_embeds(self, batch: ModelWorkerBatch) -> torch.Tensor | None:
+        """Every token's embedding when some are supplied by their requests (input_embeds): the
+        table's rows, with the supplied vectors at `batch.input_embeds_mask`. None otherwise."""
+        if batch.input_embeds is None:
+            return None
+        embeds = self.model.model.embed_tokens(batch.input_ids)
+        supplied = batch.input_embeds.to(device=embeds.device, dtype=embeds.dtype)
+        embeds[batch.input_embeds_mask.to(embeds.device)] = supplied
+        return embeds
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsOutput, batch: ModelWorkerBatch) -> torch.Tensor:

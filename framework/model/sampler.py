@@ -1,6 +1,6 @@
 """Next-token sampling from logits (reference W5, pytorch backend semantics).
 
-Order: min_new_tokens masks -> (all greedy: argmax) -> temperature -> softmax (fp32) -> top-k,
+Order: grammar vocab mask -> penalties (framework/penalties.py) -> (all greedy: argmax) -> temperature -> softmax (fp32) -> top-k,
 top-p, min-p on the sorted candidates -> one inverse-CDF draw per row. top-p uses the cumulative mass of the full
 distribution (computed before the top-k cut), and min-p is relative to the most likely token, as in
 the reference. Rows with top_k <= 1 are always argmax, whatever the rest of the batch does.
@@ -11,20 +11,23 @@ from __future__ import annotations
 import torch
 
 from framework.batch import SamplingBatchInfo
+from framework.grammar import apply_vocab_mask
 
 # Candidates taken by the partial sort before falling back to sorting the whole vocabulary.
 _NUM_CANDIDATES = 512
 
 
 class Sampler:
-    """Stateless; seeded rows get their own generator per call, so they do not depend on batching."""
+    """Stateless; a seeded row's draw comes from its own per-step key, not from the batch."""
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """logits: [bs, vocab] (not modified) -> int64 token ids [bs]."""
         bs, vocab_size = logits.shape
         if bs == 0:
             return torch.empty((0,), dtype=torch.int64)
-        logits = _apply_min_new_tokens(logits, info.min_new_tokens_masks)
+        logits = apply_vocab_mask(logits, info.vocab_mask)
+        if info.penalties is not None:
+            logits = info.penalties.apply(logits)  # a copy: the caller keeps the raw logits for logprobs
         greedy_ids = logits.argmax(dim=-1)
         if info.is_all_greedy:
             return greedy_ids
@@ -40,21 +43,6 @@ class Sampler:
         else:
             ids = _sample_filtered(probs, top_ks, need_top_p, info)
         return torch.where(info.top_ks <= 1, greedy_ids, ids)
-
-
-def _apply_min_new_tokens(logits: torch.Tensor, masks: list[list[int] | None]) -> torch.Tensor:
-    """Set the listed stop ids to -inf for requests that have not produced enough tokens yet."""
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, ids in enumerate(masks or []):
-        if ids:
-            rows.extend([i] * len(ids))
-            cols.extend(ids)
-    if not rows:
-        return logits
-    logits = logits.clone()  # the caller keeps the raw logits for logprobs
-    logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
-    return logits
 
 
 def _sample_filtered(
@@ -107,8 +95,9 @@ def _sorted_candidates(
 
 
 def _multinomial(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
-    """One draw per row from unnormalized `probs`; rows with a seed use a generator seeded with
-    it, so their draw does not depend on the rest of the batch.
+    """One draw per row from unnormalized `probs`; a row with a seed key takes its uniform from
+    the key's top 53 bits (see `framework.batch.step_seed`), so its draw does not depend on the
+    rest of the batch.
 
     Inverse CDF with one uniform per row: torch.multinomial (and the exponential race) draw one
     random number per vocabulary entry, which dominated the sampling time (~35 ms vs ~5 ms for
@@ -120,10 +109,9 @@ def _multinomial(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
     seeds = seeds or [None] * bs
     u = torch.rand(bs, 1, dtype=torch.float64)
-    for i, seed in enumerate(seeds):
-        if seed is not None:
-            gen = torch.Generator(device=probs.device).manual_seed(int(seed))
-            u[i, 0] = torch.rand(1, generator=gen, dtype=torch.float64)[0]
+    seeded = [i for i, key in enumerate(seeds) if key is not None]
+    if seeded:
+        u[seeded, 0] = torch.tensor([(seeds[i] >> 11) * 2.0**-53 for i in seeded], dtype=torch.float64)
     # The factor keeps u strictly below the total mass despite rounding of u * total.
     u = u * cdf[:, -1:] * (1.0 - 1e-12)
     ids = torch.searchsorted(cdf, u, right=True).squeeze(1)

@@ -73,6 +73,9 @@ class IncrementalDetokenizer:
         )
 
     def step(self, out: ReqOutput) -> StrOutput:
+        if out.embedding is not None:  # an embedding request: nothing to decode
+            return StrOutput(rid=out.rid, text="", output_ids=[], finished_reason=out.finished_reason,
+                             meta_info=out.meta_info, embedding=out.embedding)
         status = self.statuses.get(out.rid)
         if status is None or status.vid != out.vid:
             status = DecodeStatus(vid=out.vid)

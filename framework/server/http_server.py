@@ -18,11 +18,23 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from framework.config import Settings
 from framework.request import SamplingParams
 from framework.server.openai_api import register_openai_routes
-from framework.server.protocol import ApiError, ReqSpec, check_int, native_output, new_rid, parse_generate
+from framework.server.protocol import (
+    ApiError,
+    ReqSpec,
+    check_int,
+    embedding_specs,
+    native_output,
+    new_rid,
+    parse_encode,
+    parse_generate,
+)
 from framework.server.streaming import SSE_DONE, merge_streams, open_streams, read_json, sse, stream_response
 from framework.server.tokenizer_manager import ClientDisconnected, TokenizerManager
 
 logger = logging.getLogger(__name__)
+
+# /update_weights_from_disk: weights load from safetensors folders (or a GGUF, converted once).
+LOAD_FORMATS = {None, "auto", "safetensors", "gguf"}
 
 
 @dataclass
@@ -32,6 +44,7 @@ class ServerInfo:
     model_path: str
     tokenizer_path: str
     model_name: str
+    model_folder: str = ""  # the resolved local folder the scheduler loaded
     process_ids: dict[str, int] = field(default_factory=dict)
 
 
@@ -84,8 +97,11 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
 
     @app.get("/health_generate")
     async def health_generate(request: Request):
-        spec = ReqSpec(rid=f"health-{new_rid()}", input_ids=[0],
-                       sampling_params=_params({"max_new_tokens": 1, "temperature": 0.7}))
+        rid = f"health-{new_rid()}"
+        if tm.ready.is_generation:
+            spec = ReqSpec(rid=rid, input_ids=[0], sampling_params=_params({"max_new_tokens": 1, "temperature": 0.7}))
+        else:
+            [spec] = embedding_specs([rid], [[0]], [None])
         try:
             await tm.run_all([spec], request)
         except ApiError as exc:
@@ -94,7 +110,8 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
 
     @app.get("/get_model_info")
     async def get_model_info():
-        return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path, "is_generation": True}
+        return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path,
+                "is_generation": tm.ready.is_generation}
 
     @app.get("/get_server_info")
     async def get_server_info():
@@ -124,6 +141,28 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
             raise ApiError(reply.message)
         return PlainTextResponse("Cache flushed.\n")
 
+    @app.post("/update_weights_from_disk")
+    @app.post("/update_weights")  # the reference's 0.3.6 name
+    async def update_weights_from_disk(request: Request):
+        body = _object_with(await read_json(request, max_bytes), {"model_path", "load_format"})
+        model_path = body.get("model_path")
+        if not isinstance(model_path, str) or not model_path:
+            raise ApiError("model_path: must be a non-empty string")
+        if body.get("load_format") not in LOAD_FORMATS:
+            raise ApiError(f"load_format: must be one of {sorted(f for f in LOAD_FORMATS if f)} or null")
+        success, message = await tm.update_weights_from_disk(model_path)
+        if success:
+            info.model_path = model_path
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile():
+        return PlainTextResponse(await tm.profile("start") + "\n")
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile():
+        return PlainTextResponse(f"Profiling stopped; trace written to {await tm.profile('stop')}\n")
+
     @app.api_route("/open_session", methods=["GET", "POST"])
     async def open_session(request: Request):
         body = await read_json(request, max_bytes, allow_empty=True)
@@ -142,7 +181,8 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
-        batch = parse_generate(await read_json(request, max_bytes), tm.tokenize, tm.tokenizer)
+        batch = parse_generate(await read_json(request, max_bytes), tm.tokenize, tm.tokenizer, tm.ready.hidden_size)
+        await tm.process_images(batch.specs)
         specs = await tm.expand_parallel(batch, request)
         if not batch.stream:
             outs = await tm.run_all(specs, request)
@@ -162,6 +202,13 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
                                  index=i if batch.is_batch else None)
 
         return stream_response(tm, specs, events())
+
+    @app.api_route("/encode", methods=["POST", "PUT"])
+    async def encode(request: Request):
+        specs, is_batch = parse_encode(await read_json(request, max_bytes), tm.tokenize)
+        outs = await tm.run_all(specs, request)
+        results = [{"embedding": out.embedding, "meta_info": out.meta_info} for out in outs]
+        return JSONResponse(results if is_batch else results[0])
 
     if settings.server.enable_metrics:
         @app.get("/metrics")

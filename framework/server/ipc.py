@@ -37,9 +37,16 @@ class IpcNames:
         names = cls(*(f"ipc://{os.path.join(folder, n)}" for n in ("tokenizer", "scheduler", "detokenizer")))
         return names, folder
 
-    def scheduler_of_rank(self, rank: int) -> str:
-        """The input socket of one DP-attention rank (each rank reads its own, reference A4)."""
-        return f"{self.scheduler}-rank{rank}"
+    @property
+    def controller(self) -> str:
+        """Where the data-parallel controller collects the replicas' replies and reports."""
+        return f"{self.scheduler}-controller"
+
+    def for_replica(self, dp_rank: int) -> "IpcNames":
+        """A replica's endpoints behind the data-parallel controller: its own input socket, control
+        replies to the controller, outputs to the shared detokenizer."""
+        return IpcNames(tokenizer=self.controller, scheduler=f"{self.scheduler}-dp{dp_rank}",
+                        detokenizer=self.detokenizer)
 
 
 def make_socket(context: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
@@ -54,6 +61,16 @@ def make_socket(context: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
     else:
         sock.connect(endpoint)
     return sock
+
+
+def recv_waiting(sock: zmq.Socket) -> list:
+    """Every message waiting on a PULL socket, without blocking."""
+    received = []
+    while True:
+        try:
+            received.append(sock.recv_pyobj(zmq.NOBLOCK))
+        except zmq.Again:
+            return received
 
 
 def configure_logging(level: str) -> None:

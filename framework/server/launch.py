@@ -3,8 +3,15 @@
     main process   uvicorn + FastAPI + TokenizerManager (asyncio)
     scheduler      framework.server.scheduler_process (spawned), one per tensor-parallel rank
                    on this node: "scheduler" (rank 0), "scheduler-tp1", ...
-    router         framework.server.rank_router, with DP attention only
+    dp_controller  framework.server.dp_controller (spawned), with several replicas only
     detokenizer    framework.server.detokenizer (spawned)
+
+With parallel.dp_size > 1 there are dp_size replicas (scheduler-dp0, scheduler-dp0-tp1, ...,
+scheduler-dp1, ...), each a tensor-parallel group of tp_size ranks, behind a data-parallel
+controller, which owns the scheduler socket the TokenizerManager sends to and forwards to each
+replica's rank 0. With DP attention each of the tp_size ranks is a replica behind the controller.
+With the DP_RANK environment variable set, the server is that one replica of dp_size (an outside
+router runs and balances the others).
 
 On a node with node_rank >= 1 the main process runs only that node's scheduler ranks and waits
 on them: no HTTP, tokenizer or detokenizer (reference A1).
@@ -26,18 +33,20 @@ import shutil
 import signal
 import socket
 import time
+from multiprocessing.connection import Connection, wait
 
 import uvicorn
 
 from framework.config import Settings
 from framework.distributed import ParallelConfigError, check_layout, check_model_fits, node_ranks
+from framework.images import ImageProcessor
 from framework.messages import SchedulerFailed, SchedulerReady
 from framework.metrics import ServerMetrics
 from framework.server.detokenizer import run_detokenizer_process
+from framework.server.dp_controller import run_dp_controller_process
 from framework.server.http_server import ServerInfo, build_app
 from framework.server.ipc import IpcNames, configure_logging
-from framework.server.rank_router import run_rank_router
-from framework.server.scheduler_process import run_scheduler_process, scheduler_process_name
+from framework.server.scheduler_process import dp_rank_from_env, run_scheduler_process
 from framework.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("batchyard.server")
@@ -64,6 +73,11 @@ def dp_attention_settings(settings: Settings) -> Settings:
         settings.scheduler.chunked_prefill_size = max(1, settings.scheduler.chunked_prefill_size // 2)
     settings.scheduler.schedule_conservativeness *= 0.3
     return settings
+
+
+def rank_process_name(replica: str, tp_rank: int) -> str:
+    """"scheduler", "scheduler-tp1", "scheduler-dp0", "scheduler-dp0-tp1", ..."""
+    return replica if tp_rank == 0 else f"{replica}-tp{tp_rank}"
 
 
 class Shutdown(Exception):
@@ -124,32 +138,37 @@ class Launcher:
 
         settings = self.settings
         par = settings.parallel
+        env_rank = dp_rank_from_env()
+        if env_rank is not None and env_rank >= par.dp_size:
+            raise ValueError(f"DP_RANK={env_rank} names no replica: parallel.dp_size is {par.dp_size}")
         # Resolved here first so a first-time GGUF conversion happens once, not in every process.
         model_folder = resolve_model(settings.model.path)
-        if not self._check_parallel(model_folder):
+        if not self._check_parallel(model_folder, one_replica=env_rank is not None):
             return 1
         tokenizer_folder = settings.model.tokenizer_path or model_folder
         ipc, self.ipc_dir = IpcNames.in_new_temp_dir()
         ctx = multiprocessing.get_context("spawn")
-        readers = self._start_schedulers(ctx, ipc)
+        readers = self._start_schedulers(ctx, ipc, serve_all_replicas=env_rank is None)
         if par.node_rank > 0:
             return self._run_worker_node(readers)
-        if par.enable_dp_attention and par.tp_size > 1:
-            self._start(ctx, "router", run_rank_router, (ipc, par.tp_size, settings.server.log_level))
         self._start(ctx, "detokenizer", run_detokenizer_process, (tokenizer_folder, ipc, settings.server.log_level))
         tokenizer = load_tokenizer(tokenizer_folder)
         if tokenizer is None:
             logger.error("No tokenizer in %s; the server needs one (set model.tokenizer_path)", tokenizer_folder)
             return 1
-        ready = self._wait_ready(readers)
-        if ready is None:
+        readies = self._wait_ready(readers)
+        if readies is None:
             return 1
-        logger.info(
-            "Scheduler ready: max_total_num_tokens=%d, context_len=%d, max_req_input_len=%d",
-            ready.max_total_num_tokens, ready.context_len, ready.max_req_input_len,
-        )
+        for name, ready in readies.items():
+            logger.info(
+                "%s ready: max_total_num_tokens=%d, context_len=%d, max_req_input_len=%d", name.capitalize(),
+                ready.max_total_num_tokens, ready.context_len, ready.max_req_input_len,
+            )
+        # As in the reference, the first replica's limits stand for all (they are built alike).
+        ready = next(iter(readies.values()))
         info = ServerInfo(
             model_path=settings.model.path or model_folder, tokenizer_path=tokenizer_folder,
+            model_folder=model_folder,
             model_name=served_model_name(settings),
             process_ids={"main": os.getpid(), **{n: p.pid for n, p in self.processes.items()}},
         )
@@ -159,14 +178,19 @@ class Launcher:
             logger.info("Stopped by %s", signal.Signals(self.stopped_by).name)
         return self.exit_code
 
-    def _check_parallel(self, model_folder: str) -> bool:
+    def _start(self, ctx, name: str, target, args) -> None:
+        proc = ctx.Process(target=target, args=args, name=name)
+        proc.start()
+        self.processes[name] = proc
+
+    def _check_parallel(self, model_folder: str, one_replica: bool) -> bool:
         """Clear start-up errors for layouts that cannot work, before anything is spawned."""
         from framework.model.config import ModelConfig
         from framework.model.loader import load_hf_config
 
         par = self.settings.parallel
         try:
-            check_layout(par)
+            check_layout(par, one_replica)
             check_model_fits(ModelConfig.from_hf_config(load_hf_config(model_folder)), par.tp_size,
                              par.enable_dp_attention)
         except ParallelConfigError as exc:
@@ -174,22 +198,60 @@ class Launcher:
             return False
         return True
 
-    def _start_schedulers(self, ctx, ipc: IpcNames) -> list:
-        """One scheduler process per rank of this node; returns their ready pipes."""
+    def _start_schedulers(self, ctx, ipc: IpcNames, serve_all_replicas: bool) -> dict[str, Connection]:
+        """The scheduler processes of this node, and the data-parallel controller in front of
+        several replicas (dp_size > 1, or DP attention's ranks); returns each scheduler's ready
+        pipe, by process name. With `serve_all_replicas` False (DP_RANK is set: an outside router
+        runs the others) this server is one replica."""
         par = self.settings.parallel
-        settings = dp_attention_settings(self.settings) if par.enable_dp_attention else self.settings
-        # One node: the rendezvous is a free local port. Several: node 0's address, given by the user.
-        init_addr = par.dist_init_addr or f"127.0.0.1:{free_port()}"
-        readers = []
-        for rank in node_ranks(par):
-            reader, writer = ctx.Pipe(duplex=False)
-            name = scheduler_process_name(rank)
-            self._start(ctx, name, run_scheduler_process, (settings, ipc, writer, rank, init_addr))
-            writer.close()  # so a scheduler that dies early gives EOF, not a hang
-            readers.append((name, reader))
+        if par.enable_dp_attention and par.tp_size > 1:
+            return self._start_dp_attention_ranks(ctx, ipc)
+        if par.dp_size == 1 or not serve_all_replicas:
+            return self._start_replica(ctx, "scheduler", ipc, None)
+        replicas = self._start_controller(ctx, ipc, self.settings, par.dp_size)
+        readers: dict[str, Connection] = {}
+        for d, replica_ipc in enumerate(replicas):
+            readers.update(self._start_replica(ctx, f"scheduler-dp{d}", replica_ipc, d))
         return readers
 
-    def _run_worker_node(self, readers) -> int:
+    def _start_replica(self, ctx, name: str, ipc: IpcNames, dp_rank: int | None) -> dict[str, Connection]:
+        """One replica: its tensor-parallel ranks on this node, a group of their own. One node: the
+        rendezvous is a free local port; several: node 0's address, given by the user."""
+        init_addr = self.settings.parallel.dist_init_addr or f"127.0.0.1:{free_port()}"
+        return {
+            rank_process_name(name, t): self._start_scheduler(
+                ctx, rank_process_name(name, t), self.settings, ipc, (dp_rank, t, init_addr)
+            )
+            for t in node_ranks(self.settings.parallel)
+        }
+
+    def _start_dp_attention_ranks(self, ctx, ipc: IpcNames) -> dict[str, Connection]:
+        """DP attention: the tp_size ranks are one group, and each rank is a replica of its own
+        behind the controller (reference L1, A5)."""
+        settings = dp_attention_settings(self.settings)
+        ranks = self._start_controller(ctx, ipc, settings, settings.parallel.tp_size)
+        init_addr = f"127.0.0.1:{free_port()}"
+        return {
+            rank_process_name("scheduler", r): self._start_scheduler(
+                ctx, rank_process_name("scheduler", r), settings, rank_ipc, (r, r, init_addr)
+            )
+            for r, rank_ipc in enumerate(ranks)
+        }
+
+    def _start_controller(self, ctx, ipc: IpcNames, settings: Settings, num_replicas: int) -> list[IpcNames]:
+        """The data-parallel controller in front of `num_replicas` replicas; their endpoints."""
+        replicas = [ipc.for_replica(d) for d in range(num_replicas)]
+        self._start(ctx, "dp_controller", run_dp_controller_process, (settings, ipc, [r.scheduler for r in replicas]))
+        return replicas
+
+    def _start_scheduler(self, ctx, name: str, settings: Settings, ipc: IpcNames, rank: tuple) -> Connection:
+        """One scheduler process; `rank` is (dp_rank, tp_rank, dist_init_addr)."""
+        reader, writer = ctx.Pipe(duplex=False)
+        self._start(ctx, name, run_scheduler_process, (settings, ipc, writer, *rank))
+        writer.close()  # so a scheduler that dies early gives EOF, not a hang
+        return reader
+
+    def _run_worker_node(self, readers: dict[str, Connection]) -> int:
         """node_rank >= 1: serve the local ranks until a signal or until one of them exits."""
         if self._wait_ready(readers) is None:
             return 1
@@ -203,42 +265,32 @@ class Launcher:
                     logger.error("The %s process exited (exit code %s); this node stops", name, proc.exitcode)
                     return 1
 
-    def _start(self, ctx, name: str, target, args) -> None:
-        proc = ctx.Process(target=target, args=args, name=name)
-        proc.start()
-        self.processes[name] = proc
-
-    def _wait_ready(self, readers) -> SchedulerReady | None:
-        """Every local scheduler's `SchedulerReady` (the first one's is returned), or None."""
-        ready = []
-        for name, reader in readers:
-            msg = self._wait_one_ready(name, reader)
-            if msg is None:
-                return None
-            ready.append(msg)
-        return ready[0]
-
-    def _wait_one_ready(self, name: str, reader) -> SchedulerReady | None:
-        sched = self.processes[name]
-        while True:
-            if reader.poll(0.5):
+    def _wait_ready(self, readers: dict[str, Connection]) -> dict[str, SchedulerReady] | None:
+        """Every scheduler's SchedulerReady, by process name; None (logged) if one fails."""
+        names = {conn: name for name, conn in readers.items()}
+        readies: dict[str, SchedulerReady] = {}
+        while len(readies) < len(readers):
+            for conn in wait([c for c, n in names.items() if n not in readies], timeout=0.5):
+                name = names[conn]
                 try:
-                    msg = reader.recv()
+                    msg = conn.recv()
                 except EOFError:
-                    msg = SchedulerFailed(f"the {name} process exited (exit code {sched.exitcode})")
-                if isinstance(msg, SchedulerReady):
-                    return msg
-                logger.error("Scheduler start-up failed: %s", msg.message)
-                return None
-            for pname, proc in self.processes.items():
-                if not proc.is_alive():
-                    logger.error("The %s process exited during start-up (exit code %s)", pname, proc.exitcode)
+                    msg = SchedulerFailed(f"the {name} process exited (exit code {self.processes[name].exitcode})")
+                if not isinstance(msg, SchedulerReady):
+                    logger.error("Scheduler start-up failed: %s", msg.message)
                     return None
+                readies[name] = msg
+            for name, proc in self.processes.items():
+                if not proc.is_alive():
+                    logger.error("The %s process exited during start-up (exit code %s)", name, proc.exitcode)
+                    return None
+        return {name: readies[name] for name in readers}
 
     async def _serve(self, ipc: IpcNames, ready: SchedulerReady, tokenizer, info: ServerInfo) -> None:
         settings = self.settings
         tm = TokenizerManager(ipc, ready, tokenizer, ServerMetrics(info.model_name),
-                              log_requests=settings.server.log_requests)
+                              log_requests=settings.server.log_requests,
+                              image_processor=ImageProcessor.from_model_folder(info.model_folder))
         tm.start()
         config = uvicorn.Config(
             build_app(tm, settings, info), host=settings.server.host, port=settings.server.port,

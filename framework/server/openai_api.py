@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (reference 3.2).
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions and
+/v1/embeddings (reference 3.2).
 
 Each request maps onto native ReqSpecs (one per prompt, then n samples each as in AD5) and the
 answers are formatted as the OpenAI API does, logprobs included. Streaming sends deltas: the new
@@ -7,6 +8,8 @@ text since the last chunk and the logprobs of the new tokens.
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 from typing import Any, AsyncIterator
 
@@ -15,8 +18,16 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from framework.messages import StrOutput
-from framework.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from framework.server.protocol import ApiError, GenerateBatch, ReqSpec, is_int, new_rid, sampling_params_from
+from framework.server.openai_protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from framework.server.protocol import (
+    ApiError,
+    GenerateBatch,
+    ReqSpec,
+    embedding_specs,
+    is_int,
+    new_rid,
+    sampling_params_from,
+)
 from framework.server.streaming import SSE_DONE, merge_streams, open_streams, read_json, sse, stream_response
 from framework.server.tokenizer_manager import TokenizerManager
 
@@ -176,8 +187,6 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str, 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = _validate(ChatCompletionRequest, await read_json(request, max_bytes))
-        if req.response_format is not None and req.response_format.type == "json_schema":
-            raise ApiError("response_format: json_schema (constrained decoding) is not supported")
         ids = _chat_input_ids(tm, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         batch = _batch(tm, req, [(ids, None)], req.sampling_dict(max_tokens, req.temperature),
@@ -246,6 +255,29 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str, 
             yield SSE_DONE
 
         return stream_response(tm, specs, events())
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        req = _validate(EmbeddingRequest, await read_json(request, max_bytes))
+        if req.dimensions is not None and req.dimensions != tm.ready.hidden_size:
+            raise ApiError(f"dimensions: this model's embeddings have {tm.ready.hidden_size} dimensions")
+        if req.input == [] or req.input == "":
+            raise ApiError("input: must not be empty")
+        prompts = _prompts(tm, req.input)
+        specs = embedding_specs([new_rid() for _ in prompts], [ids for ids, _ in prompts], [t for _, t in prompts])
+        outs = await tm.run_all(specs, request)
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(o.embedding, req.encoding_format)}
+                for i, o in enumerate(outs)]
+        num_tokens = sum(o.meta_info.get("prompt_tokens", 0) for o in outs)
+        return JSONResponse({"object": "list", "data": data, "model": model_name,
+                             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    """A vector as the OpenAI API sends it: floats, or base64 of little-endian float32 bytes."""
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 def _validate(model, body: Any):

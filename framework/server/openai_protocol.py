@@ -6,9 +6,12 @@ Unknown fields are ignored, as in the reference, so newer clients keep working.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from framework.server.protocol import ApiError
 
 
 class _Strict(BaseModel):
@@ -19,6 +22,11 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class _SamplingExtras(_Strict):
     """Fields both endpoints share; the last group are the reference's extensions."""
 
@@ -27,7 +35,7 @@ class _SamplingExtras(_Strict):
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # accepted and ignored, as in the reference
     n: int = 1
-    seed: int | None = None  # accepted and ignored, as in the reference
+    seed: int | None = None  # the reference ignores it; here it seeds the sampler
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -42,8 +50,10 @@ class _SamplingExtras(_Strict):
     no_stop_trim: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     regex: str | None = None
     json_schema: str | None = None
+    response_format: ResponseFormat | None = None
 
     def sampling_dict(self, max_new_tokens: int | None, temperature: float) -> dict[str, Any]:
         return {
@@ -51,10 +61,29 @@ class _SamplingExtras(_Strict):
             "stop": self.stop, "stop_token_ids": self.stop_token_ids, "top_p": self.top_p,
             "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-            "regex": self.regex, "json_schema": self.json_schema, "n": self.n,
+            "regex": self.regex, "json_schema": self.json_schema_of_response_format(), "n": self.n,
             "no_stop_trim": self.no_stop_trim, "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens, "seed": self.seed,
         }
+
+
+    def json_schema_of_response_format(self) -> str | None:
+        """The JSON schema string that `response_format` asks for, else the `json_schema` extension.
+
+        `json_object` is any JSON object (the reference ignores it). Bad combinations are an ApiError (400).
+        """
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return self.json_schema
+        if self.json_schema is not None or self.regex is not None:
+            raise ApiError("response_format: cannot be combined with json_schema or regex")
+        if fmt.type == "json_object":
+            return json.dumps({"type": "object"})
+        spec = fmt.json_schema
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError("response_format.json_schema.schema: required, a JSON schema object")
+        return json.dumps(spec["schema"])
 
 
 class CompletionRequest(_SamplingExtras):
@@ -78,16 +107,18 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_SamplingExtras):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    response_format: ResponseFormat | None = None
     temperature: float = 0.7
+
+
+class EmbeddingRequest(_Strict):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # must be the model's hidden size when given
+    user: str | None = None  # accepted and ignored, as in the reference

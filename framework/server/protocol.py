@@ -12,18 +12,22 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from framework.images import ImageError, images_per_prompt
 from framework.messages import GenerateReqInput
-from framework.request import SamplingParams
+from framework.request import SamplingParams, input_embeds_tensor, split_input_embeds
 
 if TYPE_CHECKING:
     from framework.messages import StrOutput
 
 GENERATE_FIELDS = {
-    "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "return_text_in_logprobs", "stream", "session",
+    "text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob",
+    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "session", "image_data",
+    "lora_path",
 }
+# /encode (reference EmbeddingReqInput); its sampling_params are accepted and ignored.
+ENCODE_FIELDS = {"text", "input_ids", "rid", "sampling_params"}
 # Fields of the reference this build does not serve: a clear 400 instead of silently ignoring them.
-UNSUPPORTED_FIELDS = {"input_embeds", "image_data", "modalities", "lora_path"}
+UNSUPPORTED_FIELDS = {"modalities"}
 
 
 class ApiError(Exception):
@@ -45,6 +49,8 @@ class ReqSpec(GenerateReqInput):
     tokenizer side needs."""
 
     return_text_in_logprobs: bool = False
+    # The request's images as sent (data URLs, paths, base64); preprocessed into `image_inputs`.
+    image_data: list[str] | None = None
 
     def to_message(self) -> GenerateReqInput:
         """The scheduler's part of the spec (the tokenizer-side fields stay here)."""
@@ -52,8 +58,12 @@ class ReqSpec(GenerateReqInput):
         return GenerateReqInput(**fields)
 
     def copy_for_sample(self, j: int) -> "ReqSpec":
-        """The j-th of n parallel samples: own rid and its own copy of the sampling params."""
-        return replace(self, rid=f"{self.rid}-{j}", sampling_params=replace(self.sampling_params))
+        """The j-th of n parallel samples: own rid and its own copy of the sampling params. With a
+        seed, sample j draws with seed + j: the samples differ, and sample 0 is the n = 1 answer."""
+        params = replace(self.sampling_params)
+        if params.seed is not None:
+            params.seed += j
+        return replace(self, rid=f"{self.rid}-{j}", sampling_params=params)
 
 
 @dataclass
@@ -93,6 +103,12 @@ def check_int(name: str, value: Any, minimum: int | None = None) -> int:
     return value
 
 
+def check_optional_str(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ApiError(f"{name}: must be a string or null, got {value!r}")
+    return value
+
+
 def is_token_list(x: Any) -> bool:
     return isinstance(x, list) and all(is_int(t) for t in x)
 
@@ -114,8 +130,6 @@ def sampling_params_from(data: Any, tokenizer: Any, name: str = "sampling_params
         for flag in ("no_stop_trim", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(params, flag), bool):
                 raise ValueError(f"sampling_params.{flag}: must be true or false")
-        if params.regex is not None or params.json_schema is not None:
-            raise ValueError("sampling_params: regex and json_schema (constrained decoding) are not supported")
         params.verify()
         params.normalize(tokenizer)
     except (TypeError, ValueError) as exc:
@@ -134,20 +148,35 @@ def _per_item(name: str, value: Any, count: int, is_batch: bool) -> list[Any]:
     return [value] * count
 
 
-def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: Any) -> GenerateBatch:
-    """Check a /generate body (reference GenerateReqInput) and build its ReqSpecs."""
+@dataclass
+class Prompts:
+    """The prompts of a request body: ids per prompt, and the text or the vectors they came from."""
+
+    is_batch: bool
+    id_lists: list[list[int]]
+    texts: list[str | None]
+    embeds: list[Any]  # per prompt an input_embeds tensor, or None
+
+
+def check_fields(body: Any, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     unsupported = sorted(UNSUPPORTED_FIELDS & set(body))
     if unsupported:
         raise ApiError(f"not supported by this server: {', '.join(unsupported)}")
-    unknown = sorted(set(body) - GENERATE_FIELDS)
+    unknown = sorted(set(body) - allowed)
     if unknown:
         raise ApiError(f"unknown field(s): {', '.join(unknown)}")
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise ApiError("give exactly one of text or input_ids")
+    return body
 
+
+def parse_prompts(body: dict, tokenize: Callable[[str], list[int]], hidden_size: int | None = None) -> Prompts:
+    """`text`, `input_ids` or (with `hidden_size`) `input_embeds`: exactly one, single or a batch."""
+    sources = ["text", "input_ids"] + (["input_embeds"] if hidden_size is not None else [])
+    given = [name for name in sources if body.get(name) is not None]
+    if len(given) != 1:
+        raise ApiError(f"give exactly one of {', '.join(sources[:-1])} or {sources[-1]}")
+    text, input_ids = body.get("text"), body.get("input_ids")
     if text is not None:
         if isinstance(text, str):
             is_batch, prompts = False, [text]
@@ -155,26 +184,28 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
             is_batch, prompts = True, list(text)
         else:
             raise ApiError("text: must be a string or a non-empty list of strings")
-        id_lists = [tokenize(t) for t in prompts]
-        texts: list[str | None] = list(prompts)
-    else:
+        return Prompts(is_batch, [tokenize(t) for t in prompts], list(prompts), [None] * len(prompts))
+    if input_ids is not None:
         if is_token_list(input_ids):
             is_batch, id_lists = False, [list(input_ids)]
         elif isinstance(input_ids, list) and input_ids and all(is_token_list(x) for x in input_ids):
             is_batch, id_lists = True, [list(x) for x in input_ids]
         else:
             raise ApiError("input_ids: must be a list of integers or a non-empty list of such lists")
-        texts = [None] * len(id_lists)
-    count = len(id_lists)
+        return Prompts(is_batch, id_lists, [None] * len(id_lists), [None] * len(id_lists))
+    single, values = split_input_embeds(body["input_embeds"])
+    try:
+        embeds = [input_embeds_tensor(v, hidden_size) for v in values]
+    except ValueError as exc:
+        raise ApiError(str(exc)) from None
+    # Placeholder ids: the vectors are the prompt.
+    return Prompts(not single, [[0] * len(e) for e in embeds], [None] * len(embeds), embeds)
 
-    stream = check_bool("stream", body.get("stream", False))
-    params_in = _per_item("sampling_params", body.get("sampling_params"), count, is_batch)
-    if isinstance(body.get("sampling_params"), list) and not is_batch:
-        raise ApiError("sampling_params: must be an object for a single prompt")
-    rids = body.get("rid")
+
+def parse_rids(rids: Any, count: int, is_batch: bool) -> list[str]:
     if rids is None:
-        rids = [new_rid() for _ in range(count)]
-    elif is_batch:
+        return [new_rid() for _ in range(count)]
+    if is_batch:
         if not (isinstance(rids, list) and len(rids) == count and all(isinstance(r, str) and r for r in rids)):
             raise ApiError("rid: a batch needs a list with one non-empty string per prompt")
     else:
@@ -183,10 +214,45 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
         rids = [rids]
     if len(set(rids)) != len(rids):
         raise ApiError("rid: the rids of a batch must differ")
+    return rids
+
+
+def parse_encode(body: Any, tokenize: Callable[[str], list[int]]) -> tuple[list[ReqSpec], bool]:
+    """Check an /encode body (reference EmbeddingReqInput): its specs and whether it is a batch."""
+    prompts = parse_prompts(check_fields(body, ENCODE_FIELDS), tokenize)
+    if not isinstance(body.get("sampling_params") or {}, (dict, list)):
+        raise ApiError("sampling_params: must be an object (it is ignored by /encode)")
+    rids = parse_rids(body.get("rid"), len(prompts.id_lists), prompts.is_batch)
+    return embedding_specs(rids, prompts.id_lists, prompts.texts), prompts.is_batch
+
+
+def embedding_specs(rids: list[str], id_lists: list[list[int]], texts: list[str | None]) -> list[ReqSpec]:
+    """Embedding requests: one prefill each, answered with the pooled vector (reference Y3)."""
+    params = SamplingParams(max_new_tokens=0)
+    params.normalize(None)
+    return [
+        ReqSpec(rid=rid, input_ids=ids, sampling_params=replace(params), input_text=text, is_embedding=True)
+        for rid, ids, text in zip(rids, id_lists, texts)
+    ]
+
+
+def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: Any,
+                   hidden_size: int) -> GenerateBatch:
+    """Check a /generate body (reference GenerateReqInput) and build its ReqSpecs."""
+    prompts = parse_prompts(check_fields(body, GENERATE_FIELDS), tokenize, hidden_size)
+    is_batch, id_lists, texts = prompts.is_batch, prompts.id_lists, prompts.texts
+    count = len(id_lists)
+
+    stream = check_bool("stream", body.get("stream", False))
+    params_in = _per_item("sampling_params", body.get("sampling_params"), count, is_batch)
+    if isinstance(body.get("sampling_params"), list) and not is_batch:
+        raise ApiError("sampling_params: must be an object for a single prompt")
+    rids = parse_rids(body.get("rid"), count, is_batch)
 
     return_logprob = _per_item("return_logprob", body.get("return_logprob", False), count, is_batch)
     start_lens = _per_item("logprob_start_len", body.get("logprob_start_len", -1), count, is_batch)
     top_nums = _per_item("top_logprobs_num", body.get("top_logprobs_num", 0), count, is_batch)
+    lora_paths = _per_item("lora_path", body.get("lora_path"), count, is_batch)
     with_text = check_bool("return_text_in_logprobs", body.get("return_text_in_logprobs", False))
 
     session_id = session_rid = None
@@ -198,6 +264,13 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
                 and (session[1] is None or isinstance(session[1], str))):
             raise ApiError("session: must be [session_id, session_rid or null]")
         session_id, session_rid = session
+
+    try:
+        images = images_per_prompt(body.get("image_data"), count, is_batch)
+    except ImageError as exc:
+        raise ApiError(str(exc)) from None
+    if session_id is not None and images[0] is not None:
+        raise ApiError("image_data: a session request cannot carry images")
 
     specs = []
     for i in range(count):
@@ -214,7 +287,9 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
                 logprob_start_len=start,
                 top_logprobs_num=check_int("top_logprobs_num", top_nums[i], minimum=0),
                 return_text_in_logprobs=with_text, stream=stream,
-                session_id=session_id, session_rid=session_rid,
+                session_id=session_id, session_rid=session_rid, image_data=images[i],
+                input_embeds=prompts.embeds[i],
+                lora_path=check_optional_str("lora_path", lora_paths[i]),
             )
         )
     ns = {s.sampling_params.n for s in specs}

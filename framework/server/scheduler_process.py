@@ -6,7 +6,8 @@ which on a two-thread CPU forward costs a 3-4x slowdown.
 
 With tensor parallelism there is one such process per rank (reference A4): rank 0 alone reads the
 tokenizer's socket and broadcasts what it read, so every rank runs the same scheduling decisions;
-only rank 0 sends outputs. With DP attention every rank reads its own socket and sends its own
+only rank 0 sends outputs. With DP attention every rank reads its own socket (each is one replica
+behind the data-parallel controller) and sends its own
 outputs, and the ranks step together (see `dp_attention_event_loop`).
 """
 
@@ -26,7 +27,9 @@ import zmq
 from framework.config import Settings
 from framework.distributed import ParallelContext, init_parallel
 from framework.messages import SchedulerFailed, SchedulerReady
-from framework.server.ipc import IpcNames, make_socket, setup_child_process
+from framework.server.dp_controller import reporting_finished
+from framework.server.ipc import IpcNames, make_socket, recv_waiting, setup_child_process
+from framework.server.placement import pin_scheduler_process
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +42,20 @@ DP_IDLE_POLL_MS = 50
 
 
 def run_scheduler_process(
-    settings: Settings, ipc: IpcNames, ready_writer: Any, tp_rank: int = 0, dist_init_addr: str | None = None
+    settings: Settings, ipc: IpcNames, ready_writer: Any, dp_rank: int | None = None, tp_rank: int = 0,
+    dist_init_addr: str | None = None,
 ) -> None:
-    """Entry point of the spawned scheduler process of rank `tp_rank` (reference A7)."""
-    setup_child_process(scheduler_process_name(tp_rank), settings.server.log_level)
+    """Entry point of the spawned scheduler process of one rank (reference A7).
+
+    `dp_rank` is given for a replica (or a DP-attention rank) behind the data-parallel controller:
+    `ipc.tokenizer` is then the controller, which also gets the replica's `ReplicaFinished`
+    reports. Without it, the `DP_RANK` environment variable names the replica this scheduler is
+    (an outside router started it); it picks the process's core share and names the replica in
+    logs and stats. `tp_rank` is the process's rank in its tensor-parallel group, which meets at
+    `dist_init_addr` (host:port)."""
+    behind_controller = dp_rank is not None
+    dp_rank = dp_rank_from_env() if dp_rank is None else dp_rank
+    setup_child_process(scheduler_log_name(dp_rank, tp_rank, settings.parallel.tp_size), settings.server.log_level)
     if settings.parallel.tp_size > 1:
         # A rank has nothing to flush, and a normal exit can wait on gloo's threads (a peer may be
         # gone already): leave at once. The handler runs once any collective in flight returns.
@@ -50,18 +63,21 @@ def run_scheduler_process(
     from framework.scheduler import Scheduler
 
     dp_attention = settings.parallel.enable_dp_attention
-    talks_to_tokenizer = tp_rank == 0 or dp_attention
     context = zmq.Context()
     recv_from_tokenizer = None
     output_sink = reply_sink = None
     try:
+        pin_scheduler_process(settings.parallel, dp_rank, tp_rank)  # before the model loads, so its threads fit
         par = init_parallel(settings, tp_rank, dist_init_addr or "")
-        if talks_to_tokenizer:
-            endpoint = ipc.scheduler_of_rank(tp_rank) if dp_attention else ipc.scheduler
-            recv_from_tokenizer = make_socket(context, zmq.PULL, endpoint)
+        if tp_rank == 0 or dp_attention:
+            recv_from_tokenizer = make_socket(context, zmq.PULL, ipc.scheduler)
             output_sink = make_socket(context, zmq.PUSH, ipc.detokenizer).send_pyobj
             reply_sink = make_socket(context, zmq.PUSH, ipc.tokenizer).send_pyobj
-        scheduler = Scheduler(settings, output_sink=output_sink, tp_rank=tp_rank, reply_sink=reply_sink)
+            if behind_controller:
+                output_sink = reporting_finished(output_sink, reply_sink, dp_rank)
+        scheduler = Scheduler(
+            settings, output_sink=output_sink, tp_rank=tp_rank, reply_sink=reply_sink, dp_rank=dp_rank
+        )
         if dp_attention and "dp-attention" not in scheduler.plugins.active:
             raise ValueError("parallel.enable_dp_attention needs the dp-attention plugin (it is disabled)")
     except Exception as exc:
@@ -75,6 +91,8 @@ def run_scheduler_process(
             context_len=scheduler.worker.context_len,
             vocab_size=scheduler.worker.vocab_size,
             pid=os.getpid(),
+            hidden_size=scheduler.worker.hidden_size,
+            is_generation=scheduler.is_generation,
         )
     )
     ready_writer.close()
@@ -94,8 +112,24 @@ def run_scheduler_process(
         sys.exit(1)
 
 
-def scheduler_process_name(tp_rank: int) -> str:
-    return "scheduler" if tp_rank == 0 else f"scheduler-tp{tp_rank}"
+def scheduler_log_name(dp_rank: int | None, tp_rank: int, tp_size: int) -> str:
+    """How the process names itself in logs: "scheduler", "scheduler DP1", "scheduler TP1", ..."""
+    name = "scheduler" if dp_rank is None else f"scheduler DP{dp_rank}"
+    return name if tp_size == 1 else f"{name} TP{tp_rank}"
+
+
+def dp_rank_from_env() -> int | None:
+    """The replica named by `DP_RANK` (reference 4.6: read only when set), or None."""
+    value = os.environ.get("DP_RANK")
+    if value is None:
+        return None
+    try:
+        rank = int(value)
+    except ValueError:
+        raise ValueError(f"DP_RANK must be an integer, got {value!r}") from None
+    if rank < 0:
+        raise ValueError(f"DP_RANK must be >= 0, got {rank}")
+    return rank
 
 
 def event_loop(scheduler, sock: zmq.Socket) -> None:
@@ -119,7 +153,7 @@ def tp_event_loop(scheduler, sock: zmq.Socket | None, par: ParallelContext) -> N
     while True:
         received = []
         if sock is not None and (scheduler.has_work() or poller.poll(IDLE_POLL_MS)):
-            received = _recv_all(sock)
+            received = recv_waiting(sock)
         for msg in par.broadcast_pyobj(received):
             scheduler.send(msg)
         scheduler.run_once()
@@ -140,17 +174,8 @@ def dp_attention_event_loop(scheduler, sock: zmq.Socket, par: ParallelContext) -
         scheduler.run_once()
 
 
-def _recv_all(sock: zmq.Socket) -> list[Any]:
-    received = []
-    while True:
-        try:
-            received.append(sock.recv_pyobj(zmq.NOBLOCK))
-        except zmq.Again:
-            return received
-
-
 def _drain(scheduler, sock: zmq.Socket) -> None:
-    for msg in _recv_all(sock):
+    for msg in recv_waiting(sock):
         scheduler.send(msg)
 
 

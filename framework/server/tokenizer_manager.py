@@ -29,12 +29,15 @@ from framework.messages import (
     FlushCacheReq,
     GetStatsReq,
     OpenSessionReq,
+    ProfileReq,
     SchedulerReady,
     SchedulerStats,
     StrOutput,
+    UpdateWeightsReq,
 )
+from framework.images import ImageError, ImageProcessor
 from framework.metrics import ServerMetrics
-from framework.request import FinishAbort
+from framework.request import FinishAbort, request_kind_error
 from framework.server.ipc import IpcNames, make_socket
 from framework.server.protocol import ApiError, GenerateBatch, ReqSpec
 
@@ -43,6 +46,8 @@ logger = logging.getLogger(__name__)
 # How often a waiting non-streamed request checks whether its client is still there.
 DISCONNECT_CHECK_S = 1.0
 CONTROL_TIMEOUT_S = 60.0
+# How often a weight update checks whether the requests in flight have finished.
+UPDATE_POLL_S = 0.01
 
 
 class ClientDisconnected(Exception):
@@ -98,8 +103,9 @@ def is_rejected(out: StrOutput) -> bool:
 
 class TokenizerManager:
     def __init__(self, ipc: IpcNames, ready: SchedulerReady, tokenizer: Any, metrics: ServerMetrics,
-                 log_requests: bool = False):
+                 log_requests: bool = False, image_processor: ImageProcessor | None = None):
         self.ready = ready
+        self.image_processor = image_processor
         self.log_requests = log_requests
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -107,6 +113,7 @@ class TokenizerManager:
         self.pending: dict[str, asyncio.Future] = {}
         self.open_sessions: set[str] = set()
         self.dead_reason: str | None = None
+        self.model_update_lock = asyncio.Lock()
         # Sends never block (unbounded HWM), so a plain socket serves the event loop.
         self._sync_context = zmq.Context()
         self.send_to_scheduler = make_socket(self._sync_context, zmq.PUSH, ipc.scheduler)
@@ -205,6 +212,9 @@ class TokenizerManager:
     def submit(self, spec: ReqSpec, is_warmup: bool = False) -> None:
         """Check and send one request; its outputs are read with `outputs(rid)`."""
         self.check_alive()
+        kind_error = request_kind_error(spec.is_embedding, self.ready.is_generation)
+        if kind_error is not None:
+            raise ApiError(kind_error)
         if spec.rid in self.states:
             raise ApiError(f"rid: {spec.rid} is already in use by a running request")
         if spec.session_id is not None and spec.session_id not in self.open_sessions:
@@ -295,11 +305,25 @@ class TokenizerManager:
             for spec in specs:
                 self.release(spec.rid)
 
+    async def process_images(self, specs: list[ReqSpec]) -> None:
+        """Decode and preprocess the specs' images into `image_inputs`, off the event loop (AA2)."""
+        if all(spec.image_data is None for spec in specs):
+            return
+        if self.image_processor is None:
+            raise ApiError("image_data: this model does not take images")
+        for spec in specs:
+            if spec.image_data is not None:
+                try:
+                    spec.image_inputs = await asyncio.to_thread(self.image_processor.process, spec.image_data)
+                except ImageError as exc:
+                    raise ApiError(str(exc)) from None
+
     async def expand_parallel(self, batch: GenerateBatch, request: Any = None) -> list[ReqSpec]:
         """The n samples of every prompt, prompt-major (reference AD5).
 
         With n > 1 each prompt is first run once with max_new_tokens = 0, so its KV is in the
         prefix cache and the n samples share it instead of each prefilling the prompt."""
+        await self.wait_for_weight_update()
         if batch.n == 1:
             return batch.specs
         warmups = [
@@ -354,6 +378,31 @@ class TokenizerManager:
             raise ApiError(reply.message)
         self.open_sessions.add(session_id)
         return session_id
+
+    async def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
+        """New weights in the scheduler (R4). New requests wait while an update runs; the update
+        waits for the requests in flight to finish, up to CONTROL_TIMEOUT_S."""
+        if self.model_update_lock.locked():
+            return False, "Another update is in progress. Please try again later."
+        async with self.model_update_lock:
+            deadline = time.monotonic() + CONTROL_TIMEOUT_S
+            while self.states:
+                if time.monotonic() > deadline:
+                    return False, "Requests are still running; the weights were not updated."
+                await asyncio.sleep(UPDATE_POLL_S)
+            reply = await self.control(lambda rid: UpdateWeightsReq(model_path, rid))
+        return reply.success, reply.message
+
+    async def wait_for_weight_update(self) -> None:
+        if self.model_update_lock.locked():
+            async with self.model_update_lock:
+                pass
+
+    async def profile(self, action: str) -> str:
+        reply = await self.control(lambda rid: ProfileReq(action, rid))
+        if not reply.success:
+            raise ApiError(reply.message)
+        return reply.message
 
     async def close_session(self, session_id: str) -> None:
         reply = await self.control(lambda rid: CloseSessionReq(session_id, rid))

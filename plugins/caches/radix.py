@@ -26,6 +26,7 @@ import torch
 
 from framework import hookimpl
 from framework.cache import BasePrefixCache
+from plugins.caches.chunk import ChunkCache
 from plugins.caches.eviction import EvictionPolicy, get_eviction_policy
 
 if TYPE_CHECKING:
@@ -383,4 +384,11 @@ PLUGIN_NAME = "radix"
 
 @hookimpl
 def create_cache(settings, req_to_token_pool, token_to_kv_pool):
+    if settings.model.lora_paths:
+        # KV computed under one LoRA adapter is wrong for another, so nothing is shared while
+        # adapters are loaded; the reference requires --disable-radix-cache (AB1), which picks
+        # the chunk cache when chunked prefill is on (B3).
+        if settings.scheduler.chunked_prefill_size is not None:
+            return ChunkCache(req_to_token_pool, token_to_kv_pool)
+        return RadixCache(req_to_token_pool, token_to_kv_pool, disable=True)
     return RadixCache(req_to_token_pool, token_to_kv_pool, eviction=settings.cache.eviction)

@@ -82,7 +82,9 @@ def hold_back_shared(ordered: list, check_threshold: int, share_threshold: int) 
     seen: set[tuple[int, ...]] = set()
     kept = []
     for req in ordered:
-        if len(req.prefix_indices) <= check_threshold and len(req.fill_ids) > share_threshold:
+        # input_embeds prompts are placeholder ids: equal ids do not mean a shared prefix.
+        shares_ids = req.input_embeds is None
+        if shares_ids and len(req.prefix_indices) <= check_threshold and len(req.fill_ids) > share_threshold:
             key = tuple(req.fill_ids[:share_threshold])
             if key in seen:
                 continue

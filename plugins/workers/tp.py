@@ -11,6 +11,7 @@ import torch
 from framework import hookimpl
 from framework.distributed import get_parallel_context, local_device
 from framework.model.loader import resolve_model
+from framework.model.lora import parse_lora_paths
 from framework.model.runner import ModelRunner
 from framework.worker import BatchResult, ResolvedHandle
 
@@ -56,8 +57,9 @@ class TpWorker:
     """Runs one batch at a time; `launch` returns an already-resolved handle."""
 
     is_pipelined = False
+    supports_output_penalties = True
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, is_embedding: bool = False):
         self.runner = runner
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
@@ -66,7 +68,11 @@ class TpWorker:
         self.context_len = runner.context_len
         self.tokenizer = runner.tokenizer
         self.vocab_size = runner.model_config.vocab_size
+        self.hidden_size = runner.model_config.hidden_size
         self.eos_token_ids = eos_ids_of(runner)
+        self.image_info = runner.image_info
+        # By architecture (a decoder without LM head) or forced by model.is_embedding (reference Y1).
+        self.is_generation = not (runner.model_config.is_embedding or is_embedding)
         # Plain TP: every rank samples, and rank 0's ids are the ones all ranks continue from, so
         # the ranks' requests can never drift apart (with DP attention each rank has its own).
         par = runner.par
@@ -94,15 +100,19 @@ class TpWorker:
             context_length=settings.model.context_length,
             device=device,
             seed=settings.model.random_seed,
+            lora_paths=parse_lora_paths(settings.model.lora_paths),
         )
         logger.info(
             "Loaded %s (%s): max_total_num_tokens=%d, context_len=%d",
             folder, dtype, runner.max_total_num_tokens, runner.context_len,
         )
-        return cls(runner)
+        return cls(runner, is_embedding=settings.model.is_embedding)
 
     def forward_batch_generation(self, batch) -> BatchResult:
-        logits_output = self.runner.forward(batch)
+        return self.sample(self.runner.forward(batch), batch)
+
+    def sample(self, logits_output, batch) -> BatchResult:
+        """The next tokens (and logprobs) from a forward pass's logits."""
         next_token_ids = self.runner.sample(logits_output, batch)
         if self.shares_sampled_ids:
             next_token_ids = get_parallel_context().broadcast_from_first(next_token_ids.cpu())
@@ -115,11 +125,19 @@ class TpWorker:
             result.normalized_prompt_logprobs = logits_output.normalized_prompt_logprobs
         return result
 
+    def forward_batch_embedding(self, batch) -> BatchResult:
+        return BatchResult(next_token_ids=[], embeddings=self.runner.embed(batch).tolist())
+
     def launch(self, batch) -> ResolvedHandle:
         if batch.forward_mode.is_idle():
             self.runner.forward(batch)  # joins the DP-attention collectives; nothing to sample
             return ResolvedHandle(BatchResult(next_token_ids=[]))
+        if batch.is_embedding:
+            return ResolvedHandle(self.forward_batch_embedding(batch))
         return ResolvedHandle(self.forward_batch_generation(batch))
+
+    def update_weights(self, model_path: str) -> tuple[bool, str]:
+        return self.runner.update_weights(model_path)
 
     def shutdown(self) -> None:
         pass

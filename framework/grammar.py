@@ -1,0 +1,250 @@
+"""Structured output with xgrammar (reference sections X and J).
+
+A request with `json_schema` or `regex` gets a `Grammar`: a matcher over a compiled grammar.
+Compilation runs on a thread pool, keyed by `(kind, string)` in a cache, so the scheduler loop never
+waits for it: a request whose grammar is still compiling waits in the scheduler's grammar queue.
+Each step the batch's vocabulary bitmask is filled from the matchers and applied to the logits
+before sampling; after sampling each matcher accepts its request's token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from framework.request import Req, SamplingParams, StashKey
+
+logger = logging.getLogger(__name__)
+
+# How far a matcher can roll back; jump-forward retokenization rolls back to the common prefix.
+MAX_ROLLBACK_TOKENS = 200
+
+GrammarKey = tuple[str, str]
+
+
+class GrammarError(ValueError):
+    """A schema or regex that xgrammar cannot turn into a grammar."""
+
+
+def grammar_key(params: SamplingParams) -> GrammarKey | None:
+    if params.json_schema is not None:
+        return ("json", params.json_schema)
+    if params.regex is not None:
+        return ("regex", params.regex)
+    return None
+
+
+def check_grammar_params(params: SamplingParams) -> None:
+    """Raise ValueError naming the field when its schema or regex cannot be parsed.
+
+    Parsing without a tokenizer takes well under a millisecond, so bad input is rejected before it
+    is queued (the reference compiles it, fails, and runs the request unconstrained).
+    """
+    import xgrammar as xgr
+
+    for name in ("json_schema", "regex"):
+        value = getattr(params, name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ValueError(f"sampling_params.{name}: must be a string, got {type(value).__name__}")
+        try:
+            if name == "json_schema":
+                xgr.Grammar.from_json_schema(value)
+            else:
+                xgr.Grammar.from_regex(value)
+        except RuntimeError as exc:
+            raise ValueError(f"sampling_params.{name}: invalid: {_short_message(exc)}") from None
+
+
+def _short_message(exc: Exception) -> str:
+    """xgrammar's messages start with a timestamp and a C++ source location; keep the rest."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+class Grammar:
+    """One request's matcher: mask, accept, jump-forward and rollback."""
+
+    def __init__(self, matcher: Any):
+        self.matcher = matcher
+
+    def fill_vocab_mask(self, mask: torch.Tensor, index: int) -> None:
+        self.matcher.fill_next_token_bitmask(mask, index)
+
+    def accept_token(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def jump_forward_string(self) -> str:
+        return self.matcher.find_jump_forward_string()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self.matcher.rollback(num_tokens)
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Accept all of `token_ids` or, on the first refusal, none of them."""
+        for n, tok in enumerate(token_ids):
+            if not self.matcher.accept_token(tok):
+                self.rollback(n)
+                return False
+        return True
+
+
+class GrammarBackend:
+    """Compiles grammars on a thread pool and caches them by key; hands out fresh matchers.
+
+    `compile_fn(key)` returns a compiled grammar or raises; the default builds an xgrammar
+    `GrammarCompiler` on first use (its tokenizer scan takes about a second, off the loop too).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, num_threads: int = 1,
+                 compile_fn: Callable[[GrammarKey], Any] | None = None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.compile_fn = compile_fn or self._compile
+        self.executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar")
+        self.cache: dict[GrammarKey, Future] = {}
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
+
+    def _get_compiler(self) -> Any:
+        import xgrammar as xgr
+
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def _compile(self, key: GrammarKey) -> Any:
+        kind, text = key
+        compiler = self._get_compiler()
+        try:
+            if kind == "json":
+                # One fixed layout (json.dumps's compact separators), as the reference's xgrammar
+                # had: free whitespace lets a model pad forever and leaves jump-forward only
+                # fragments to append.
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            return compiler.compile_regex(text)
+        except RuntimeError as exc:
+            raise GrammarError(f"{kind}: invalid: {_short_message(exc)}") from None
+
+    def submit(self, key: GrammarKey) -> Future:
+        """The compilation of `key`: started now, or the one already running or done."""
+        future = self.cache.get(key)
+        if future is None:
+            future = self.executor.submit(self.compile_fn, key)
+            self.cache[key] = future
+        return future
+
+    def make_grammar(self, future: Future) -> Grammar:
+        """A matcher over a finished compilation (raises its error if it failed)."""
+        import xgrammar as xgr
+
+        compiled = future.result()
+        return Grammar(xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS))
+
+    def reset(self) -> None:
+        """Forget compiled grammars (flush_cache); compilations in flight finish unreferenced."""
+        self.cache.clear()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+GRAMMAR_KEY: StashKey[Grammar] = StashKey("grammar")
+GRAMMAR_FUTURE_KEY: StashKey[Future] = StashKey("grammar_future")
+
+
+def grammar_of(req: Req) -> Grammar | None:
+    return req.stash.get(GRAMMAR_KEY)
+
+
+def batch_vocab_mask(reqs: list[Req], vocab_size: int) -> torch.Tensor | None:
+    """One bitmask for the batch, rows filled from each constrained request's matcher; None
+    when no request of the batch has a grammar (rows of the others allow every token)."""
+    grammars = [grammar_of(r) for r in reqs]
+    if all(g is None for g in grammars):
+        return None
+    import xgrammar as xgr
+
+    mask = xgr.allocate_token_bitmask(len(reqs), vocab_size)
+    for i, grammar in enumerate(grammars):
+        if grammar is not None and not grammar.is_terminated():
+            grammar.fill_vocab_mask(mask, i)
+    return mask
+
+
+def apply_vocab_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Disallowed tokens to -inf, on a copy (the caller keeps the raw logits for logprobs)."""
+    if mask is None:
+        return logits
+    import xgrammar as xgr
+
+    masked = logits.to(torch.float32, copy=True)
+    xgr.apply_token_bitmask_inplace(masked, mask.to(masked.device, non_blocking=True))
+    return masked
+
+
+def accept_last_token(req: Req) -> bool:
+    """Feed the request's newest token to its matcher; True when the grammar is now complete.
+
+    A refused token (it should not happen under the mask) is logged and the matcher stays put.
+    """
+    grammar = grammar_of(req)
+    if grammar is None:
+        return False
+    token_id = req.output_ids[-1]
+    if not grammar.accept_token(token_id):
+        logger.warning("request %s: grammar refused token %d", req.rid, token_id)
+    return grammar.is_terminated()
+
+
+def jump_forward_ids(req: Req, tokenizer: Any) -> list[int] | None:
+    """The request's output ids after appending the string its grammar forces next, retokenized
+    (reference J2); the matcher is moved to match. None when there is nothing to jump over or the
+    retokenization cannot be used; then nothing changed."""
+    grammar = grammar_of(req)
+    if grammar is None or grammar.is_terminated():
+        return None
+    jump = grammar.jump_forward_string()
+    if not jump:
+        return None
+    old_ids = req.output_ids
+    text = tokenizer.decode(old_ids)
+    if "\ufffd" in text:
+        return None  # a partial UTF-8 character: its bytes would not survive re-encoding
+    # Only the output is re-encoded, so no token can fuse across the prompt boundary (the
+    # reference re-encodes prompt + output and gives up when the prompt's last token changes).
+    new_ids = tokenizer.encode(text + jump, add_special_tokens=False)
+    common = _common_prefix_len(old_ids, new_ids)
+    num_rollback = len(old_ids) - common
+    if (
+        common == len(new_ids)
+        or num_rollback > MAX_ROLLBACK_TOKENS
+        or len(new_ids) >= req.sampling_params.max_new_tokens
+    ):
+        return None
+    grammar.rollback(num_rollback)
+    if not grammar.accept_tokens(new_ids[common:]):
+        if not grammar.accept_tokens(old_ids[common:]):
+            raise RuntimeError(f"request {req.rid}: grammar could not restore its state")
+        return None
+    return new_ids
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
