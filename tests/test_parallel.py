@@ -235,3 +235,11 @@ def test_dp_attention_plugin_is_a_no_op_when_off(make_engine, prompts):
     engine = make_engine(extra_plugins=(Recorder(),))
     engine.generate(input_ids=prompts[:2], sampling_params=GREEDY)
     assert seen and all(counts is None for counts in seen)
+
+
+def test_overlap_worker_falls_back_with_tensor_parallelism():
+    from framework.config import Settings
+    from plugins.workers.overlap import overlap_fallback_reason
+
+    assert overlap_fallback_reason(Settings(), object()) is None
+    assert "tensor-parallel" in overlap_fallback_reason(Settings(parallel={"tp_size": 2}), object())

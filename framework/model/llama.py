@@ -59,11 +59,13 @@ class RMSNorm(nn.Module):
 class RowParallelLinear(nn.Module):
     """A linear layer whose input dimension is split over the ranks: `reduce(x @ W_r^T) + b`.
 
-    The parameters are named as nn.Linear's, so checkpoints load into it unchanged.
+    The parameters and sizes are named as nn.Linear's, so checkpoints load into it unchanged and
+    LoRA wraps it like any linear layer (`in_features` is this rank's shard).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, par: ParallelContext, shard_size: int):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.par = par

@@ -203,40 +203,34 @@ class Launcher:
         several replicas (dp_size > 1, or DP attention's ranks); returns each scheduler's ready
         pipe, by process name. With `serve_all_replicas` False (DP_RANK is set: an outside router
         runs the others) this server is one replica."""
-        par = self.settings.parallel
-        if par.enable_dp_attention and par.tp_size > 1:
-            return self._start_dp_attention_ranks(ctx, ipc)
-        if par.dp_size == 1 or not serve_all_replicas:
-            return self._start_replica(ctx, "scheduler", ipc, None)
-        replicas = self._start_controller(ctx, ipc, self.settings, par.dp_size)
+        settings = self.settings
+        if settings.parallel.enable_dp_attention:
+            return self._start_dp_attention_ranks(ctx, ipc, dp_attention_settings(settings))
+        if settings.parallel.dp_size == 1 or not serve_all_replicas:
+            return self._start_replica(ctx, settings, "scheduler", ipc, None)
+        replicas = self._start_controller(ctx, ipc, settings, settings.parallel.dp_size)
         readers: dict[str, Connection] = {}
         for d, replica_ipc in enumerate(replicas):
-            readers.update(self._start_replica(ctx, f"scheduler-dp{d}", replica_ipc, d))
+            readers.update(self._start_replica(ctx, settings, f"scheduler-dp{d}", replica_ipc, d))
         return readers
 
-    def _start_replica(self, ctx, name: str, ipc: IpcNames, dp_rank: int | None) -> dict[str, Connection]:
+    def _start_replica(self, ctx, settings: Settings, name: str, ipc: IpcNames,
+                       dp_rank: int | None) -> dict[str, Connection]:
         """One replica: its tensor-parallel ranks on this node, a group of their own. One node: the
         rendezvous is a free local port; several: node 0's address, given by the user."""
-        init_addr = self.settings.parallel.dist_init_addr or f"127.0.0.1:{free_port()}"
-        return {
-            rank_process_name(name, t): self._start_scheduler(
-                ctx, rank_process_name(name, t), self.settings, ipc, (dp_rank, t, init_addr)
-            )
-            for t in node_ranks(self.settings.parallel)
-        }
+        init_addr = settings.parallel.dist_init_addr or f"127.0.0.1:{free_port()}"
+        names = {t: rank_process_name(name, t) for t in node_ranks(settings.parallel)}
+        return {n: self._start_scheduler(ctx, n, settings, ipc, (dp_rank, t, init_addr)) for t, n in names.items()}
 
-    def _start_dp_attention_ranks(self, ctx, ipc: IpcNames) -> dict[str, Connection]:
+    def _start_dp_attention_ranks(self, ctx, ipc: IpcNames, settings: Settings) -> dict[str, Connection]:
         """DP attention: the tp_size ranks are one group, and each rank is a replica of its own
-        behind the controller (reference L1, A5)."""
-        settings = dp_attention_settings(self.settings)
+        behind the controller (reference L1, A5); one rank is a plain scheduler."""
+        if settings.parallel.tp_size == 1:
+            return self._start_replica(ctx, settings, "scheduler", ipc, None)
         ranks = self._start_controller(ctx, ipc, settings, settings.parallel.tp_size)
         init_addr = f"127.0.0.1:{free_port()}"
-        return {
-            rank_process_name("scheduler", r): self._start_scheduler(
-                ctx, rank_process_name("scheduler", r), settings, rank_ipc, (r, r, init_addr)
-            )
-            for r, rank_ipc in enumerate(ranks)
-        }
+        names = {r: rank_process_name("scheduler", r) for r in range(len(ranks))}
+        return {n: self._start_scheduler(ctx, n, settings, ranks[r], (r, r, init_addr)) for r, n in names.items()}
 
     def _start_controller(self, ctx, ipc: IpcNames, settings: Settings, num_replicas: int) -> list[IpcNames]:
         """The data-parallel controller in front of `num_replicas` replicas; their endpoints."""

@@ -7,8 +7,8 @@ which on a two-thread CPU forward costs a 3-4x slowdown.
 With tensor parallelism there is one such process per rank (reference A4): rank 0 alone reads the
 tokenizer's socket and broadcasts what it read, so every rank runs the same scheduling decisions;
 only rank 0 sends outputs. With DP attention every rank reads its own socket (each is one replica
-behind the data-parallel controller) and sends its own
-outputs, and the ranks step together (see `dp_attention_event_loop`).
+behind the data-parallel controller) and sends its own outputs, and the ranks step together (see
+`dp_attention_event_loop`).
 """
 
 from __future__ import annotations
