@@ -156,12 +156,19 @@ def _match_nesting(state: dict[str, torch.Tensor], module: nn.Module) -> dict[st
     return out
 
 
+def is_llava(hf_config: Any) -> bool:
+    return ARCHITECTURE in (getattr(hf_config, "architectures", None) or [])
+
+
+def language_model_config(hf_config: Any) -> ModelConfig:
+    """The config of the language model: a llava checkpoint's `text_config`, else the config itself."""
+    return ModelConfig.from_hf_config(hf_config.text_config if is_llava(hf_config) else hf_config)
+
+
 def build_model(hf_config: Any, par: ParallelContext | None = None) -> tuple[ModelConfig, nn.Module]:
     """The model for a checkpoint's config: llava for `LlavaForConditionalGeneration`, else llama;
     its language model sharded for this rank of `par` (the vision tower is whole on every rank)."""
-    archs = getattr(hf_config, "architectures", None) or []
-    if ARCHITECTURE in archs:
-        config = ModelConfig.from_hf_config(hf_config.text_config)
+    config = language_model_config(hf_config)
+    if is_llava(hf_config):
         return config, LlavaForCausalLM(hf_config, config, par)
-    config = ModelConfig.from_hf_config(hf_config)
     return config, LlamaForCausalLM(config, par)

@@ -185,13 +185,13 @@ class Launcher:
 
     def _check_parallel(self, model_folder: str, one_replica: bool) -> bool:
         """Clear start-up errors for layouts that cannot work, before anything is spawned."""
-        from framework.model.config import ModelConfig
+        from framework.model.llava import language_model_config
         from framework.model.loader import load_hf_config
 
         par = self.settings.parallel
         try:
             check_layout(par, one_replica)
-            check_model_fits(ModelConfig.from_hf_config(load_hf_config(model_folder)), par.tp_size,
+            check_model_fits(language_model_config(load_hf_config(model_folder)), par.tp_size,
                              par.enable_dp_attention)
         except ParallelConfigError as exc:
             logger.error("Cannot start the server: %s", exc)
