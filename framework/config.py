@@ -128,8 +128,11 @@ class CacheSettings(_Section):
 
 
 class WorkerSettings(_Section):
-    attention_backend: Literal["torch_native", "triton", "flashinfer"] = Field(
-        "torch_native", description="Attention kernels; triton and flashinfer need a GPU and the gpu extra."
+    attention_backend: Literal["auto", "cpu_kernel", "torch_native"] = Field(
+        "auto",
+        description="Attention of one-token (decode) requests: cpu_kernel (a C kernel built on first use "
+        "with the system compiler; start-up fails if it cannot be built), torch_native (PyTorch only), or "
+        "auto (cpu_kernel on a CPU device when it builds, else torch_native).",
     )
     device: str = Field("cpu", description="Torch device.")
     num_threads: int | None = Field(None, gt=0, description="Intra-op threads for the forward pass; empty: all cores.")

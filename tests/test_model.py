@@ -37,9 +37,9 @@ def _tiny_hf(cls=LlamaForCausalLM, config=None, seed=0):
     return cls(config or _tiny_config()).eval()
 
 
-def _runner(hf_model, max_total_tokens=2048, dtype=torch.float32) -> ModelRunner:
+def _runner(hf_model, max_total_tokens=2048, dtype=torch.float32, attention_backend="auto") -> ModelRunner:
     runner = ModelRunner.from_hf_model(hf_model, dtype=dtype, max_total_tokens=max_total_tokens,
-                                       max_running_requests=16)
+                                       max_running_requests=16, attention_backend=attention_backend)
     pool = runner.token_to_kv_pool
     gen = torch.Generator().manual_seed(1)
     pool.free_slots = pool.free_slots[torch.randperm(pool.free_slots.numel(), generator=gen)]
@@ -51,9 +51,11 @@ def hf_model():
     return _tiny_hf()
 
 
-@pytest.fixture()
-def runner(hf_model):
-    return _runner(hf_model)
+# Every runner test runs with both decode attention paths: the C kernel and PyTorch's (its dense
+# decode cache and grouped gathers).
+@pytest.fixture(params=["auto", "torch_native"])
+def runner(hf_model, request):
+    return _runner(hf_model, attention_backend=request.param)
 
 
 @dataclass

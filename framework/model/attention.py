@@ -1,11 +1,14 @@
-"""Attention over the paged KV cache in plain PyTorch (no custom kernels).
+"""Attention over the paged KV cache: PyTorch, plus an optional C kernel for one-token requests.
 
 The backend only reads the KV pool: each layer writes its new K/V first (`kv_pool.set_kv`), then
 calls `forward`. Which KV slots a request sees is fixed for the whole pass, so the gather indices
 and masks are built once per forward (`prepare`) and reused by every layer.
 
-Three paths:
-* a pure DECODE batch reads dense head-major copies of its requests' KV kept across steps
+Paths:
+* with the C decode kernel (framework/model/kernels/decode_attention.c, `use_decode_kernel`),
+  every one-token request (decode batches and the decode part of MIXED batches) is attended
+  straight from the paged pool: no gathers, no padding, no dense copies;
+* otherwise a pure DECODE batch reads dense head-major copies of its requests' KV kept across steps
   (`_DenseGroup`: one new position appended per step, rebuilt from the pool after any prefill or
   when a group runs out of room), so the context is not re-gathered from the pool in every layer;
 * other one-token requests (the decode part of a MIXED batch, one-token prefills) are gathered
@@ -18,6 +21,8 @@ Three paths:
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +30,38 @@ import torch.nn.functional as F
 
 from framework.batch import ModelWorkerBatch
 from framework.memory import ReqToTokenPool, TokenToKVPool
+from framework.model import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+
+def load_decode_kernel():
+    """The C decode-attention function (ctypes), or None where it cannot be built."""
+    lib = cpu_kernels.load("decode_attention")
+    if lib is None:
+        return None
+    fn = lib.decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = (
+        [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6
+        + [ctypes.c_float, ctypes.c_int]
+    )
+    return fn
+
+
+def pick_decode_kernel(attention_backend: str, device: str):
+    """The decode kernel for worker.attention_backend on `device`, or None for PyTorch only."""
+    if attention_backend == "torch_native":
+        return None
+    kernel = load_decode_kernel() if str(device) == "cpu" else None
+    if kernel is None and attention_backend == "cpu_kernel":
+        raise RuntimeError(
+            f"worker.attention_backend = 'cpu_kernel' but the C decode kernel is unavailable on {device!r} "
+            "(it needs a CPU device and a C compiler: set CC or install gcc; see the log for the build "
+            "error), or use 'auto'"
+        )
+    logger.info("Decode attention: %s", "C kernel" if kernel is not None else "PyTorch")
+    return kernel
 
 
 def _to_float32(x: torch.Tensor) -> torch.Tensor:
@@ -61,6 +98,17 @@ class _DecodeGroup:
 
 
 @dataclass
+class _KernelDecode:
+    """The one-token requests of a pass, for the C kernel: it reads their KV slots from the
+    request-to-token table itself."""
+
+    rows: torch.Tensor | None  # token rows of the pass; None when they are exactly 0..n-1
+    req_to_token: torch.Tensor  # [pool rows, max_context_len] int64
+    pool_idx: torch.Tensor  # [n] int64, contiguous
+    seq_lens: torch.Tensor  # [n] int64, contiguous
+
+
+@dataclass
 class AttentionMetadata:
     """Per-forward gather plan shared by all layers."""
 
@@ -69,6 +117,8 @@ class AttentionMetadata:
     extend_reqs: list[_ExtendReq]
     # Pure decode batches use the dense decode cache instead of decode_groups.
     dense: list["_DensePlan"] | None = None
+    # With the C kernel, all one-token requests go there instead.
+    kernel: _KernelDecode | None = None
 
 
 # A decode request shorter than this fraction of its group's longest starts a new group, so the
@@ -162,6 +212,12 @@ class TorchNativeAttention:
         self.scaling = head_dim**-0.5
         self._dense: list[_DenseGroup] | None = None
         self.enable_dense_decode = True
+        self.decode_kernel = None  # see use_decode_kernel
+
+    def use_decode_kernel(self, kernel) -> None:
+        """Attend one-token requests with `kernel` (from `load_decode_kernel`; None: PyTorch)."""
+        self.decode_kernel = kernel
+        self._dense = None
 
     def prepare(self, batch: ModelWorkerBatch, req_to_token_pool: ReqToTokenPool) -> AttentionMetadata:
         """Split the batch into one-token and multi-token requests and build their KV indices."""
@@ -193,6 +249,10 @@ class TorchNativeAttention:
             token_start += ext_len
 
         meta = AttentionMetadata(num_tokens, [], extend_reqs)
+        if self.decode_kernel is not None:
+            if decode_reqs:
+                meta.kernel = self._kernel_plan(batch, req_to_token, decode_reqs, decode_rows, num_tokens)
+            return meta
         if not self.enable_dense_decode:
             self._dense = None
         elif not batch.forward_mode.is_decode():
@@ -226,6 +286,17 @@ class TorchNativeAttention:
                     _DecodeGroup(rows, len(members), max_len, head_idx, bias.view(len(members), 1, 1, max_len))
                 )
         return meta
+
+    @staticmethod
+    def _kernel_plan(batch, req_to_token, decode_reqs, decode_rows, num_tokens) -> _KernelDecode:
+        pool_idx = batch.req_pool_indices.to(torch.int64)
+        seq_lens = batch.seq_lens.to(torch.int64)
+        rows = None
+        if decode_rows != list(range(num_tokens)):
+            reqs = torch.tensor(decode_reqs, dtype=torch.int64)
+            pool_idx, seq_lens = pool_idx[reqs], seq_lens[reqs]
+            rows = torch.tensor(decode_rows, dtype=torch.int64)
+        return _KernelDecode(rows, req_to_token, pool_idx.contiguous(), seq_lens.contiguous())
 
     def _forget(self, pool_list: list[int]) -> None:
         if not self._dense:
@@ -389,11 +460,18 @@ class TorchNativeAttention:
                 else:
                     out[plan.token_rows] = res[plan.live_rows]
             return out
+        kernel = meta.kernel
+        if kernel is not None and kernel.rows is None:
+            return self._kernel_decode(q, k_buf, v_buf, kernel)
         groups = meta.decode_groups
         if len(groups) == 1 and groups[0].rows is None:
             return self._decode(q, k_buf, v_buf, groups[0])
 
         out = torch.empty_like(q)
+        if kernel is not None:
+            out[kernel.rows] = self._kernel_decode(q[kernel.rows], k_buf, v_buf, kernel).view(
+                -1, self.num_heads, self.head_dim
+            )
         for group in groups:
             out[group.rows] = self._decode(q[group.rows], k_buf, v_buf, group).view(
                 -1, self.num_heads, self.head_dim
@@ -421,6 +499,21 @@ class TorchNativeAttention:
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)  # [n, kv_heads, group, D]
         return out.view(n, self.num_heads * d).to(q.dtype)
+
+    def _kernel_decode(self, q, k_buf, v_buf, plan: _KernelDecode) -> torch.Tensor:
+        """[n, heads, D] one-token queries -> [n, heads * D], by the C kernel (fp32 softmax)."""
+        q = q.contiguous()
+        n = q.shape[0]
+        out = torch.empty((n, self.num_heads * self.head_dim), dtype=q.dtype)
+        rc = self.decode_kernel(
+            q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), plan.req_to_token.data_ptr(),
+            plan.req_to_token.stride(0), plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr(), out.data_ptr(),
+            n, self.num_heads, self.num_kv_heads, self.head_dim, int(q.dtype == torch.bfloat16),
+            int(k_buf.dtype == torch.bfloat16), self.scaling, torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("decode attention kernel: out of memory for its scratch buffers")
+        return out
 
     def _extend_one(self, q, k_buf, v_buf, req: _ExtendReq) -> torch.Tensor:
         """Causal attention of one request's new tokens over its prefix and themselves."""

@@ -70,6 +70,10 @@ class LlavaForCausalLM(nn.Module):
         num_patches = (vision.image_size // vision.patch_size) ** 2
         self.image_info = ImageTokenInfo(hf_config.image_token_index, num_patches + int(self.keep_cls))
 
+    @property
+    def attn_backend(self):
+        return self.language_model.attn_backend
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -14,6 +14,7 @@ import torch
 from framework.batch import ModelWorkerBatch
 from framework.distributed import get_parallel_context
 from framework.memory import ReqToTokenPool, TokenToKVPool
+from framework.model.attention import pick_decode_kernel
 from framework.model.cpu import tune_allocator
 from framework.model.config import ModelConfig
 from framework.model.llava import build_model
@@ -43,6 +44,7 @@ class ModelRunner:
         max_running_requests: request slots; default as in the reference (P3), capped on CPU.
         context_length: overrides the model's max_position_embeddings.
         lora_paths: LoRA adapters to serve, {name: PEFT folder} (framework/model/lora.py).
+        attention_backend: worker.attention_backend: "auto", "cpu_kernel" or "torch_native".
     """
 
     def __init__(
@@ -56,12 +58,13 @@ class ModelRunner:
         device: str = "cpu",
         seed: int = 0,
         lora_paths: dict[str, str] | None = None,
+        attention_backend: str = "auto",
     ):
         hf_config = load_hf_config(model_path)
         self._setup(
             hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
             max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
-            device, seed, lora_paths,
+            device, seed, lora_paths, attention_backend,
         )
         self.model_path = model_path
 
@@ -85,11 +88,13 @@ class ModelRunner:
         seed: int = 0,
         tokenizer: Any = None,
         lora_paths: dict[str, str] | None = None,
+        attention_backend: str = "auto",
     ) -> "ModelRunner":
         runner = cls.__new__(cls)
         runner._setup(
             hf_config, state_dict.items(), tokenizer, dtype, max_total_tokens,
             kv_cache_memory_bytes, max_running_requests, context_length, device, seed, lora_paths,
+            attention_backend,
         )
         runner.model_path = None
         return runner
@@ -107,6 +112,7 @@ class ModelRunner:
         device: str,
         seed: int,
         lora_paths: dict[str, str] | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
@@ -116,6 +122,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.tokenizer = tokenizer
+        self.decode_kernel = pick_decode_kernel(attention_backend, device)
         # Sharded at load time when this process is one rank of a tensor-parallel group.
         self.par = get_parallel_context()
         self.model_config, self.model = self._load_model(hf_config, weights)
@@ -131,6 +138,7 @@ class ModelRunner:
     def _load_model(self, hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]]):
         model_config, model = build_model(hf_config, self.par)
         model.load_weights(weights)
+        model.attn_backend.use_decode_kernel(self.decode_kernel)
         return model_config, model.to(device=self.device, dtype=self.dtype).eval()
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:

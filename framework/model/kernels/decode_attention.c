@@ -1,0 +1,323 @@
+/* Decode attention straight from the paged KV pool, for CPUs.
+ *
+ * One query token per request attends to the request's first seq_lens[i] KV slots, which are
+ * looked up in the request-to-token table (no gathered or padded copies of the KV). Each request
+ * is one task: for every KV head, the `group` query heads that share it read each K and V row
+ * once. Scores and the softmax are fp32; K/V and q may be bf16 or fp32.
+ *
+ * Built on first use by framework/model/cpu_kernels.py (cc -O3 -march=native) and called through
+ * ctypes, which releases the GIL; the requests are split over `num_threads` pthreads by KV length.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    const void *q;             /* [n, heads, head_dim] */
+    const void *k, *v;         /* [slots, kv_heads, head_dim] */
+    const int64_t *req_to_token; /* [pool_rows, row_stride] */
+    const int64_t *pool_idx;   /* [n] row of each request in req_to_token */
+    const int64_t *seq_lens;   /* [n] */
+    void *out;                 /* [n, heads, head_dim], q's dtype */
+    int64_t row_stride;
+    int heads, kv_heads, head_dim;
+    int q_bf16, kv_bf16;
+    float scale;
+} Args;
+
+typedef struct {
+    const Args *a;
+    int begin, end;
+    int64_t max_len;
+    int failed; /* set when the span's scratch memory could not be allocated */
+} Span;
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Row `d` elements at `p` (bf16 or fp32) into fp32 `dst`. */
+static inline void load_row(float *dst, const void *p, int d, int bf16) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)p;
+        for (int j = 0; j < d; j++) dst[j] = bf16_to_f32(s[j]);
+    } else {
+        memcpy(dst, p, (size_t)d * sizeof(float));
+    }
+}
+
+#ifdef __AVX512F__
+/* How many tokens ahead the K/V rows are prefetched: slots of one request are scattered over
+ * the pool (decode steps allocate one slot per request), so each row can be a cache miss. */
+#define PREFETCH 12
+
+static inline void prefetch_row(const void *p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+}
+
+/* 16 values at p (bf16 or fp32) as fp32 lanes. */
+static inline __m512 load16(const void *p, int bf16) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)p);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p);
+}
+#endif
+
+/* scores[g * len + t] = q[g] . k_t for the group's query heads over one KV head; `q` is the
+ * query rows in their own dtype (`qf` the same rows as fp32). */
+static void head_scores(const void *q, const float *qf, int group, const void *k, int64_t kv_stride, int d,
+                        int q_bf16, int kv_bf16, const int64_t *slots, int64_t len, float *scores) {
+    size_t elem = kv_bf16 ? 2 : 4;
+#if defined(__AVX512BF16__)
+    if (d == 64 && group <= 8 && q_bf16 && kv_bf16) {
+        /* bf16 x bf16 products are exact in fp32: one dpbf16 sums 32 of them into 16 lanes */
+        __m512bh qv[8][2];
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < 2; c++)
+                qv[g][c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q + g * d + c * 32);
+        for (int64_t t = 0; t < len; t++) {
+            if (t + PREFETCH < len) prefetch_row((const uint16_t *)k + (size_t)slots[t + PREFETCH] * kv_stride, 128);
+            const uint16_t *kp = (const uint16_t *)k + (size_t)slots[t] * kv_stride;
+            __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp), k1 = (__m512bh)_mm512_loadu_si512(kp + 32);
+            for (int g = 0; g < group; g++) {
+                __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0);
+                acc = _mm512_dpbf16_ps(acc, qv[g][1], k1);
+                scores[g * len + t] = _mm512_reduce_add_ps(acc);
+            }
+        }
+        return;
+    }
+#endif
+#ifdef __AVX512F__
+    if (d == 64 && group <= 8) {
+        __m512 qv[8][4];
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < 4; c++) qv[g][c] = _mm512_loadu_ps(qf + g * d + c * 16);
+        for (int64_t t = 0; t < len; t++) {
+            if (t + PREFETCH < len) prefetch_row((const char *)k + (size_t)slots[t + PREFETCH] * kv_stride * elem, d * elem);
+            const char *kp = (const char *)k + (size_t)slots[t] * kv_stride * elem;
+            __m512 k0 = load16(kp, kv_bf16), k1 = load16(kp + 16 * elem, kv_bf16);
+            __m512 k2 = load16(kp + 32 * elem, kv_bf16), k3 = load16(kp + 48 * elem, kv_bf16);
+            for (int g = 0; g < group; g++) {
+                __m512 acc = _mm512_mul_ps(qv[g][0], k0);
+                acc = _mm512_fmadd_ps(qv[g][1], k1, acc);
+                acc = _mm512_fmadd_ps(qv[g][2], k2, acc);
+                acc = _mm512_fmadd_ps(qv[g][3], k3, acc);
+                scores[g * len + t] = _mm512_reduce_add_ps(acc);
+            }
+        }
+        return;
+    }
+#endif
+    (void)q;
+    (void)q_bf16;
+    float *row = (float *)malloc((size_t)d * sizeof(float));
+    for (int64_t t = 0; t < len; t++) {
+        load_row(row, (const char *)k + (size_t)slots[t] * kv_stride * elem, d, kv_bf16);
+        for (int g = 0; g < group; g++) {
+            float acc = 0.0f;
+            for (int j = 0; j < d; j++) acc += qf[g * d + j] * row[j];
+            scores[g * len + t] = acc;
+        }
+    }
+    free(row);
+}
+
+/* acc[g] = sum_t probs[g * len + t] * v_t */
+static void head_values(const float *probs, int group, const void *v, int64_t kv_stride, int d, int bf16,
+                        const int64_t *slots, int64_t len, float *acc) {
+    size_t elem = bf16 ? 2 : 4;
+#ifdef __AVX512F__
+    if (d == 64 && group <= 8) {
+        __m512 av[8][4];
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < 4; c++) av[g][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t++) {
+            if (t + PREFETCH < len) prefetch_row((const char *)v + (size_t)slots[t + PREFETCH] * kv_stride * elem, d * elem);
+            const char *vp = (const char *)v + (size_t)slots[t] * kv_stride * elem;
+            __m512 v0 = load16(vp, bf16), v1 = load16(vp + 16 * elem, bf16);
+            __m512 v2 = load16(vp + 32 * elem, bf16), v3 = load16(vp + 48 * elem, bf16);
+            for (int g = 0; g < group; g++) {
+                __m512 p = _mm512_set1_ps(probs[g * len + t]);
+                av[g][0] = _mm512_fmadd_ps(p, v0, av[g][0]);
+                av[g][1] = _mm512_fmadd_ps(p, v1, av[g][1]);
+                av[g][2] = _mm512_fmadd_ps(p, v2, av[g][2]);
+                av[g][3] = _mm512_fmadd_ps(p, v3, av[g][3]);
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * d + c * 16, av[g][c]);
+        return;
+    }
+#endif
+    float *row = (float *)malloc((size_t)d * sizeof(float));
+    memset(acc, 0, (size_t)group * d * sizeof(float));
+    for (int64_t t = 0; t < len; t++) {
+        load_row(row, (const char *)v + (size_t)slots[t] * kv_stride * elem, d, bf16);
+        for (int g = 0; g < group; g++) {
+            float p = probs[g * len + t];
+            for (int j = 0; j < d; j++) acc[g * d + j] += p * row[j];
+        }
+    }
+    free(row);
+}
+
+#ifdef __AVX512F__
+/* exp(x) for 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6
+ * polynomial (relative error ~2e-7); -inf gives 0. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* scores[0..len) *= scale, then exp(score - max) in place; returns the sum. */
+static float softmax_numerators(float *scores, int64_t len, float scale) {
+    float mx = -INFINITY, sum = 0.0f;
+    int64_t t = 0;
+#ifdef __AVX512F__
+    __m512 vmx = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
+    for (; t + 16 <= len; t += 16) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(scores + t), vscale);
+        _mm512_storeu_ps(scores + t, x);
+        vmx = _mm512_max_ps(vmx, x);
+    }
+    mx = _mm512_reduce_max_ps(vmx);
+#endif
+    for (; t < len; t++) {
+        scores[t] *= scale;
+        mx = fmaxf(mx, scores[t]);
+    }
+    t = 0;
+#ifdef __AVX512F__
+    __m512 vsum = _mm512_setzero_ps();
+    vmx = _mm512_set1_ps(mx);
+    for (; t + 16 <= len; t += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), vmx));
+        _mm512_storeu_ps(scores + t, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; t < len; t++) {
+        scores[t] = expf(scores[t] - mx);
+        sum += scores[t];
+    }
+    return sum;
+}
+
+static void *run_span(void *arg) {
+    Span *span = (Span *)arg;
+    const Args *a = span->a;
+    int d = a->head_dim, group = a->heads / a->kv_heads;
+    int64_t kv_stride = (int64_t)a->kv_heads * d; /* elements per slot */
+    size_t kv_elem = a->kv_bf16 ? 2 : 4, q_elem = a->q_bf16 ? 2 : 4;
+    float *qf = (float *)malloc((size_t)group * d * sizeof(float));
+    float *acc = (float *)malloc((size_t)group * d * sizeof(float));
+    float *inv_sum = (float *)malloc((size_t)group * sizeof(float));
+    float *scores = (float *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * group * sizeof(float));
+    span->failed = !qf || !acc || !inv_sum || !scores;
+    for (int i = span->failed ? span->end : span->begin; i < span->end; i++) {
+        int64_t len = a->seq_lens[i];
+        const int64_t *slots = a->req_to_token + a->pool_idx[i] * a->row_stride;
+        for (int h = 0; h < a->kv_heads; h++) {
+            size_t q_off = ((size_t)i * a->heads + (size_t)h * group) * d;
+            const char *q = (const char *)a->q + q_off * q_elem;
+            load_row(qf, q, group * d, a->q_bf16);
+            const char *k = (const char *)a->k + (size_t)h * d * kv_elem;
+            const char *v = (const char *)a->v + (size_t)h * d * kv_elem;
+            head_scores(q, qf, group, k, kv_stride, d, a->q_bf16, a->kv_bf16, slots, len, scores);
+            for (int g = 0; g < group; g++) inv_sum[g] = 1.0f / softmax_numerators(scores + g * len, len, a->scale);
+            head_values(scores, group, v, kv_stride, d, a->kv_bf16, slots, len, acc);
+            for (int g = 0; g < group; g++) {
+                float *row = acc + g * d;
+                for (int j = 0; j < d; j++) row[j] *= inv_sum[g];
+            }
+            if (a->q_bf16) {
+                uint16_t *o = (uint16_t *)a->out + q_off;
+                for (int j = 0; j < group * d; j++) o[j] = f32_to_bf16(acc[j]);
+            } else {
+                memcpy((float *)a->out + q_off, acc, (size_t)group * d * sizeof(float));
+            }
+        }
+    }
+    free(qf);
+    free(acc);
+    free(inv_sum);
+    free(scores);
+    return NULL;
+}
+
+#define MAX_THREADS 64
+
+/* Returns 0, or -1 when scratch memory could not be allocated. Spans whose thread cannot be
+ * started run on the calling thread. */
+int decode_attention(const void *q, const void *k, const void *v, const int64_t *req_to_token,
+                     int64_t row_stride, const int64_t *pool_idx, const int64_t *seq_lens, void *out,
+                     int n, int heads, int kv_heads, int head_dim, int q_bf16, int kv_bf16, float scale,
+                     int num_threads) {
+    Args a = {q, k, v, req_to_token, pool_idx, seq_lens, out, row_stride, heads, kv_heads, head_dim,
+              q_bf16, kv_bf16, scale};
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > n) num_threads = n > 0 ? n : 1;
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += seq_lens[i];
+    /* Contiguous spans of about equal KV length. */
+    Span spans[MAX_THREADS];
+    int64_t done = 0;
+    int i = 0;
+    for (int s = 0; s < num_threads; s++) {
+        int64_t target = total * (s + 1) / num_threads, max_len = 0;
+        spans[s].a = &a;
+        spans[s].begin = i;
+        while (i < n && (done < target || s == num_threads - 1)) {
+            if (seq_lens[i] > max_len) max_len = seq_lens[i];
+            done += seq_lens[i++];
+        }
+        spans[s].end = i;
+        spans[s].max_len = max_len;
+    }
+    pthread_t threads[MAX_THREADS];
+    int started = 1; /* spans 1..started-1 run on their own threads */
+    while (started < num_threads && pthread_create(&threads[started], NULL, run_span, &spans[started]) == 0)
+        started++;
+    run_span(&spans[0]);
+    for (int s = started; s < num_threads; s++) run_span(&spans[s]); /* threads that did not start */
+    int failed = spans[0].failed;
+    for (int s = 1; s < num_threads; s++) {
+        if (s < started) pthread_join(threads[s], NULL);
+        failed |= spans[s].failed;
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,136 @@
+"""The C decode-attention kernel (framework/model/kernels/decode_attention.c) against a float64
+reference computed here, and the fallback when it cannot be built.
+
+End-to-end coverage (our llama vs transformers with the kernel on and off, decode and mixed
+batches) is in tests/test_model.py, whose runner fixture runs both attention backends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framework.model import cpu_kernels
+from framework.model.attention import (
+    TorchNativeAttention, _KernelDecode, load_decode_kernel, pick_decode_kernel,
+)
+
+KERNEL = load_decode_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler on this machine")
+
+
+def _scattered_pool(lens, kv_heads, head_dim, dtype, seed=0):
+    """A KV pool and request-to-token table where each request's slots are scattered at random."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = sum(lens) + 1
+    k = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(slots - 1, generator=gen) + 1  # slot 0 is the dummy slot
+    req_to_token = torch.zeros(len(lens) + 3, max(lens) + 5, dtype=torch.int64)
+    pool_idx = torch.randperm(req_to_token.shape[0], generator=gen)[: len(lens)]
+    start = 0
+    for row, n in zip(pool_idx.tolist(), lens):
+        req_to_token[row, :n] = perm[start : start + n]
+        start += n
+    return k, v, req_to_token, pool_idx
+
+
+def _reference(q, k, v, req_to_token, pool_idx, lens, group, scale):
+    """[n, heads, D] float64: each query attends to its request's slots, one KV head per group."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, n in enumerate(lens):
+        slots = req_to_token[pool_idx[i], :n]
+        kk = k[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, n, D]
+        vv = v[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.einsum("hd,hnd->hn", q[i].double(), kk) * scale
+        out[i] = torch.einsum("hn,hnd->hd", torch.softmax(scores, dim=-1), vv)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype,atol",
+    [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2), (torch.float32, torch.bfloat16, 1e-4)],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_reference(q_dtype, kv_dtype, atol, threads, monkeypatch):
+    heads, kv_heads, head_dim = 9, 3, 64  # SmolLM2's grouping: 3 query heads per KV head
+    lens = [1, 2, 37, 300, 5, 129, 64, 1000]
+    k, v, req_to_token, pool_idx = _scattered_pool(lens, kv_heads, head_dim, kv_dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).to(q_dtype)
+    attn = TorchNativeAttention(heads, kv_heads, head_dim)
+    attn.use_decode_kernel(KERNEL)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    plan = _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens, dtype=torch.int64))
+    out = attn._kernel_decode(q, k, v, plan)
+    assert out.dtype == q_dtype and out.shape == (len(lens), heads * head_dim)
+    ref = _reference(q, k, v, req_to_token, pool_idx, lens, heads // kv_heads, head_dim**-0.5)
+    torch.testing.assert_close(out.double().view(ref.shape), ref, atol=atol, rtol=0)
+
+
+@needs_kernel
+def test_kernel_and_torch_paths_agree_on_a_bf16_decode_step():
+    """The whole `prepare` + `forward` path of one decode batch, kernel vs PyTorch dense decode."""
+    from framework.batch import ForwardMode, ModelWorkerBatch
+    from framework.memory import ReqToTokenPool
+
+    heads, kv_heads, head_dim = 6, 2, 32
+    lens = [4, 90, 1, 33]
+    k, v, req_to_token, pool_idx = _scattered_pool(lens, kv_heads, head_dim, torch.bfloat16, seed=2)
+    pool = ReqToTokenPool.__new__(ReqToTokenPool)
+    pool.req_to_token = req_to_token
+    last = torch.tensor([req_to_token[p, n - 1] for p, n in zip(pool_idx.tolist(), lens)])
+    batch = ModelWorkerBatch(
+        bid=0, forward_mode=ForwardMode.DECODE, input_ids=torch.zeros(len(lens), dtype=torch.int64),
+        positions=torch.tensor(lens) - 1, out_cache_loc=last, req_pool_indices=pool_idx,
+        seq_lens=torch.tensor(lens), prefix_lens=[n - 1 for n in lens], extend_lens=[1] * len(lens),
+        sampling_info=None, return_logprob=False, top_logprobs_nums=[0] * len(lens), extend_logprob_start_lens=[],
+    )
+    kv = type("Pool", (), {"k_buffer": [k], "v_buffer": [v]})()
+    q = torch.randn(len(lens), heads * head_dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    outs = []
+    for kernel in (KERNEL, None):
+        attn = TorchNativeAttention(heads, kv_heads, head_dim)
+        attn.use_decode_kernel(kernel)
+        meta = attn.prepare(batch, pool)
+        assert (meta.kernel is not None) == (kernel is not None)
+        outs.append(attn.forward(q, 0, meta, kv).float())
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=0)
+
+
+@pytest.fixture()
+def no_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("BATCHYARD_KERNEL_CACHE", str(tmp_path / "kernels"))
+    load = cpu_kernels.load  # the test may replace it
+    load.cache_clear()
+    yield
+    load.cache_clear()
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_kernel_fails(no_compiler):
+    assert load_decode_kernel() is None
+    assert pick_decode_kernel("auto", "cpu") is None
+    with pytest.raises(RuntimeError, match="cpu_kernel"):
+        pick_decode_kernel("cpu_kernel", "cpu")
+
+
+def test_torch_native_never_builds_the_kernel(no_compiler, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load", lambda name: pytest.fail("torch_native must not build kernels"))
+    assert pick_decode_kernel("torch_native", "cpu") is None
+
+
+@needs_kernel
+def test_kernel_build_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHYARD_KERNEL_CACHE", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    try:
+        assert load_decode_kernel() is not None
+        built = list(tmp_path.glob("decode_attention-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        cpu_kernels.load.cache_clear()
+        assert load_decode_kernel() is not None
+        assert built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
+    finally:
+        cpu_kernels.load.cache_clear()
