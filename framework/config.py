@@ -128,11 +128,11 @@ class CacheSettings(_Section):
 
 
 class WorkerSettings(_Section):
-    attention_backend: Literal["auto", "cpu_kernel", "torch_native"] = Field(
+    cpu_kernels: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Attention of one-token (decode) requests: cpu_kernel (a C kernel built on first use "
-        "with the system compiler; start-up fails if it cannot be built), torch_native (PyTorch only), or "
-        "auto (cpu_kernel on a CPU device when it builds, else torch_native).",
+        description="C kernels for decode attention and the bf16 element-wise ops (RMSNorm, SiLU*up), "
+        "built on first use with the system compiler: on (start-up fails if they cannot be built), off "
+        "(PyTorch only), or auto (on for a CPU device when they build, else off).",
     )
     device: str = Field("cpu", description="Torch device.")
     num_threads: int | None = Field(None, gt=0, description="Intra-op threads for the forward pass; empty: all cores.")

@@ -37,9 +37,9 @@ def _tiny_hf(cls=LlamaForCausalLM, config=None, seed=0):
     return cls(config or _tiny_config()).eval()
 
 
-def _runner(hf_model, max_total_tokens=2048, dtype=torch.float32, attention_backend="auto") -> ModelRunner:
+def _runner(hf_model, max_total_tokens=2048, dtype=torch.float32, cpu_kernels="auto") -> ModelRunner:
     runner = ModelRunner.from_hf_model(hf_model, dtype=dtype, max_total_tokens=max_total_tokens,
-                                       max_running_requests=16, attention_backend=attention_backend)
+                                       max_running_requests=16, cpu_kernels=cpu_kernels)
     pool = runner.token_to_kv_pool
     gen = torch.Generator().manual_seed(1)
     pool.free_slots = pool.free_slots[torch.randperm(pool.free_slots.numel(), generator=gen)]
@@ -51,11 +51,11 @@ def hf_model():
     return _tiny_hf()
 
 
-# Every runner test runs with both decode attention paths: the C kernel and PyTorch's (its dense
-# decode cache and grouped gathers).
-@pytest.fixture(params=["auto", "torch_native"])
+# Every runner test runs with and without the C kernels (without: PyTorch's dense decode cache and
+# grouped gathers).
+@pytest.fixture(params=["auto", "off"])
 def runner(hf_model, request):
-    return _runner(hf_model, attention_backend=request.param)
+    return _runner(hf_model, cpu_kernels=request.param)
 
 
 @dataclass
@@ -251,8 +251,9 @@ def test_qwen2_bias_and_llama3_rope_match_hf():
         _check_last(hf, out, reqs)
 
 
-def test_bf16_close_to_fp32(hf_model):
-    runner = _runner(hf_model, dtype=torch.bfloat16)
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+def test_bf16_close_to_fp32(hf_model, cpu_kernels):
+    runner = _runner(hf_model, dtype=torch.bfloat16, cpu_kernels=cpu_kernels)
     reqs = _new_reqs(runner, [20, 9])
     runner.forward(_batch(runner, reqs, [19, 8], ForwardMode.EXTEND))
     out = runner.forward(_batch(runner, reqs, [1, 1], ForwardMode.DECODE))

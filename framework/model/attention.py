@@ -21,8 +21,6 @@ Paths:
 
 from __future__ import annotations
 
-import ctypes
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -30,38 +28,6 @@ import torch.nn.functional as F
 
 from framework.batch import ModelWorkerBatch
 from framework.memory import ReqToTokenPool, TokenToKVPool
-from framework.model import cpu_kernels
-
-logger = logging.getLogger(__name__)
-
-
-def load_decode_kernel():
-    """The C decode-attention function (ctypes), or None where it cannot be built."""
-    lib = cpu_kernels.load("decode_attention")
-    if lib is None:
-        return None
-    fn = lib.decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = (
-        [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6
-        + [ctypes.c_float, ctypes.c_int]
-    )
-    return fn
-
-
-def pick_decode_kernel(attention_backend: str, device: str):
-    """The decode kernel for worker.attention_backend on `device`, or None for PyTorch only."""
-    if attention_backend == "torch_native":
-        return None
-    kernel = load_decode_kernel() if str(device) == "cpu" else None
-    if kernel is None and attention_backend == "cpu_kernel":
-        raise RuntimeError(
-            f"worker.attention_backend = 'cpu_kernel' but the C decode kernel is unavailable on {device!r} "
-            "(it needs a CPU device and a C compiler: set CC or install gcc; see the log for the build "
-            "error), or use 'auto'"
-        )
-    logger.info("Decode attention: %s", "C kernel" if kernel is not None else "PyTorch")
-    return kernel
 
 
 def _to_float32(x: torch.Tensor) -> torch.Tensor:
@@ -215,7 +181,8 @@ class TorchNativeAttention:
         self.decode_kernel = None  # see use_decode_kernel
 
     def use_decode_kernel(self, kernel) -> None:
-        """Attend one-token requests with `kernel` (from `load_decode_kernel`; None: PyTorch)."""
+        """Attend one-token requests with `kernel` (cpu_kernels.CpuKernels.decode_attention; None:
+        PyTorch)."""
         self.decode_kernel = kernel
         self._dense = None
 

@@ -1,6 +1,6 @@
 """Small C kernels for the CPU, built on first use and called through ctypes.
 
-The source files live in `framework/model/kernels/`. Each is compiled once per machine with the
+The source files live in `framework/model/kernels/` (shared helpers in its `.h` headers). Each is compiled once per machine with the
 system C compiler (`cc -O3 -march=native`) into a cache folder (`BATCHYARD_KERNEL_CACHE`, default
 `~/.cache/batchyard/kernels`), keyed by a hash of the source, the command and the CPU. Without a
 compiler, or when the build fails, `load` returns None and callers use their PyTorch path: the
@@ -17,8 +17,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,8 @@ def _cpu_id() -> str:
 
 
 def _build(source: Path, compiler: str) -> Path:
-    text = source.read_bytes()
+    # The shared headers are part of every kernel's key.
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h")))
     key = hashlib.sha256(text + " ".join([compiler, *COMPILE_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
@@ -72,3 +77,77 @@ def load(name: str) -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("Cannot build the %s CPU kernel (using the PyTorch path): %s", name, detail)
         return None
+
+
+_PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def load_decode_kernel():
+    """`decode_attention` of kernels/decode_attention.c (see TorchNativeAttention), or None."""
+    lib = load("decode_attention")
+    if lib is None:
+        return None
+    fn = lib.decode_attention
+    fn.restype = _INT
+    fn.argtypes = [_PTR] * 4 + [_I64] + [_PTR] * 3 + [_INT] * 6 + [_FLOAT, _INT]
+    return fn
+
+
+class FusedOps:
+    """The bf16 element-wise ops of kernels/fused_ops.c, on torch tensors."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._rms_norm = lib.rms_norm_bf16
+        self._rms_norm.restype = _INT
+        self._rms_norm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
+        self._silu_mul = lib.silu_mul_bf16
+        self._silu_mul.restype = _INT
+        self._silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _INT]
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        """Whether x ([rows, d]) can be passed: bf16 on the CPU with unit stride along d."""
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of bf16 rows (weight bf16 [d]), rounded as the PyTorch path rounds."""
+        rows, d = x.shape
+        out = torch.empty((rows, d), dtype=torch.bfloat16)
+        rc = self._rms_norm(x.data_ptr(), x.stride(0), None, None, weight.data_ptr(), out.data_ptr(),
+                            rows, d, eps, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"rms_norm kernel: hidden size {d} is larger than it supports")
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * d] = [gate | up] -> silu(gate) * up, [rows, d] bf16."""
+        rows, d2 = gate_up.shape
+        out = torch.empty((rows, d2 // 2), dtype=torch.bfloat16)
+        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, d2 // 2, torch.get_num_threads())
+        return out
+
+
+@dataclass
+class CpuKernels:
+    """The kernels a model uses (see `pick`)."""
+
+    decode_attention: Any  # ctypes function
+    fused: FusedOps
+
+
+def pick(setting: str, device: str) -> CpuKernels | None:
+    """The C kernels for worker.cpu_kernels ("auto", "on", "off") on `device`; None: PyTorch only."""
+    if setting == "off":
+        return None
+    kernels = None
+    if str(device) == "cpu":
+        decode, fused = load_decode_kernel(), load("fused_ops")
+        if decode is not None and fused is not None:
+            kernels = CpuKernels(decode, FusedOps(fused))
+    if kernels is None and setting == "on":
+        raise RuntimeError(
+            f"worker.cpu_kernels = 'on' but the C kernels are unavailable on {device!r} (they need a CPU "
+            "device and a C compiler: set CC or install gcc; the log has the build error); use 'auto' or 'off'"
+        )
+    logger.info("CPU kernels: %s", "C (decode attention, fused bf16 ops)" if kernels else "PyTorch only")
+    return kernels

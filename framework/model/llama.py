@@ -28,6 +28,7 @@ from framework.distributed import ParallelContext, check_model_fits
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.attention import TorchNativeAttention
 from framework.model.config import ModelConfig
+from framework.model.cpu_kernels import CpuKernels, FusedOps
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
 
@@ -47,8 +48,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused: FusedOps | None = None  # see use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.fused.supports(x) and self.weight.dtype == torch.bfloat16:
+            return self.fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         xf = to_float32(x)  # a new tensor, normalized in place
@@ -117,6 +121,7 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size // par.tp_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, False, par, par.tp_size)
+        self.fused: FusedOps | None = None  # see use_cpu_kernels
 
     def forward(self, x: torch.Tensor, batch: ModelWorkerBatch) -> torch.Tensor:
         if not self.par.gathers_mlp_tokens:
@@ -125,7 +130,10 @@ class LlamaMLP(nn.Module):
         return self.par.own_rows(self._mlp(self.par.gather_rows(x, counts)), counts)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None and self.fused.supports(gate_up):
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -163,6 +171,14 @@ class LlamaDecoderLayer(nn.Module):
             h = attn.o_proj(attn_out[t]).add_(hidden[t])
             torch.add(self.mlp(self.post_attention_layernorm(h), batch), h, out=out[t])
         return out
+
+
+def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
+    """Run `model`'s decode attention, RMSNorms and SiLU*up with the C kernels (None: PyTorch)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, LlamaMLP)):
+            module.fused = kernels.fused if kernels else None
+    model.attn_backend.use_decode_kernel(kernels.decode_attention if kernels else None)
 
 
 # Rows of the token-wise part of a layer processed at once (see LlamaDecoderLayer).

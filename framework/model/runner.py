@@ -14,9 +14,10 @@ import torch
 from framework.batch import ModelWorkerBatch
 from framework.distributed import get_parallel_context
 from framework.memory import ReqToTokenPool, TokenToKVPool
-from framework.model.attention import pick_decode_kernel
 from framework.model.cpu import tune_allocator
+from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig
+from framework.model.llama import use_cpu_kernels
 from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
@@ -44,7 +45,7 @@ class ModelRunner:
         max_running_requests: request slots; default as in the reference (P3), capped on CPU.
         context_length: overrides the model's max_position_embeddings.
         lora_paths: LoRA adapters to serve, {name: PEFT folder} (framework/model/lora.py).
-        attention_backend: worker.attention_backend: "auto", "cpu_kernel" or "torch_native".
+        cpu_kernels: worker.cpu_kernels: "auto", "on" or "off".
     """
 
     def __init__(
@@ -58,13 +59,13 @@ class ModelRunner:
         device: str = "cpu",
         seed: int = 0,
         lora_paths: dict[str, str] | None = None,
-        attention_backend: str = "auto",
+        cpu_kernels: str = "auto",
     ):
         hf_config = load_hf_config(model_path)
         self._setup(
             hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
             max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
-            device, seed, lora_paths, attention_backend,
+            device, seed, lora_paths, cpu_kernels,
         )
         self.model_path = model_path
 
@@ -88,13 +89,13 @@ class ModelRunner:
         seed: int = 0,
         tokenizer: Any = None,
         lora_paths: dict[str, str] | None = None,
-        attention_backend: str = "auto",
+        cpu_kernels: str = "auto",
     ) -> "ModelRunner":
         runner = cls.__new__(cls)
         runner._setup(
             hf_config, state_dict.items(), tokenizer, dtype, max_total_tokens,
             kv_cache_memory_bytes, max_running_requests, context_length, device, seed, lora_paths,
-            attention_backend,
+            cpu_kernels,
         )
         runner.model_path = None
         return runner
@@ -112,7 +113,7 @@ class ModelRunner:
         device: str,
         seed: int,
         lora_paths: dict[str, str] | None = None,
-        attention_backend: str = "auto",
+        cpu_kernels: str = "auto",
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
@@ -122,7 +123,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.tokenizer = tokenizer
-        self.decode_kernel = pick_decode_kernel(attention_backend, device)
+        self.cpu_kernels = pick_cpu_kernels(cpu_kernels, device)
         # Sharded at load time when this process is one rank of a tensor-parallel group.
         self.par = get_parallel_context()
         self.model_config, self.model = self._load_model(hf_config, weights)
@@ -138,7 +139,7 @@ class ModelRunner:
     def _load_model(self, hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]]):
         model_config, model = build_model(hf_config, self.par)
         model.load_weights(weights)
-        model.attn_backend.use_decode_kernel(self.decode_kernel)
+        use_cpu_kernels(model, self.cpu_kernels)
         return model_config, model.to(device=self.device, dtype=self.dtype).eval()
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:

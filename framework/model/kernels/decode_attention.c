@@ -14,9 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 typedef struct {
     const void *q;             /* [n, heads, head_dim] */
@@ -38,22 +36,6 @@ typedef struct {
     int failed; /* set when the span's scratch memory could not be allocated */
 } Span;
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* Row `d` elements at `p` (bf16 or fp32) into fp32 `dst`. */
 static inline void load_row(float *dst, const void *p, int d, int bf16) {
     if (bf16) {
@@ -71,15 +53,6 @@ static inline void load_row(float *dst, const void *p, int d, int bf16) {
 
 static inline void prefetch_row(const void *p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
-}
-
-/* 16 values at p (bf16 or fp32) as fp32 lanes. */
-static inline __m512 load16(const void *p, int bf16) {
-    if (bf16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)p);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float *)p);
 }
 #endif
 
@@ -181,25 +154,6 @@ static void head_values(const float *probs, int group, const void *v, int64_t kv
     }
     free(row);
 }
-
-#ifdef __AVX512F__
-/* exp(x) for 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6
- * polynomial (relative error ~2e-7); -inf gives 0. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 /* scores[0..len) *= scale, then exp(score - max) in place; returns the sum. */
 static float softmax_numerators(float *scores, int64_t len, float scale) {

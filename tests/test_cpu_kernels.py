@@ -1,8 +1,9 @@
-"""The C decode-attention kernel (framework/model/kernels/decode_attention.c) against a float64
-reference computed here, and the fallback when it cannot be built.
+"""The C kernels (framework/model/kernels/): decode attention against a float64 reference
+computed here, the fused bf16 ops against their PyTorch path, the build cache, and the fallback
+when they cannot be built.
 
-End-to-end coverage (our llama vs transformers with the kernel on and off, decode and mixed
-batches) is in tests/test_model.py, whose runner fixture runs both attention backends.
+End-to-end coverage (our llama vs transformers with the kernels on and off, decode and mixed
+batches) is in tests/test_model.py, whose runner fixture runs both.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 from framework.model import cpu_kernels
-from framework.model.attention import (
-    TorchNativeAttention, _KernelDecode, load_decode_kernel, pick_decode_kernel,
-)
+from framework.model.attention import TorchNativeAttention, _KernelDecode
+from framework.model.cpu_kernels import load_decode_kernel
+from framework.model.llama import RMSNorm
 
 KERNEL = load_decode_kernel()
-needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler on this machine")
+KERNELS = cpu_kernels.pick("auto", "cpu")
+needs_kernel = pytest.mark.skipif(KERNELS is None, reason="no C compiler on this machine")
 
 
 def _scattered_pool(lens, kv_heads, head_dim, dtype, seed=0):
@@ -108,16 +112,16 @@ def no_compiler(monkeypatch, tmp_path):
     load.cache_clear()
 
 
-def test_without_a_compiler_auto_falls_back_and_cpu_kernel_fails(no_compiler):
+def test_without_a_compiler_auto_falls_back_and_on_fails(no_compiler):
     assert load_decode_kernel() is None
-    assert pick_decode_kernel("auto", "cpu") is None
-    with pytest.raises(RuntimeError, match="cpu_kernel"):
-        pick_decode_kernel("cpu_kernel", "cpu")
+    assert cpu_kernels.pick("auto", "cpu") is None
+    with pytest.raises(RuntimeError, match="cpu_kernels = 'on'"):
+        cpu_kernels.pick("on", "cpu")
 
 
-def test_torch_native_never_builds_the_kernel(no_compiler, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "load", lambda name: pytest.fail("torch_native must not build kernels"))
-    assert pick_decode_kernel("torch_native", "cpu") is None
+def test_off_never_builds_the_kernels(no_compiler, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load", lambda name: pytest.fail("'off' must not build kernels"))
+    assert cpu_kernels.pick("off", "cpu") is None
 
 
 @needs_kernel
@@ -134,3 +138,38 @@ def test_kernel_build_is_cached(tmp_path, monkeypatch):
         assert built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
     finally:
         cpu_kernels.load.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,d", [(1, 64), (200, 576), (513, 100)])  # 100: a tail past the 16-lane loop
+def test_fused_rms_norm_matches_torch(rows, d):
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(d, 1e-5)
+    norm.weight.data = torch.randn(d, generator=gen) * 0.3 + 1
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(rows, 2 * d, generator=gen) * 3).to(torch.bfloat16)[:, :d]  # strided rows
+    ref = norm(x)
+    out = KERNELS.fused.rms_norm(x, norm.weight, norm.eps)
+    # Same roundings; only the sum of squares is added up in another order (one bf16 ulp at most).
+    torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2**-7)
+    assert (out == ref).float().mean() > 0.99
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,d", [(1, 16), (200, 1536), (600, 40)])
+def test_fused_silu_mul_matches_torch(rows, d):
+    gen = torch.Generator().manual_seed(d)
+    gate_up = (torch.randn(rows, 2 * d, generator=gen) * 4).to(torch.bfloat16)
+    ref = F.silu(gate_up[:, :d]).mul_(gate_up[:, d:])
+    out = KERNELS.fused.silu_mul(gate_up)
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-6, rtol=2**-7)
+    assert (out == ref).float().mean() > 0.99
+
+
+@needs_kernel
+def test_fused_ops_are_used_only_for_bf16():
+    norm = RMSNorm(64, 1e-6)
+    norm.fused = KERNELS.fused
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(norm(x), RMSNorm(64, 1e-6)(x), atol=0, rtol=0)  # fp32: the PyTorch path
+    assert not KERNELS.fused.supports(x) and KERNELS.fused.supports(x.to(torch.bfloat16))

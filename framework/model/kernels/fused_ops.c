@@ -1,0 +1,149 @@
+/* Fused element-wise ops of the llama layer for bf16 activations on CPUs.
+ *
+ * In PyTorch each of these is 2-8 separate ops, each a pass over memory and an OpenMP fork/join;
+ * for a decode batch ([200, 576]) the op overheads are most of their cost. Each function does
+ * one pass, with torch's roundings (fp32 math, bf16 result of every step torch rounds), so the
+ * results match the PyTorch path up to the order of a sum. Large inputs split their rows over
+ * `num_threads` pthreads. Built and loaded by framework/model/cpu_kernels.py.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+typedef struct {
+    int op;
+    const uint16_t *x, *w, *residual; /* rms_norm: x [rows, d], w [d]; residual optional */
+    uint16_t *out, *residual_out;
+    int64_t rows, d, x_stride;
+    float eps;
+} Job;
+
+typedef struct {
+    const Job *job;
+    int64_t begin, end;
+} Rows;
+
+enum { RMS_NORM = 0, SILU_MUL = 1 };
+
+/* out = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w); with a residual, x is first bf16(x + residual),
+ * which is also written to residual_out. */
+static void rms_norm_rows(const Job *j, int64_t begin, int64_t end) {
+    int64_t d = j->d;
+    float row[8192];
+    for (int64_t r = begin; r < end; r++) {
+        const uint16_t *x = j->x + r * j->x_stride;
+        const uint16_t *res = j->residual ? j->residual + r * d : NULL;
+        uint16_t *res_out = j->residual ? j->residual_out + r * d : NULL;
+        int64_t i = 0;
+        float sum = 0.0f;
+#ifdef __AVX512F__
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= d; i += 16) {
+            __m512 v = load16(x + i, 1);
+            if (res) {
+                v = round_bf16x16(_mm512_add_ps(v, load16(res + i, 1)));
+                store16_bf16(res_out + i, v);
+            }
+            _mm512_storeu_ps(row + i, v);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        sum = _mm512_reduce_add_ps(acc);
+#endif
+        for (; i < d; i++) {
+            float v = bf16_to_f32(x[i]);
+            if (res) {
+                uint16_t h = f32_to_bf16(v + bf16_to_f32(res[i]));
+                res_out[i] = h;
+                v = bf16_to_f32(h);
+            }
+            row[i] = v;
+            sum += v * v;
+        }
+        float scale = 1.0f / sqrtf(sum / (float)d + j->eps);
+        uint16_t *o = j->out + r * d;
+        i = 0;
+#ifdef __AVX512F__
+        __m512 vs = _mm512_set1_ps(scale);
+        for (; i + 16 <= d; i += 16) {
+            __m512 normed = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(row + i), vs));
+            store16_bf16(o + i, _mm512_mul_ps(normed, load16(j->w + i, 1)));
+        }
+#endif
+        for (; i < d; i++) o[i] = f32_to_bf16(round_bf16(row[i] * scale) * bf16_to_f32(j->w[i]));
+    }
+}
+
+/* x: [rows, 2d] = [gate | up] -> out [rows, d] = bf16(bf16(silu(gate)) * up), as F.silu(gate).mul_(up). */
+static void silu_mul_rows(const Job *j, int64_t begin, int64_t end) {
+    int64_t d = j->d;
+    for (int64_t r = begin; r < end; r++) {
+        const uint16_t *gate = j->x + r * j->x_stride, *up = gate + d;
+        uint16_t *o = j->out + r * d;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= d; i += 16) {
+            __m512 g = load16(gate + i, 1);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 silu = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+            store16_bf16(o + i, _mm512_mul_ps(silu, load16(up + i, 1)));
+        }
+#endif
+        for (; i < d; i++) {
+            float g = bf16_to_f32(gate[i]);
+            o[i] = f32_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_f32(up[i]));
+        }
+    }
+}
+
+static void *run_rows(void *arg) {
+    const Rows *rows = (const Rows *)arg;
+    if (rows->job->op == RMS_NORM)
+        rms_norm_rows(rows->job, rows->begin, rows->end);
+    else
+        silu_mul_rows(rows->job, rows->begin, rows->end);
+    return NULL;
+}
+
+#define MAX_THREADS 64
+/* Rows per thread below which one thread does all the work (a thread start costs more). */
+#define MIN_ROWS_PER_THREAD 256
+
+static void run(const Job *job, int num_threads) {
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > job->rows / MIN_ROWS_PER_THREAD) num_threads = (int)(job->rows / MIN_ROWS_PER_THREAD);
+    if (num_threads < 1) num_threads = 1;
+    Rows spans[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    for (int s = 0; s < num_threads; s++) {
+        spans[s].job = job;
+        spans[s].begin = job->rows * s / num_threads;
+        spans[s].end = job->rows * (s + 1) / num_threads;
+    }
+    int started = 1;
+    while (started < num_threads && pthread_create(&threads[started], NULL, run_rows, &spans[started]) == 0)
+        started++;
+    run_rows(&spans[0]);
+    for (int s = started; s < num_threads; s++) run_rows(&spans[s]);
+    for (int s = 1; s < started; s++) pthread_join(threads[s], NULL);
+}
+
+/* Returns 0, or -1 when d is larger than the row buffer. */
+int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, uint16_t *residual_out,
+                  const uint16_t *w, uint16_t *out, int64_t rows, int64_t d, float eps, int num_threads) {
+    if (d > 8192) return -1;
+    Job job = {RMS_NORM, x, w, residual, out, residual_out, rows, d, x_stride, eps};
+    run(&job, num_threads);
+    return 0;
+}
+
+int silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t d, int num_threads) {
+    Job job = {SILU_MUL, x, NULL, NULL, out, NULL, rows, d, x_stride, 0.0f};
+    run(&job, num_threads);
+    return 0;
+}

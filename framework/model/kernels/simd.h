@@ -1,0 +1,76 @@
+/* Helpers shared by the CPU kernels: bf16 <-> fp32 (round to nearest even, as torch) and, with
+ * AVX512F, 16-lane loads, stores and exp. Kernels include this header; cpu_kernels.py hashes it
+ * into every kernel's build key. */
+#ifndef BATCHYARD_SIMD_H
+#define BATCHYARD_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+#ifdef __AVX512F__
+/* 16 values at p (bf16 or fp32) as fp32 lanes. */
+static inline __m512 load16(const void *p, int bf16) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)p);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* 16 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN), as f32_to_bf16. */
+static inline __m256i to_bf16x16(__m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+static inline void store16_bf16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, to_bf16x16(x)); }
+
+/* x rounded to bf16 and widened back: the value torch holds after a bf16 op. */
+static inline __m512 round_bf16x16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(x)), 16));
+}
+
+/* exp(x) for 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6
+ * polynomial (relative error ~2e-7); -inf gives 0. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(89.0f));
+    __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#endif
