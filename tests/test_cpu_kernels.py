@@ -173,3 +173,27 @@ def test_fused_ops_are_used_only_for_bf16():
     x = torch.randn(3, 64)
     torch.testing.assert_close(norm(x), RMSNorm(64, 1e-6)(x), atol=0, rtol=0)  # fp32: the PyTorch path
     assert not KERNELS.fused.supports(x) and KERNELS.fused.supports(x.to(torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 40)])  # 40: half not a multiple of 16
+def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim):
+    from types import SimpleNamespace
+
+    from framework.model.rotary import RotaryEmbedding
+
+    tokens, slots = 37, 64
+    gen = torch.Generator().manual_seed(head_dim)
+    config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_type="default", context_len=512)
+    rope = RotaryEmbedding(config).tables(torch.randint(0, 500, (tokens,), generator=gen), torch.bfloat16)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + 8, generator=gen).to(torch.bfloat16)[:, :width]  # strided rows
+    loc = torch.randperm(slots, generator=gen)[:tokens]
+    pools = [torch.zeros(slots, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(4)]
+    q = KERNELS.fused.rope_kv(qkv, rope.cos, rope.sin, loc, pools[0], pools[1], heads, kv_heads)
+
+    qk = rope.apply(qkv[:, : (heads + kv_heads) * head_dim].reshape(tokens, heads + kv_heads, head_dim))
+    pools[2][loc] = qk[:, heads:]
+    pools[3][loc] = qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim)
+    assert torch.equal(q, qk[:, :heads].reshape(tokens, heads * head_dim))  # the same roundings
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])

@@ -103,6 +103,9 @@ class FusedOps:
         self._silu_mul = lib.silu_mul_bf16
         self._silu_mul.restype = _INT
         self._silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _INT]
+        self._rope_kv = lib.rope_kv_bf16
+        self._rope_kv.restype = _INT
+        self._rope_kv.argtypes = [_PTR, _I64] + [_PTR] * 6 + [_I64] + [_INT] * 4
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -125,6 +128,19 @@ class FusedOps:
         out = torch.empty((rows, d2 // 2), dtype=torch.bfloat16)
         self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, d2 // 2, torch.get_num_threads())
         return out
+
+
+    def rope_kv(self, qkv, cos, sin, loc, k_pool, v_pool, heads: int, kv_heads: int) -> torch.Tensor:
+        """From the fused projection qkv [T, (heads + 2 kv_heads) * D]: rotate q and k by the
+        bf16 tables cos/sin ([T, 1, D/2], contiguous), write k and v into the bf16 pools
+        ([slots, kv_heads, D]) at `loc` [T] int64; returns q [T, heads * D]."""
+        rows = qkv.shape[0]
+        head_dim = k_pool.shape[-1]
+        q = torch.empty((rows, heads * head_dim), dtype=torch.bfloat16)
+        loc = loc.to(torch.int64).contiguous()
+        self._rope_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), q.data_ptr(),
+                      k_pool.data_ptr(), v_pool.data_ptr(), rows, heads, kv_heads, head_dim, torch.get_num_threads())
+        return q
 
 
 @dataclass

@@ -99,6 +99,7 @@ class LlamaAttention(nn.Module):
         o_bias = config.attention_bias and config.architecture == "LlamaForCausalLM"
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, par, par.attn_tp_size)
         self.backend = backend
+        self.fused: FusedOps | None = None  # see use_cpu_kernels
 
     def project(
         self, hidden: torch.Tensor, rope: RopeTables, out_cache_loc: torch.Tensor, kv_pool: TokenToKVPool
@@ -106,6 +107,10 @@ class LlamaAttention(nn.Module):
         """q/k/v of some tokens: rotates q and k, writes k/v into the pool; returns q [T, q_size]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        fused = self.fused
+        if fused is not None and fused.supports(qkv) and kv_pool.dtype == torch.bfloat16 and rope.cos.is_contiguous():
+            k_buf, v_buf = kv_pool.k_buffer[self.layer_id], kv_pool.v_buffer[self.layer_id]
+            return fused.rope_kv(qkv, rope.cos, rope.sin, out_cache_loc, k_buf, v_buf, self.num_heads, self.num_kv_heads)
         # q and k heads are rotated together: [T, heads + kv_heads, D] is a view of qkv.
         num_qk_heads = self.num_heads + self.num_kv_heads
         qk = rope.apply(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim))
@@ -174,9 +179,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
-    """Run `model`'s decode attention, RMSNorms and SiLU*up with the C kernels (None: PyTorch)."""
+    """Run `model`'s decode attention, RMSNorms, SiLU*up and RoPE + KV writes with the C kernels
+    (None: PyTorch)."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, LlamaMLP)):
+        if isinstance(module, (RMSNorm, LlamaMLP, LlamaAttention)):
             module.fused = kernels.fused if kernels else None
     model.attn_backend.use_decode_kernel(kernels.decode_attention if kernels else None)
 

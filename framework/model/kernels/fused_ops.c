@@ -21,6 +21,11 @@ typedef struct {
     uint16_t *out, *residual_out;
     int64_t rows, d, x_stride;
     float eps;
+    /* rope_kv: x is qkv [rows, (heads + 2 kv_heads) * head_dim]; cos/sin [rows, head_dim / 2] */
+    const uint16_t *cos, *sin;
+    const int64_t *loc;
+    uint16_t *k_pool, *v_pool; /* [slots, kv_heads, head_dim] */
+    int heads, kv_heads, head_dim;
 } Job;
 
 typedef struct {
@@ -28,7 +33,7 @@ typedef struct {
     int64_t begin, end;
 } Rows;
 
-enum { RMS_NORM = 0, SILU_MUL = 1 };
+enum { RMS_NORM = 0, SILU_MUL = 1, ROPE_KV = 2 };
 
 /* out = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w); with a residual, x is first bf16(x + residual),
  * which is also written to residual_out. */
@@ -101,12 +106,52 @@ static void silu_mul_rows(const Job *j, int64_t begin, int64_t end) {
     }
 }
 
+/* One head of `half`-pairs rotated as RopeTables.apply: first half bf16(bf16(x1 c) - bf16(x2 s)),
+ * second half bf16(bf16(x2 c) + bf16(x1 s)). */
+static void rotate_head(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, int half, uint16_t *out) {
+    int i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= half; i += 16) {
+        __m512 x1 = load16(x + i, 1), x2 = load16(x + half + i, 1);
+        __m512 c = load16(cos + i, 1), s = load16(sin + i, 1);
+        __m512 a = _mm512_sub_ps(round_bf16x16(_mm512_mul_ps(x1, c)), round_bf16x16(_mm512_mul_ps(x2, s)));
+        __m512 b = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(x2, c)), round_bf16x16(_mm512_mul_ps(x1, s)));
+        store16_bf16(out + i, a);
+        store16_bf16(out + half + i, b);
+    }
+#endif
+    for (; i < half; i++) {
+        float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[half + i]);
+        float c = bf16_to_f32(cos[i]), s = bf16_to_f32(sin[i]);
+        out[i] = f32_to_bf16(round_bf16(x1 * c) - round_bf16(x2 * s));
+        out[half + i] = f32_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+    }
+}
+
+/* q rotated into out [rows, heads * head_dim]; k rotated and v copied into the pool at loc. */
+static void rope_kv_rows(const Job *j, int64_t begin, int64_t end) {
+    int d = j->head_dim, half = d / 2;
+    size_t kv_row = (size_t)j->kv_heads * d;
+    for (int64_t r = begin; r < end; r++) {
+        const uint16_t *qkv = j->x + r * j->x_stride;
+        const uint16_t *cos = j->cos + r * half, *sin = j->sin + r * half;
+        for (int h = 0; h < j->heads; h++) rotate_head(qkv + (size_t)h * d, cos, sin, half, j->out + (r * j->heads + h) * d);
+        uint16_t *k = j->k_pool + (size_t)j->loc[r] * kv_row;
+        for (int h = 0; h < j->kv_heads; h++)
+            rotate_head(qkv + (size_t)(j->heads + h) * d, cos, sin, half, k + (size_t)h * d);
+        memcpy(j->v_pool + (size_t)j->loc[r] * kv_row, qkv + (size_t)(j->heads + j->kv_heads) * d,
+               kv_row * sizeof(uint16_t));
+    }
+}
+
 static void *run_rows(void *arg) {
     const Rows *rows = (const Rows *)arg;
     if (rows->job->op == RMS_NORM)
         rms_norm_rows(rows->job, rows->begin, rows->end);
-    else
+    else if (rows->job->op == SILU_MUL)
         silu_mul_rows(rows->job, rows->begin, rows->end);
+    else
+        rope_kv_rows(rows->job, rows->begin, rows->end);
     return NULL;
 }
 
@@ -137,13 +182,24 @@ static void run(const Job *job, int num_threads) {
 int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, uint16_t *residual_out,
                   const uint16_t *w, uint16_t *out, int64_t rows, int64_t d, float eps, int num_threads) {
     if (d > 8192) return -1;
-    Job job = {RMS_NORM, x, w, residual, out, residual_out, rows, d, x_stride, eps};
+    Job job = {RMS_NORM, x, w, residual, out, residual_out, rows, d, x_stride, eps, NULL, NULL, NULL, NULL, NULL, 0, 0, 0};
     run(&job, num_threads);
     return 0;
 }
 
 int silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t d, int num_threads) {
-    Job job = {SILU_MUL, x, NULL, NULL, out, NULL, rows, d, x_stride, 0.0f};
+    Job job = {SILU_MUL, x, NULL, NULL, out, NULL, rows, d, x_stride, 0.0f, NULL, NULL, NULL, NULL, NULL, 0, 0, 0};
+    run(&job, num_threads);
+    return 0;
+}
+
+/* Rotary embedding of q and k from the fused qkv projection, q into q_out, k and v into the KV
+ * pool at slots loc (the work of RopeTables.apply + TokenToKVPool.set_kv). */
+int rope_kv_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos, const uint16_t *sin,
+                 const int64_t *loc, uint16_t *q_out, uint16_t *k_pool, uint16_t *v_pool, int64_t rows,
+                 int heads, int kv_heads, int head_dim, int num_threads) {
+    Job job = {ROPE_KV, qkv, NULL, NULL, q_out, NULL, rows, 0, qkv_stride, 0.0f, cos, sin, loc, k_pool, v_pool,
+               heads, kv_heads, head_dim};
     run(&job, num_threads);
     return 0;
 }
