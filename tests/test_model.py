@@ -104,7 +104,7 @@ def _hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 def _check_last(hf_model, out: LogitsOutput, reqs: list[Req], atol=ATOL) -> None:
     for i, r in enumerate(reqs):
         ref = _hf_logits(hf_model, r.tokens[: r.done])[-1]
-        torch.testing.assert_close(out.next_token_logits[i], ref, atol=atol, rtol=0)
+        torch.testing.assert_close(out.next_token_logits[i].float(), ref, atol=atol, rtol=0)
 
 
 # -- forward vs transformers --------------------------------------------------------------------
@@ -257,7 +257,7 @@ def test_bf16_close_to_fp32(hf_model, cpu_kernels):
     reqs = _new_reqs(runner, [20, 9])
     runner.forward(_batch(runner, reqs, [19, 8], ForwardMode.EXTEND))
     out = runner.forward(_batch(runner, reqs, [1, 1], ForwardMode.DECODE))
-    assert out.next_token_logits.dtype == torch.float32
+    assert out.next_token_logits.dtype == torch.bfloat16  # widened only where the sampler needs it
     _check_last(hf_model, out, reqs, atol=0.1)
 
 
@@ -320,6 +320,16 @@ def test_sampler_greedy_is_argmax():
     logits = _logits(6)
     ids = Sampler()(logits, _info([1.0] * 6, top_ks=[1] * 6))
     assert ids.dtype == torch.int64 and torch.equal(ids, logits.argmax(-1))
+
+
+def test_sampler_takes_bf16_logits():
+    """bf16 logits (the no-logprob path of a bf16 model): greedy rows are the argmax of their fp32
+    widening, sampled rows come from the widened logits."""
+    logits = _logits(6).to(torch.bfloat16)
+    greedy = Sampler()(logits, _info([1.0] * 6, top_ks=[1] * 6))
+    assert torch.equal(greedy, logits.float().argmax(-1))
+    info = _info([0.7] * 6, seeds=list(range(6)))
+    assert torch.equal(Sampler()(logits, info), Sampler()(logits.float(), info))
 
 
 def test_sampler_greedy_rows_in_mixed_batch():

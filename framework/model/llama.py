@@ -254,8 +254,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float32."""
-        return to_float32(F.linear(hidden, self.lm_head_weight))
+        """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""
+        return F.linear(hidden, self.lm_head_weight)
 
     # -- weights --------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from framework.batch import ModelWorkerBatch
+from framework.model.llama import to_float32
 
 TopLogprobs = list[tuple[float, int]]
 
@@ -22,7 +23,10 @@ TopLogprobs = list[tuple[float, int]]
 class LogitsOutput:
     """What one forward pass hands to the sampler and to result processing."""
 
-    next_token_logits: torch.Tensor  # [bs, vocab] float32
+    # [bs, vocab]: float32 with logprobs, else the model's dtype. The sampler widens bf16 logits to
+    # fp32 where it computes with them; greedy rows take the argmax of the bf16 values directly,
+    # which is the argmax of their (exact) fp32 widening.
+    next_token_logits: torch.Tensor
     # Filled only when batch.return_logprob; one entry per request.
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[TopLogprobs]] | None = None
@@ -55,7 +59,7 @@ def compute_logits_output(
         (starts[i] + start_lens[i], starts[i] + batch.extend_lens[i]) for i in range(bs)
     ]
     rows = torch.cat([torch.arange(a, b) for a, b in row_ranges])
-    logits = lm_head(hidden[rows])  # [num_rows, vocab]
+    logits = to_float32(lm_head(hidden[rows]))  # [num_rows, vocab]
     logprobs = torch.log_softmax(logits, dim=-1)
     num_rows_per_req = [b - a for a, b in row_ranges]
     last_rows = torch.tensor(num_rows_per_req).cumsum(0) - 1

@@ -12,6 +12,7 @@ import torch
 
 from framework.batch import SamplingBatchInfo
 from framework.grammar import apply_vocab_mask
+from framework.model.llama import to_float32
 
 # Candidates taken by the partial sort before falling back to sorting the whole vocabulary.
 _NUM_CANDIDATES = 512
@@ -21,20 +22,21 @@ class Sampler:
     """Stateless; a seeded row's draw comes from its own per-step key, not from the batch."""
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """logits: [bs, vocab] (not modified) -> int64 token ids [bs]."""
+        """logits: [bs, vocab] fp32 or bf16 (not modified) -> int64 token ids [bs]."""
         bs, vocab_size = logits.shape
         if bs == 0:
             return torch.empty((0,), dtype=torch.int64)
-        logits = apply_vocab_mask(logits, info.vocab_mask)
+        logits = apply_vocab_mask(logits, info.vocab_mask)  # an fp32 copy when there is a mask
         if info.penalties is not None:
-            logits = info.penalties.apply(logits)  # a copy: the caller keeps the raw logits for logprobs
+            # A copy: the caller keeps the raw logits for logprobs.
+            logits = info.penalties.apply(to_float32(logits))
         greedy_ids = logits.argmax(dim=-1)
         if info.is_all_greedy:
             return greedy_ids
 
         # The clamp only guards against a stray 0; greedy rows are overridden by argmax below.
         temperatures = info.temperatures.view(bs, 1).clamp(min=1e-6)
-        probs = torch.softmax(logits.float() / temperatures, dim=-1)
+        probs = torch.softmax(to_float32(logits) / temperatures, dim=-1)
         top_ks = info.top_ks.clamp(min=1, max=vocab_size)
         need_top_k = bool((top_ks < vocab_size).any())
         need_top_p = bool((info.top_ps < 1.0).any())
