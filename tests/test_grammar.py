@@ -172,8 +172,8 @@ JUMP_REGEXES = [
 
 def test_jump_forward_appends_forced_text(make_engine):
     """Random weights: the forced text is appended and the output stays in the language. The free
-    choices after a jump may differ from plain decoding, since the jumped text is retokenized
-    (equality is checked on the real model, tests/test_grammar_e2e.py)."""
+    choices after a jump may differ from plain decoding where random weights spell the forced text
+    unlike the tokenizer (equality is checked on the real model, tests/test_grammar_e2e.py)."""
     prompts = ["Reply:", "Describe a person:"]
     params = [{"temperature": 0, "max_new_tokens": 64, "regex": r} for r in JUMP_REGEXES]
     plain = make_engine().generate(prompts, sampling_params=params)
