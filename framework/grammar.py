@@ -20,7 +20,7 @@ from framework.request import Req, SamplingParams, StashKey
 
 logger = logging.getLogger(__name__)
 
-# How far a matcher can roll back; jump-forward retokenization rolls back to the common prefix.
+# How far a matcher can roll back (the reference's value); a refused jump rolls back its partial accept.
 MAX_ROLLBACK_TOKENS = 200
 
 GrammarKey = tuple[str, str]
@@ -209,42 +209,24 @@ def accept_last_token(req: Req) -> bool:
 
 
 def jump_forward_ids(req: Req, tokenizer: Any) -> list[int] | None:
-    """The request's output ids after appending the string its grammar forces next, retokenized
-    (reference J2); the matcher is moved to match. None when there is nothing to jump over or the
-    retokenization cannot be used; then nothing changed."""
+    """The request's output ids followed by the tokens of the string its grammar forces next
+    (reference J2, with the QUIRK of its retokenization fixed); the matcher accepts them. None when
+    nothing can be jumped; then nothing changed.
+
+    Plain decoding picks its own tokens for forced text, and when jump-forward feeds the model other
+    tokens for the same characters its later free choices can differ. So the sampled tokens are
+    never re-encoded (the reference re-encodes them with the jump string, turning a sampled "{" then
+    '"' into one '{"' token), only the forced string is encoded, on its own, and its last token is
+    left for the model to sample: that token could merge with the free text after it.
+    """
     grammar = grammar_of(req)
     if grammar is None or grammar.is_terminated():
         return None
     jump = grammar.jump_forward_string()
     if not jump:
         return None
-    old_ids = req.output_ids
-    text = tokenizer.decode(old_ids)
-    if "\ufffd" in text:
-        return None  # a partial UTF-8 character: its bytes would not survive re-encoding
-    # Only the output is re-encoded, so no token can fuse across the prompt boundary (the
-    # reference re-encodes prompt + output and gives up when the prompt's last token changes).
-    new_ids = tokenizer.encode(text + jump, add_special_tokens=False)
-    common = _common_prefix_len(old_ids, new_ids)
-    num_rollback = len(old_ids) - common
-    if (
-        common == len(new_ids)
-        or num_rollback > MAX_ROLLBACK_TOKENS
-        or len(new_ids) >= req.sampling_params.max_new_tokens
-    ):
+    forced = tokenizer.encode(jump, add_special_tokens=False)[:-1]
+    num_ids = len(req.output_ids) + len(forced)
+    if not forced or num_ids >= req.sampling_params.max_new_tokens or not grammar.accept_tokens(forced):
         return None
-    grammar.rollback(num_rollback)
-    if not grammar.accept_tokens(new_ids[common:]):
-        if not grammar.accept_tokens(old_ids[common:]):
-            raise RuntimeError(f"request {req.rid}: grammar could not restore its state")
-        return None
-    return new_ids
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return req.output_ids + forced

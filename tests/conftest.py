@@ -93,22 +93,30 @@ def assert_no_leak(engine) -> None:
     assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
 
 
-@pytest.fixture
-def make_engine(tiny_model_folder):
-    """Factory for engines on the tiny model; each is leak-checked and shut down after the test."""
+def leak_checked_engines(folder: str):
+    """Generator for a fixture: yields a factory of engines on `folder`; after the test each engine
+    is leak-checked and shut down (shut down even when its check fails)."""
     from framework.engine import Engine
 
     engines = []
 
     def factory(extra_plugins=(), **sections):
-        engine = Engine(tiny_settings(tiny_model_folder, **sections), extra_plugins=extra_plugins)
+        engine = Engine(tiny_settings(folder, **sections), extra_plugins=extra_plugins)
         engines.append(engine)
         return engine
 
     yield factory
     for engine in engines:
-        assert_no_leak(engine)
-        engine.shutdown()
+        try:
+            assert_no_leak(engine)
+        finally:
+            engine.shutdown()
+
+
+@pytest.fixture
+def make_engine(tiny_model_folder):
+    """Factory for engines on the tiny model; each is leak-checked and shut down after the test."""
+    yield from leak_checked_engines(tiny_model_folder)
 
 
 def check_greedy_equal(ours: list[int], ref: list[int], ref_logprobs_fn, tol: float = 0.01) -> int:

@@ -23,6 +23,7 @@ from tests.conftest import (
     check_greedy_equal,
     hf_embedding,
     hf_next_logprobs,
+    leak_checked_engines,
     tiny_settings,
 )
 
@@ -33,17 +34,7 @@ GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture
 def make_embedder(tiny_embedding_folder):
-    engines = []
-
-    def factory(**sections):
-        engine = Engine(tiny_settings(tiny_embedding_folder, **sections))
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        assert_no_leak(engine)
-        engine.shutdown()
+    yield from leak_checked_engines(tiny_embedding_folder)
 
 
 @pytest.fixture(scope="module")

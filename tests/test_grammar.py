@@ -172,8 +172,8 @@ JUMP_REGEXES = [
 
 def test_jump_forward_appends_forced_text(make_engine):
     """Random weights: the forced text is appended and the output stays in the language. The free
-    choices after a jump may differ from plain decoding, since the jumped text is retokenized
-    (equality is checked on the real model, tests/test_grammar_e2e.py)."""
+    choices after a jump may differ from plain decoding where random weights spell the forced text
+    unlike the tokenizer (equality is checked on the real model, tests/test_grammar_e2e.py)."""
     prompts = ["Reply:", "Describe a person:"]
     params = [{"temperature": 0, "max_new_tokens": 64, "regex": r} for r in JUMP_REGEXES]
     plain = make_engine().generate(prompts, sampling_params=params)
@@ -185,3 +185,29 @@ def test_jump_forward_appends_forced_text(make_engine):
         # Forced text was appended, not sampled.
         assert meta["completion_tokens_wo_jump_forward"] < meta["completion_tokens"]
         assert p["meta_info"]["completion_tokens_wo_jump_forward"] == p["meta_info"]["completion_tokens"]
+
+
+def test_jump_keeps_the_sampled_tokens_and_leaves_the_last_forced_one(default_tokenizer):
+    """Plain decoding on SmolLM2 samples "{" then '"' where the tokenizer would write '{"'; a jump
+    must not re-encode the sampled "{" with the forced text, and the forced text's last token
+    (' "', which could merge with the free value after it) is left to the model."""
+    from framework.grammar import GRAMMAR_KEY, GrammarBackend, jump_forward_ids
+    from framework.request import Req
+
+    schema = '{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}'
+    backend = GrammarBackend(default_tokenizer, len(default_tokenizer))
+    try:
+        grammar = backend.make_grammar(backend.submit(("json", schema)))
+    finally:
+        backend.shutdown()
+    req = Req("r", [1], _params(max_new_tokens=64))
+    req.stash[GRAMMAR_KEY] = grammar
+    req.output_ids = default_tokenizer.encode("{", add_special_tokens=False)
+    assert grammar.accept_tokens(req.output_ids)
+    new_ids = jump_forward_ids(req, default_tokenizer)
+    assert new_ids is not None and new_ids[:1] == req.output_ids
+    assert [default_tokenizer.decode([i]) for i in new_ids] == ["{", '"', "name", '":']
+    # The matcher moved with the jump: only ' "' is forced now, and one token is not jumped.
+    assert grammar.jump_forward_string() == ' "'
+    req.output_ids = new_ids
+    assert jump_forward_ids(req, default_tokenizer) is None

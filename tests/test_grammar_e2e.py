@@ -1,5 +1,5 @@
 """Structured output on the real SmolLM2 model: JSON-schema and regex requests in one batch, and
-jump-forward giving the same greedy text as plain constrained decoding."""
+jump-forward giving the same greedy JSON text as plain constrained decoding (issue #6)."""
 
 from __future__ import annotations
 
@@ -85,11 +85,13 @@ def test_jump_forward_gives_the_same_greedy_text(plain, default_model_folder, de
     for out in jumped[:-1]:
         _check_person(json.loads(out["text"]))
     assert re.fullmatch(REGEX, jumped[-1]["text"]), jumped[-1]["text"]
-    # The jumped text is retokenized, so the model can see other tokens for the same forced text
-    # than plain decoding sampled, and a later free value can differ (seen: one "age" differed).
-    # Most outputs must still be identical.
-    num_same = sum(j["text"] == p["text"] for j, p in zip(jumped, plain))
-    assert num_same >= 0.75 * len(plain), (num_same, [o["text"] for o in jumped])
-    num_jumped = sum(o["meta_info"]["completion_tokens"] - o["meta_info"]["completion_tokens_wo_jump_forward"]
-                     for o in jumped)
-    assert num_jumped > 0
+    # Jump-forward keeps every sampled token and appends only the forced text's own tokens but its
+    # last (framework/grammar.py), so the model sees the tokens plain decoding chose and every JSON
+    # output is the same text, token for token.
+    for j, p in zip(jumped[:-1], plain[:-1]):
+        assert (j["text"], j["output_ids"]) == (p["text"], p["output_ids"])
+        meta = j["meta_info"]
+        assert meta["completion_tokens"] - meta["completion_tokens_wo_jump_forward"] > 0, meta
+    # The regex request is checked for validity only: under this mask the model spells "Monday, the"
+    # as "M", "ond", "ay", ",", " ", "th", "e", not as the tokenizer would ("onday", ",", " the"),
+    # and no rule short of running the model can know that (docs/reference-decisions.md, J2).

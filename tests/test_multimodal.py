@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import TINY_CONFIG, assert_no_leak, check_greedy_equal, save_random_model, tiny_settings
+from tests.conftest import (
+    TINY_CONFIG, assert_no_leak, check_greedy_equal, leak_checked_engines, save_random_model, tiny_settings,
+)
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE, PATCH_SIZE = 32, 8
@@ -63,19 +65,7 @@ def image_prompt(num_images: int = 1) -> str:
 
 @pytest.fixture
 def make_llava_engine(llava_folder):
-    from framework.engine import Engine
-
-    engines = []
-
-    def factory(**sections):
-        engine = Engine(tiny_settings(llava_folder, **sections))
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        assert_no_leak(engine)
-        engine.shutdown()
+    yield from leak_checked_engines(llava_folder)
 
 
 @pytest.fixture(scope="module")
