@@ -188,7 +188,7 @@ class PluginSelection(_Section):
     policy: str = Field("lpm", description="Scheduling policy plugin (lpm, fcfs, dfs-weight, lof, random, ...).")
     cache: str = Field("radix", description="Prefix cache plugin (radix, chunk, ...).")
     worker: str = Field(
-        "tp", description="Model worker plugin (tp, overlap, ...); overlap falls back to tp where it cannot run."
+        "overlap", description="Model worker plugin (tp, overlap, ...); overlap falls back to tp where it cannot run."
     )
     disable: list[str] = Field(default_factory=list, description="Observer/default plugins to leave inactive.")
 
