@@ -12,8 +12,9 @@ is sampled only once the event fires, between the forward pass and sampling. The
 after it has processed batch k-1's result (so each matcher has accepted its request's last token)
 and filled batch k's vocab mask; at the start of a pipeline it fills the mask right after launch.
 
-Control calls (`update_weights`) run on the forward thread too, after every batch launched before
-them, so new weights never change under a forward pass.
+Control calls (`update_weights`, the profiler's start and stop) run on the forward thread too,
+after every batch launched before them: new weights never change under a forward pass, and the
+profiler records the operators of the thread that runs the model.
 """
 
 from __future__ import annotations
@@ -154,9 +155,13 @@ class OverlapWorker:
             batch.vocab_mask_ready.wait()
         return self.inner.sample(logits_output, batch)
 
+    def run_in_forward_thread(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on the forward thread, after every batch launched before; waits for its result."""
+        return self.submit(fn).result()
+
     def update_weights(self, model_path: str) -> tuple[bool, str]:
         # Batches still in flight (of requests already finished) run on the old weights first.
-        return self.submit(partial(self.inner.update_weights, model_path)).result()
+        return self.run_in_forward_thread(partial(self.inner.update_weights, model_path))
 
     def shutdown(self) -> None:
         if self.forward_thread.is_alive():
