@@ -123,6 +123,7 @@ def test_real_model_lpm_radix_equals_fcfs_chunk(default_model_folder, sharegpt_p
             plugins={"policy": policy, "cache": cache, "worker": worker},
         )
         try:
+            assert engine.scheduler.worker.is_pipelined == (worker == "overlap")  # no silent fallback
             outputs[policy] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
             assert_no_leak(engine)
         finally:
