@@ -740,6 +740,9 @@ class Scheduler(ControlMixin):
         )
 
     def shutdown(self) -> None:
+        if self.pending_vocab_mask is not None:
+            # The loop stopped on an error before filling it: let the forward thread go on and exit.
+            self.pending_vocab_mask[1].vocab_mask_ready.set()
         self.grammar_backend.shutdown()
         self.worker.shutdown()
 

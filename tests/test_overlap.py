@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 
 import pytest
 import torch
@@ -186,6 +187,27 @@ def test_forward_thread_error_surfaces_and_thread_stops(tiny_model_folder):
     finally:
         engine.shutdown()
     assert not worker.forward_thread.is_alive()
+
+
+def test_shutdown_after_a_loop_error_releases_a_batch_waiting_for_its_mask(tiny_model_folder):
+    """Result processing fails after a grammar batch was launched, so its mask is never filled:
+    shutdown must still stop the forward thread, which waits on that batch's event."""
+    engine = Engine(tiny_settings(tiny_model_folder))
+    worker = engine.scheduler.worker
+
+    def exploding(batch, handle):
+        raise RuntimeError("result processing exploded")
+
+    engine.scheduler.process_batch_result = exploding
+    try:
+        with pytest.raises(RuntimeError, match="exploded"):
+            engine.generate(input_ids=list(range(10, 30)), sampling_params={**GREEDY, "regex": REGEXES[0]})
+        assert engine.scheduler.pending_vocab_mask is not None
+    finally:
+        stopper = threading.Thread(target=engine.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(60)  # a hang guard, not a timing check
+    assert not stopper.is_alive() and not worker.forward_thread.is_alive()
 
 
 def test_shutdown_stops_the_forward_thread(make_engine):
