@@ -102,7 +102,7 @@ class TpWorker:
             device=device,
             seed=settings.model.random_seed,
             lora_paths=parse_lora_paths(settings.model.lora_paths),
-            attention_backend=settings.worker.attention_backend,
+            cpu_kernels=settings.worker.cpu_kernels,
         )
         logger.info(
             "Loaded %s (%s): max_total_num_tokens=%d, context_len=%d",
