@@ -27,7 +27,6 @@ class ForwardMode(enum.IntEnum):
     DECODE = 2  # one token per request
     MIXED = 3  # a prefill chunk and the running decode requests in one pass
     IDLE = 4  # nothing to compute; keeps collectives aligned under DP attention
-    DUMMY_FIRST = 5  # overlap pipeline start marker
 
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)

@@ -100,7 +100,7 @@ class SchedulerSettings(_Section):
     enable_jump_forward: bool = Field(
         False,
         description="Structured output: append the text a grammar forces without a forward pass per "
-        "token (retokenized, re-prefilled). Ignored with a pipelined (overlap) worker.",
+        "token (retokenized, re-prefilled). Off with a pipelined worker (overlap, the default).",
     )
     grammar_compile_threads: int = Field(
         1, gt=0, description="Threads compiling json_schema/regex grammars off the scheduler loop."
@@ -188,7 +188,7 @@ class PluginSelection(_Section):
     policy: str = Field("lpm", description="Scheduling policy plugin (lpm, fcfs, dfs-weight, lof, random, ...).")
     cache: str = Field("radix", description="Prefix cache plugin (radix, chunk, ...).")
     worker: str = Field(
-        "tp", description="Model worker plugin (tp, overlap, ...); overlap falls back to tp where it cannot run."
+        "overlap", description="Model worker plugin (tp, overlap, ...); overlap falls back to tp where it cannot run."
     )
     disable: list[str] = Field(default_factory=list, description="Observer/default plugins to leave inactive.")
 

@@ -87,10 +87,12 @@ class ControlMixin:
         return success, message
 
     def profile(self, action: str) -> tuple[bool, str]:
+        # The profiler records the operators of the thread that starts it: the forward thread of a
+        # pipelined worker (Python calls are traced in every thread).
         if action == "start":
-            return self.profiler.start()
+            return self.worker.run_in_forward_thread(self.profiler.start)
         if action == "stop":
-            return self.profiler.stop()
+            return self.worker.run_in_forward_thread(self.profiler.stop)
         return False, f"unknown profile action {action!r}"
 
     def open_session(self, msg: OpenSessionReq) -> OpenSessionReqOutput:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 import warnings
 from typing import Any, Callable
 
-from framework.batch import ScheduleBatch
+from framework.batch import ModelWorkerBatch, ScheduleBatch
 from framework.budget import NewTokenRatio, PrefillAdder
 from framework.config import Settings
 from framework.model.lora import parse_lora_paths
@@ -108,6 +109,8 @@ class Scheduler(ControlMixin):
         # The mask of batch N+1 needs batch N's tokens, which a pipelined worker has not returned
         # yet when N+1 is launched; jump-forward is off there, as in the reference.
         self.enable_jump_forward = sched.enable_jump_forward and not self.worker.is_pipelined
+        if sched.enable_jump_forward and self.worker.is_pipelined:
+            logger.info("Jump-forward is off: the %s worker is pipelined.", settings.plugins.worker)
         # TP ranks must admit the same requests: they wait for each compilation instead of the
         # reference's all-reduce of the ready count (X2).
         self.wait_for_grammars = settings.parallel.tp_size > 1
@@ -122,6 +125,8 @@ class Scheduler(ControlMixin):
         self.being_chunked_req: Req | None = None
         self.batch_is_full = False
         self.result_queue: collections.deque[tuple[ScheduleBatch, ResultHandle]] = collections.deque()
+        # A pipelined worker's launched batch whose grammar mask is still to be filled.
+        self.pending_vocab_mask: tuple[list[Req], ModelWorkerBatch] | None = None
         self.forward_ct = 0
         self.forward_ct_decode = 0
         self.num_generated_tokens = 0
@@ -155,6 +160,7 @@ class Scheduler(ControlMixin):
             self.process_batch_result(*self.result_queue.popleft())
         elif batch is None:
             self.on_idle()
+        self.fill_pending_vocab_mask()
         self.last_batch = batch
         return batch is not None or bool(self.result_queue)
 
@@ -280,9 +286,6 @@ class Scheduler(ControlMixin):
         )
         key = grammar_key(params)
         if key is not None:
-            if self.worker.is_pipelined:
-                self.reject(req, "json_schema/regex are not supported with a pipelined (overlap) worker yet.")
-                return
             req.stash[GRAMMAR_FUTURE_KEY] = self.grammar_backend.submit(key)
             self.grammar_queue.append(req)
             self.move_ready_grammar_requests()
@@ -476,13 +479,33 @@ class Scheduler(ControlMixin):
 
     def run_batch(self, batch: ScheduleBatch) -> ResultHandle:
         self.forward_ct += 1
-        if batch.sampling_info is not None:
-            batch.sampling_info.vocab_mask = batch_vocab_mask(batch.reqs, self.worker.vocab_size)
-        handle = self.worker.launch(batch.get_model_worker_batch())
+        worker_batch = batch.get_model_worker_batch()
+        if batch.sampling_info is not None and any(grammar_of(r) is not None for r in batch.reqs):
+            if self.worker.is_pipelined:
+                # The matchers have not seen the previous batch's tokens yet: the mask is filled
+                # once that result is processed, and sampling waits for it (reference C2, 4.1).
+                worker_batch.vocab_mask_ready = threading.Event()
+                self.pending_vocab_mask = (list(batch.reqs), worker_batch)
+            else:
+                batch.sampling_info.vocab_mask = batch_vocab_mask(batch.reqs, self.worker.vocab_size)
+        handle = self.worker.launch(worker_batch)
         # The next decode step may be built before this result is processed (pipelined worker).
         for req, token_id in zip(batch.reqs, handle.next_token_ids):
             req.future_token_id = token_id
         return handle
+
+    def fill_pending_vocab_mask(self) -> None:
+        """Fill the in-flight batch's grammar mask and let its sampling go on. Called when every
+        earlier result is processed: after the previous batch's, or at once when the pipeline
+        starts (the reference's DUMMY_FIRST step)."""
+        if self.pending_vocab_mask is None:
+            return
+        reqs, worker_batch = self.pending_vocab_mask
+        self.pending_vocab_mask = None
+        try:
+            worker_batch.sampling_info.vocab_mask = batch_vocab_mask(reqs, self.worker.vocab_size)
+        finally:
+            worker_batch.vocab_mask_ready.set()  # even on an error: the forward thread must not hang
 
     def process_batch_result(self, batch: ScheduleBatch, handle: ResultHandle) -> None:
         result = handle.result()
@@ -717,6 +740,9 @@ class Scheduler(ControlMixin):
         )
 
     def shutdown(self) -> None:
+        if self.pending_vocab_mask is not None:
+            # The loop stopped on an error before filling it: let the forward thread go on and exit.
+            self.pending_vocab_mask[1].vocab_mask_ready.set()
         self.grammar_backend.shutdown()
         self.worker.shutdown()
 

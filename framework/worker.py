@@ -13,7 +13,7 @@ whose result it has not processed yet; the worker resolves placeholders before i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from framework.batch import ModelWorkerBatch
@@ -80,6 +80,11 @@ class Worker(Protocol):
     is_generation: bool
 
     def launch(self, batch: "ModelWorkerBatch") -> ResultHandle: ...
+
+    def run_in_forward_thread(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` in the thread that runs the forward passes, after every batch already launched;
+        returns its result (the profiler starts there: it records that thread's operators)."""
+        ...
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:
         """Load new weights of the same architecture; on failure keep the old ones (R4)."""

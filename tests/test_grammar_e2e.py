@@ -1,5 +1,6 @@
-"""Structured output on the real SmolLM2 model: JSON-schema and regex requests in one batch, and
-jump-forward giving the same greedy JSON text as plain constrained decoding (issue #6)."""
+"""Structured output on the real SmolLM2 model: JSON-schema and regex requests in one batch on the
+plain worker, the overlap worker giving the same outputs, and jump-forward (plain worker only)
+giving the same greedy JSON text as plain constrained decoding (issue #6)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ def _chat_prompt(tokenizer, text: str) -> str:
                                          add_generation_prompt=True)
 
 
-def _engine(folder, **scheduler):
+def _engine(folder, worker="tp", **scheduler):
     return Engine(tiny_settings(folder, model={"dtype": "float32"}, cache={"max_total_tokens": 8192},
-                                scheduler=scheduler))
+                                plugins={"worker": worker}, scheduler=scheduler))
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,17 @@ def test_json_schema_and_regex_outputs_are_valid(plain):
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out
         _check_person(json.loads(out["text"]))
     assert re.fullmatch(REGEX, plain[-1]["text"]), plain[-1]["text"]
+
+
+def test_overlap_worker_gives_the_same_outputs(plain, default_model_folder, default_tokenizer, prompts):
+    """The pipelined worker fills each batch's mask after the previous result (DUMMY_FIRST)."""
+    engine = _engine(default_model_folder, worker="overlap")
+    try:
+        assert engine.scheduler.worker.is_pipelined
+        overlapped = _run(engine, prompts, default_tokenizer)
+    finally:
+        engine.shutdown()
+    assert [o["output_ids"] for o in overlapped] == [p["output_ids"] for p in plain]
 
 
 def test_jump_forward_gives_the_same_greedy_text(plain, default_model_folder, default_tokenizer, prompts):

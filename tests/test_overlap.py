@@ -1,10 +1,14 @@
 """The overlap worker (plugins/workers/overlap.py): the same greedy outputs as the plain worker,
-the one-step-late free of a finished request's extra KV slot, errors and shutdown of the forward
-thread, the fallback to the plain worker. Every engine is leak-checked by `make_engine`."""
+with and without grammars, the one-step-late free of a finished request's extra KV slot, errors and
+shutdown of the forward thread, the fallback to the plain worker, weight updates with a batch in
+flight. Every engine is leak-checked by `make_engine`."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import threading
 
 import pytest
 import torch
@@ -67,6 +71,69 @@ def test_overlap_equals_plain_worker(make_engine, hf_tiny, prompts, scheduler):
         assert counters["overlap"].modes.get("MIXED", 0) > 0
 
 
+REGEXES = [r"(yes|no), [0-9]{2,4}", r"[a-z]{3,8}@example\.(com|org)", r"The answer is (red|green|blue)\."]
+SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "color"],
+    "additionalProperties": False,
+})
+
+
+def grammar_params(num: int) -> list[dict]:
+    """Regex, JSON-schema and unconstrained requests, interleaved so batches mix them."""
+    kinds = [{"regex": r} for r in REGEXES] + [{"json_schema": SCHEMA}, {"ignore_eos": True}]
+    return [{"temperature": 0, "max_new_tokens": 40, **kinds[i % len(kinds)]} for i in range(num)]
+
+
+def assert_in_grammar(params: dict, out: dict) -> None:
+    if "regex" in params:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+        assert re.fullmatch(params["regex"], out["text"]), (params["regex"], out["text"])
+    elif "json_schema" in params:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+        obj = json.loads(out["text"])
+        assert set(obj) == {"ok", "color"} and isinstance(obj["ok"], bool) and obj["color"] in ("red", "green", "blue")
+
+
+@pytest.mark.parametrize("scheduler", [{}, SMALL_CHUNKS], ids=["one-prefill", "chunked"])
+def test_grammar_outputs_equal_plain_worker_and_satisfy_their_grammar(make_engine, hf_tiny, prompts, scheduler):
+    """The mask of each pipelined batch is filled after the previous result (DUMMY_FIRST at the
+    start): a mask built from matchers one token behind gives other tokens or breaks the grammar."""
+    params = grammar_params(len(prompts))
+    outputs = {}
+    for worker in ("tp", "overlap"):
+        engine = make_engine(plugins={"worker": worker}, scheduler=scheduler)
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        for p, out in zip(params, outs):
+            assert_in_grammar(p, out)
+        outputs[worker] = [o["output_ids"] for o in outs]
+    assert isinstance(engine.scheduler.worker, OverlapWorker)
+    ties = assert_same_greedy({"overlap": outputs["overlap"]}, prompts, outputs["tp"], hf_tiny)
+    assert ties <= 2
+
+
+def test_update_weights_with_a_batch_in_flight(make_engine, tiny_model_folder):
+    """A finished request's last batch may still be queued for the forward thread when the weights
+    are updated: the update runs behind it and its result is processed (its extra slot freed)."""
+    engine = make_engine()
+    sched = engine.scheduler
+    assert isinstance(sched.worker, OverlapWorker)
+    before = engine.generate(input_ids=list(range(10, 30)), sampling_params=GREEDY)["output_ids"]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    params.normalize()
+    sched.send(GenerateReqInput(rid="w", input_ids=list(range(40, 60)), sampling_params=params))
+    sched.run_once()
+    while sched.has_requests():
+        sched.run_once()
+    assert sched.result_queue  # the batch launched before the request was seen finished
+    frees = sched.num_late_finish_frees
+    ok, message = sched.update_weights(tiny_model_folder)
+    assert ok, message
+    assert not sched.result_queue and sched.num_late_finish_frees == frees + 1
+    assert engine.generate(input_ids=list(range(10, 30)), sampling_params=GREEDY)["output_ids"] == before
+
+
 @pytest.mark.parametrize("worker, late_frees", [("overlap", 1), ("tp", 0)])
 def test_late_finish_frees_its_extra_slot_once(make_engine, worker, late_frees):
     """A request finishing after its third token was already in the next decode batch; the leak
@@ -120,6 +187,27 @@ def test_forward_thread_error_surfaces_and_thread_stops(tiny_model_folder):
     finally:
         engine.shutdown()
     assert not worker.forward_thread.is_alive()
+
+
+def test_shutdown_after_a_loop_error_releases_a_batch_waiting_for_its_mask(tiny_model_folder):
+    """Result processing fails after a grammar batch was launched, so its mask is never filled:
+    shutdown must still stop the forward thread, which waits on that batch's event."""
+    engine = Engine(tiny_settings(tiny_model_folder))
+    worker = engine.scheduler.worker
+
+    def exploding(batch, handle):
+        raise RuntimeError("result processing exploded")
+
+    engine.scheduler.process_batch_result = exploding
+    try:
+        with pytest.raises(RuntimeError, match="exploded"):
+            engine.generate(input_ids=list(range(10, 30)), sampling_params={**GREEDY, "regex": REGEXES[0]})
+        assert engine.scheduler.pending_vocab_mask is not None
+    finally:
+        stopper = threading.Thread(target=engine.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(60)  # a hang guard, not a timing check
+    assert not stopper.is_alive() and not worker.forward_thread.is_alive()
 
 
 def test_shutdown_stops_the_forward_thread(make_engine):

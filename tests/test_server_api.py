@@ -19,8 +19,11 @@ MODEL = "tiny-model"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_folder, tmp_path_factory):
+    # Penalties are checked over HTTP here (skip_special_tokens via a repetition penalty, the
+    # OpenAI mapping): the default overlap worker would ignore them, so it falls back to plain.
     args = tiny_server_args(tiny_model_folder) + [
         "--server.max-request-bytes", str(MAX_REQUEST_BYTES), "--model.served-model-name", MODEL,
+        "--worker.overlap-penalties", "fallback",
     ]
     with running_server(args, tmp_path_factory.mktemp("server-api") / "server.log") as srv:
         yield srv

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 
 import pytest
@@ -82,13 +84,18 @@ def test_update_refused_while_requests_run(make_engine, other_weights_folder):
     engine.scheduler.run_once()
 
 
-def test_profile_writes_a_trace_to_the_configured_dir(make_engine, tmp_path):
-    engine = make_engine(server={"profile_dir": str(tmp_path / "traces")})
+@pytest.mark.parametrize("worker", ["overlap", "tp"])
+def test_profile_writes_a_trace_to_the_configured_dir(make_engine, tmp_path, worker):
+    """The trace holds the forward passes' operators, also when they run on the overlap worker's
+    forward thread (the profiler records operators of the thread that starts it)."""
+    engine = make_engine(plugins={"worker": worker}, server={"profile_dir": str(tmp_path / "traces")})
     engine.start_profile()
     engine.generate(PROMPTS[0], {"max_new_tokens": 2})
     path = engine.stop_profile()
     assert os.path.dirname(path) == str(tmp_path / "traces")
-    assert os.path.getsize(path) > 0
+    with gzip.open(path, "rt") as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    assert names & {"aten::linear", "aten::mm", "aten::addmm"}, sorted(n for n in names if n)[:20]
 
 
 def test_profile_without_a_dir_uses_the_default(make_engine, monkeypatch, tmp_path):

@@ -7,10 +7,14 @@ them, and the forward thread swaps them for the sampled ids through a future-tok
 forward pass (K3). Batches run in launch order, so a placeholder is always resolved from a batch
 that already ran.
 
-Grammar seam (DUMMY_FIRST, reference C2/C3 and 4.1): a batch whose `vocab_mask_ready` event is set
-by the scheduler is sampled only once that event fires, between the forward pass and sampling, so
-the scheduler can build batch k's vocab mask while processing batch k-1's result. Nothing sets it
-yet; see docs/workers.md for what remains when grammars arrive.
+Grammar handshake (DUMMY_FIRST, reference C2/C3 and 4.1): a batch with a `vocab_mask_ready` event
+is sampled only once the event fires, between the forward pass and sampling. The scheduler sets it
+after it has processed batch k-1's result (so each matcher has accepted its request's last token)
+and filled batch k's vocab mask; at the start of a pipeline it fills the mask right after launch.
+
+Control calls (`update_weights`, the profiler's start and stop) run on the forward thread too,
+after every batch launched before them: new weights never change under a forward pass, and the
+profiler records the operators of the thread that runs the model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
+from functools import partial
+from typing import Any, Callable
 
 import torch
 
@@ -111,28 +117,36 @@ class OverlapWorker:
         if batch.forward_mode.is_idle():
             return ResolvedHandle(BatchResult(next_token_ids=[]))
         start, placeholders = self.future_map.allocate(batch.batch_size)
+        return FutureHandle(placeholders, self.submit(partial(self.run_batch, batch, start)))
+
+    def submit(self, task: Callable[[], Any]) -> Future:
+        """Queue `task` for the forward thread, behind everything queued before it."""
         future: Future = Future()
-        self.input_queue.put((batch, start, future))
-        return FutureHandle(placeholders, future)
+        self.input_queue.put((task, future))
+        return future
 
     def forward_loop(self) -> None:
         while True:
             item = self.input_queue.get()
             if item is None:
                 return
-            batch, start, future = item
+            task, future = item
             if self.error is not None:
                 # Later batches depend on the failed one's tokens: fail them too, never hang.
                 future.set_exception(self.error)
                 continue
             try:
-                result = self.forward(batch)
-                self.future_map.store(start, result.next_token_ids)
+                result = task()
             except BaseException as exc:  # handed to the scheduler thread by the future
                 self.error = exc
                 future.set_exception(exc)
             else:
                 future.set_result(result)
+
+    def run_batch(self, batch, start: int) -> BatchResult:
+        result = self.forward(batch)
+        self.future_map.store(start, result.next_token_ids)
+        return result
 
     def forward(self, batch) -> BatchResult:
         batch.input_ids = self.future_map.resolve(batch.input_ids)
@@ -140,6 +154,14 @@ class OverlapWorker:
         if batch.vocab_mask_ready is not None:
             batch.vocab_mask_ready.wait()
         return self.inner.sample(logits_output, batch)
+
+    def run_in_forward_thread(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on the forward thread, after every batch launched before; waits for its result."""
+        return self.submit(fn).result()
+
+    def update_weights(self, model_path: str) -> tuple[bool, str]:
+        # Batches still in flight (of requests already finished) run on the old weights first.
+        return self.run_in_forward_thread(partial(self.inner.update_weights, model_path))
 
     def shutdown(self) -> None:
         if self.forward_thread.is_alive():

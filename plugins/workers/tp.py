@@ -5,6 +5,7 @@ thread. With tp_size 1 it runs the whole model; with tensor parallelism this pro
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 import torch
 
@@ -136,6 +137,9 @@ class TpWorker:
         if batch.is_embedding:
             return ResolvedHandle(self.forward_batch_embedding(batch))
         return ResolvedHandle(self.forward_batch_generation(batch))
+
+    def run_in_forward_thread(self, fn: Callable[[], Any]) -> Any:
+        return fn()  # the forward passes run in the caller's thread
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:
         return self.runner.update_weights(model_path)
