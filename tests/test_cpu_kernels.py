@@ -197,3 +197,38 @@ def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim):
     pools[3][loc] = qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim)
     assert torch.equal(q, qk[:, :heads].reshape(tokens, heads * head_dim))  # the same roundings
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+
+
+@needs_kernel
+def test_fused_argmax_matches_torch():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 1003, generator=gen).to(torch.bfloat16)  # 1003: a tail past the lanes
+    logits[1, 10] = logits[1, 500] = 40.0  # a tie: the first index wins
+    logits[2] = float("-inf")
+    logits[2, 1002] = 0.0  # the maximum in the tail
+    logits[3, 7] = float("nan")  # NaN counts as the largest
+    logits[4, 900] = float("nan")
+    logits[4, 901] = float("inf")
+    logits[5, :] = float("-inf")  # all -inf: index 0
+    strided = torch.randn(3, 2000, generator=gen).to(torch.bfloat16)[:, 100:1100]
+    for x in (logits, strided):
+        assert torch.equal(KERNELS.fused.argmax(x), x.argmax(dim=-1))
+
+
+@needs_kernel
+def test_fused_add_and_norm_matches_torch():
+    gen = torch.Generator().manual_seed(9)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=gen) * 0.3 + 1
+    norm = norm.to(torch.bfloat16)
+    x = torch.randn(300, 576, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(300, 576, generator=gen).to(torch.bfloat16)
+    ref_h = x + residual
+    ref = norm(ref_h)
+    fused_norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    fused_norm.weight.data = norm.weight.data
+    fused_norm.fused = KERNELS.fused
+    out, h = fused_norm.add_and_norm(x.clone(), residual)
+    assert torch.equal(h, ref_h)
+    torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2**-7)
+    assert (out == ref).float().mean() > 0.99

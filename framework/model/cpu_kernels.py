@@ -103,6 +103,9 @@ class FusedOps:
         self._silu_mul = lib.silu_mul_bf16
         self._silu_mul.restype = _INT
         self._silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _INT]
+        self._argmax = lib.argmax_bf16
+        self._argmax.restype = None
+        self._argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
         self._rope_kv = lib.rope_kv_bf16
         self._rope_kv.restype = _INT
         self._rope_kv.argtypes = [_PTR, _I64] + [_PTR] * 6 + [_I64] + [_INT] * 4
@@ -122,6 +125,16 @@ class FusedOps:
             raise ValueError(f"rms_norm kernel: hidden size {d} is larger than it supports")
         return out
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        """(rms_norm(h), h) with h = x + residual in bf16 (residual contiguous, x's shape)."""
+        rows, d = x.shape
+        out, h = torch.empty((rows, d), dtype=torch.bfloat16), torch.empty((rows, d), dtype=torch.bfloat16)
+        rc = self._rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), h.data_ptr(), weight.data_ptr(),
+                            out.data_ptr(), rows, d, eps, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"rms_norm kernel: hidden size {d} is larger than it supports")
+        return out, h
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, 2 * d] = [gate | up] -> silu(gate) * up, [rows, d] bf16."""
         rows, d2 = gate_up.shape
@@ -129,6 +142,14 @@ class FusedOps:
         self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, d2 // 2, torch.get_num_threads())
         return out
 
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(logits, dim=-1) of bf16 rows [n, vocab] -> int64 [n] (the first index on
+        ties; NaN counts as the largest, as in torch)."""
+        rows, d = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax(logits.data_ptr(), logits.stride(0), rows, d, out.data_ptr())
+        return out
 
     def rope_kv(self, qkv, cos, sin, loc, k_pool, v_pool, heads: int, kv_heads: int) -> torch.Tensor:
         """From the fused projection qkv [T, (heads + 2 kv_heads) * D]: rotate q and k by the

@@ -59,6 +59,15 @@ class RMSNorm(nn.Module):
         xf.mul_(torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
         return torch.empty_like(x).copy_(xf).mul_(self.weight)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h), h) for h = x + residual; x may be modified (it is a sublayer's fresh output)."""
+        fused = self.fused
+        if (fused is not None and fused.supports(x) and self.weight.dtype == torch.bfloat16
+                and residual.dtype == torch.bfloat16 and residual.is_contiguous()):
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        h = x.add_(residual)
+        return self(h), h
+
 
 class RowParallelLinear(nn.Module):
     """A linear layer whose input dimension is split over the ranks: `reduce(x @ W_r^T) + b`.
@@ -173,8 +182,8 @@ class LlamaDecoderLayer(nn.Module):
         out = torch.empty_like(hidden)
         for t in tiles:
             # The sublayers return fresh tensors, so the residual adds can be in place.
-            h = attn.o_proj(attn_out[t]).add_(hidden[t])
-            torch.add(self.mlp(self.post_attention_layernorm(h), batch), h, out=out[t])
+            normed, h = self.post_attention_layernorm.add_and_norm(attn.o_proj(attn_out[t]), hidden[t])
+            torch.add(self.mlp(normed, batch), h, out=out[t])
         return out
 
 

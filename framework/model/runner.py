@@ -133,7 +133,7 @@ class ModelRunner:
         self.image_info = getattr(self.model, "image_info", None)
         # Wraps the targeted linear layers, so after the weights are in place and cast.
         self.lora = LoraManager(self.model, lora_paths) if lora_paths else None
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.cpu_kernels.fused if self.cpu_kernels else None)
         self._init_memory_pools(max_total_tokens, kv_cache_memory_bytes, max_running_requests)
 
     def _load_model(self, hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]]):

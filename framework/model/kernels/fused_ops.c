@@ -203,3 +203,34 @@ int rope_kv_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos, c
     run(&job, num_threads);
     return 0;
 }
+
+/* Index of the largest value of each bf16 row (the first on ties; the first NaN if there is one,
+ * as torch.argmax), into out [rows]. One thread: the rows are read once, at memory speed. */
+void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t d, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * x_stride;
+        float best = -INFINITY;
+        int64_t i = 0, arg = 0;
+        int has_nan = 0;
+#ifdef __AVX512F__
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (; i + 16 <= d; i += 16) {
+            __m512 v = load16(row + i, 1);
+            has_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+            vmax = _mm512_max_ps(vmax, v);
+        }
+        best = _mm512_reduce_max_ps(vmax);
+#endif
+        for (; i < d; i++) {
+            float v = bf16_to_f32(row[i]);
+            has_nan |= v != v;
+            if (v > best) best = v;
+        }
+        for (i = 0; i < d; i++) {
+            float v = bf16_to_f32(row[i]);
+            if (has_nan ? v != v : v == best) break;
+        }
+        arg = i < d ? i : 0;
+        out[r] = arg;
+    }
+}
