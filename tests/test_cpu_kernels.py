@@ -173,6 +173,11 @@ def test_fused_ops_are_used_only_for_bf16():
     x = torch.randn(3, 64)
     torch.testing.assert_close(norm(x), RMSNorm(64, 1e-6)(x), atol=0, rtol=0)  # fp32: the PyTorch path
     assert not KERNELS.fused.supports(x) and KERNELS.fused.supports(x.to(torch.bfloat16))
+    wide = torch.ones(1, KERNELS.fused.MAX_NORM_WIDTH + 16, dtype=torch.bfloat16)
+    assert not KERNELS.fused.supports_norm(wide, wide[0])  # too wide for the kernel: PyTorch path
+    wide_norm = RMSNorm(wide.shape[1], 1e-6).to(torch.bfloat16)
+    wide_norm.fused = KERNELS.fused
+    torch.testing.assert_close(wide_norm(wide).float(), torch.ones_like(wide).float(), atol=1e-2, rtol=0)
 
 
 @needs_kernel

@@ -110,10 +110,16 @@ class FusedOps:
         self._rope_kv.restype = _INT
         self._rope_kv.argtypes = [_PTR, _I64] + [_PTR] * 6 + [_I64] + [_INT] * 4
 
+    # The widest row rms_norm takes (its per-thread row buffer, kernels/fused_ops.c).
+    MAX_NORM_WIDTH = 8192
+
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
         """Whether x ([rows, d]) can be passed: bf16 on the CPU with unit stride along d."""
         return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
+    def supports_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self.supports(x) and x.shape[1] <= self.MAX_NORM_WIDTH and weight.dtype == torch.bfloat16
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of bf16 rows (weight bf16 [d]), rounded as the PyTorch path rounds."""

@@ -51,7 +51,7 @@ class RMSNorm(nn.Module):
         self.fused: FusedOps | None = None  # see use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and self.fused.supports(x) and self.weight.dtype == torch.bfloat16:
+        if self.fused is not None and self.fused.supports_norm(x, self.weight):
             return self.fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
@@ -62,8 +62,8 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h), h) for h = x + residual; x may be modified (it is a sublayer's fresh output)."""
         fused = self.fused
-        if (fused is not None and fused.supports(x) and self.weight.dtype == torch.bfloat16
-                and residual.dtype == torch.bfloat16 and residual.is_contiguous()):
+        if (fused is not None and fused.supports_norm(x, self.weight) and residual.dtype == torch.bfloat16
+                and residual.is_contiguous()):
             return fused.add_rms_norm(x, residual, self.weight, self.eps)
         h = x.add_(residual)
         return self(h), h
