@@ -1,6 +1,6 @@
 """Small C kernels for the CPU, built on first use and called through ctypes.
 
-The source files live in `framework/model/kernels/` (shared helpers in its `.h` headers). Each is compiled once per machine with the
+The source files live in `framework/model/kernels/` (shared helpers in `common.h`). Each is compiled once per machine with the
 system C compiler (`cc -O3 -march=native`) into a cache folder (`BATCHYARD_KERNEL_CACHE`, default
 `~/.cache/batchyard/kernels`), keyed by a hash of the source, the command and the CPU. Without a
 compiler, or when the build fails, `load` returns None and callers use their PyTorch path: the

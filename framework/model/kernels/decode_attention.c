@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "simd.h"
+#include "common.h"
 
 typedef struct {
     const void *q;             /* [n, heads, head_dim] */
@@ -54,6 +54,15 @@ static inline void load_row(float *dst, const void *p, int d, int bf16) {
 static inline void prefetch_row(const void *p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
 }
+
+/* Token t's 64-element row of one head (base: the head's first row; slot rows `row_bytes` apart)
+ * as four fp32 vectors, prefetching the row PREFETCH tokens ahead. */
+static inline void load_row64(const char *base, const int64_t *slots, int64_t t, int64_t len, size_t row_bytes,
+                              size_t elem, int bf16, __m512 out[4]) {
+    if (t + PREFETCH < len) prefetch_row(base + (size_t)slots[t + PREFETCH] * row_bytes, 64 * elem);
+    const char *p = base + (size_t)slots[t] * row_bytes;
+    for (int c = 0; c < 4; c++) out[c] = load16(p + c * 16 * elem, bf16);
+}
 #endif
 
 /* scores[g * len + t] = q[g] . k_t for the group's query heads over one KV head; `q` is the
@@ -87,15 +96,13 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
         for (int g = 0; g < group; g++)
             for (int c = 0; c < 4; c++) qv[g][c] = _mm512_loadu_ps(qf + g * d + c * 16);
         for (int64_t t = 0; t < len; t++) {
-            if (t + PREFETCH < len) prefetch_row((const char *)k + (size_t)slots[t + PREFETCH] * kv_stride * elem, d * elem);
-            const char *kp = (const char *)k + (size_t)slots[t] * kv_stride * elem;
-            __m512 k0 = load16(kp, kv_bf16), k1 = load16(kp + 16 * elem, kv_bf16);
-            __m512 k2 = load16(kp + 32 * elem, kv_bf16), k3 = load16(kp + 48 * elem, kv_bf16);
+            __m512 kr[4];
+            load_row64((const char *)k, slots, t, len, kv_stride * elem, elem, kv_bf16, kr);
             for (int g = 0; g < group; g++) {
-                __m512 acc = _mm512_mul_ps(qv[g][0], k0);
-                acc = _mm512_fmadd_ps(qv[g][1], k1, acc);
-                acc = _mm512_fmadd_ps(qv[g][2], k2, acc);
-                acc = _mm512_fmadd_ps(qv[g][3], k3, acc);
+                __m512 acc = _mm512_mul_ps(qv[g][0], kr[0]);
+                acc = _mm512_fmadd_ps(qv[g][1], kr[1], acc);
+                acc = _mm512_fmadd_ps(qv[g][2], kr[2], acc);
+                acc = _mm512_fmadd_ps(qv[g][3], kr[3], acc);
                 scores[g * len + t] = _mm512_reduce_add_ps(acc);
             }
         }
@@ -126,16 +133,11 @@ static void head_values(const float *probs, int group, const void *v, int64_t kv
         for (int g = 0; g < group; g++)
             for (int c = 0; c < 4; c++) av[g][c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t++) {
-            if (t + PREFETCH < len) prefetch_row((const char *)v + (size_t)slots[t + PREFETCH] * kv_stride * elem, d * elem);
-            const char *vp = (const char *)v + (size_t)slots[t] * kv_stride * elem;
-            __m512 v0 = load16(vp, bf16), v1 = load16(vp + 16 * elem, bf16);
-            __m512 v2 = load16(vp + 32 * elem, bf16), v3 = load16(vp + 48 * elem, bf16);
+            __m512 vr[4];
+            load_row64((const char *)v, slots, t, len, kv_stride * elem, elem, bf16, vr);
             for (int g = 0; g < group; g++) {
                 __m512 p = _mm512_set1_ps(probs[g * len + t]);
-                av[g][0] = _mm512_fmadd_ps(p, v0, av[g][0]);
-                av[g][1] = _mm512_fmadd_ps(p, v1, av[g][1]);
-                av[g][2] = _mm512_fmadd_ps(p, v2, av[g][2]);
-                av[g][3] = _mm512_fmadd_ps(p, v3, av[g][3]);
+                for (int c = 0; c < 4; c++) av[g][c] = _mm512_fmadd_ps(p, vr[c], av[g][c]);
             }
         }
         for (int g = 0; g < group; g++)
@@ -232,8 +234,6 @@ static void *run_span(void *arg) {
     return NULL;
 }
 
-#define MAX_THREADS 64
-
 /* Returns 0, or -1 when scratch memory could not be allocated. Spans whose thread cannot be
  * started run on the calling thread. */
 int decode_attention(const void *q, const void *k, const void *v, const int64_t *req_to_token,
@@ -262,16 +262,8 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
         spans[s].end = i;
         spans[s].max_len = max_len;
     }
-    pthread_t threads[MAX_THREADS];
-    int started = 1; /* spans 1..started-1 run on their own threads */
-    while (started < num_threads && pthread_create(&threads[started], NULL, run_span, &spans[started]) == 0)
-        started++;
-    run_span(&spans[0]);
-    for (int s = started; s < num_threads; s++) run_span(&spans[s]); /* threads that did not start */
-    int failed = spans[0].failed;
-    for (int s = 1; s < num_threads; s++) {
-        if (s < started) pthread_join(threads[s], NULL);
-        failed |= spans[s].failed;
-    }
+    run_spans(run_span, spans, sizeof spans[0], num_threads);
+    int failed = 0;
+    for (int s = 0; s < num_threads; s++) failed |= spans[s].failed;
     return failed ? -1 : 0;
 }

@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "simd.h"
+#include "common.h"
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -155,7 +155,6 @@ static void *run_rows(void *arg) {
     return NULL;
 }
 
-#define MAX_THREADS 64
 /* Rows per thread below which one thread does all the work (a thread start costs more). */
 #define MIN_ROWS_PER_THREAD 256
 
@@ -164,18 +163,12 @@ static void run(const Job *job, int num_threads) {
     if (num_threads > job->rows / MIN_ROWS_PER_THREAD) num_threads = (int)(job->rows / MIN_ROWS_PER_THREAD);
     if (num_threads < 1) num_threads = 1;
     Rows spans[MAX_THREADS];
-    pthread_t threads[MAX_THREADS];
     for (int s = 0; s < num_threads; s++) {
         spans[s].job = job;
         spans[s].begin = job->rows * s / num_threads;
         spans[s].end = job->rows * (s + 1) / num_threads;
     }
-    int started = 1;
-    while (started < num_threads && pthread_create(&threads[started], NULL, run_rows, &spans[started]) == 0)
-        started++;
-    run_rows(&spans[0]);
-    for (int s = started; s < num_threads; s++) run_rows(&spans[s]);
-    for (int s = 1; s < started; s++) pthread_join(threads[s], NULL);
+    run_spans(run_rows, spans, sizeof spans[0], num_threads);
 }
 
 /* Returns 0, or -1 when d is larger than the row buffer. */

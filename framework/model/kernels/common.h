@@ -1,11 +1,29 @@
-/* Helpers shared by the CPU kernels: bf16 <-> fp32 (round to nearest even, as torch) and, with
- * AVX512F, 16-lane loads, stores and exp. Kernels include this header; cpu_kernels.py hashes it
- * into every kernel's build key. */
-#ifndef BATCHYARD_SIMD_H
-#define BATCHYARD_SIMD_H
+/* Helpers shared by the CPU kernels: bf16 <-> fp32 (round to nearest even, as torch), with
+ * AVX512F 16-lane loads, stores and exp, and the fan-out of work spans over pthreads. Kernels
+ * include this header; cpu_kernels.py hashes it into every kernel's build key. */
+#ifndef BATCHYARD_KERNELS_COMMON_H
+#define BATCHYARD_KERNELS_COMMON_H
 
+#include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#define MAX_THREADS 64
+
+/* fn(span) for each of `count` spans (an array of `span_size`-byte structs, count <= MAX_THREADS):
+ * span 0 on the calling thread, the others on their own threads; a span whose thread cannot be
+ * started runs on the calling thread too. Returns when all are done. */
+static inline void run_spans(void *(*fn)(void *), void *spans, size_t span_size, int count) {
+    pthread_t threads[MAX_THREADS];
+    char *base = (char *)spans;
+    int started = 1; /* spans 1..started-1 run on their own threads */
+    while (started < count && pthread_create(&threads[started], NULL, fn, base + started * span_size) == 0)
+        started++;
+    fn(base);
+    for (int s = started; s < count; s++) fn(base + s * span_size);
+    for (int s = 1; s < started; s++) pthread_join(threads[s], NULL);
+}
 
 #ifdef __AVX512F__
 #include <immintrin.h>
