@@ -79,6 +79,81 @@ class SamplingBatchInfo:
         )
 
 
+class _DraftRow:
+    """Request `req` as it stood before its output token `num_outputs` was chosen: what a
+    SamplingBatchInfo or BatchPenalties row reads of a request (its parameters, its outputs so far)."""
+
+    def __init__(self, req: Req, num_outputs: int):
+        self.req = req
+        self.num_outputs = num_outputs
+        self.sampling_params = req.sampling_params
+        self.origin_input_ids = req.origin_input_ids
+        self.eos_token_ids = req.eos_token_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.req.output_ids[: self.num_outputs]
+
+    def num_sampled_tokens(self) -> int:
+        return self.num_outputs
+
+
+@dataclass
+class DraftCheck:
+    """Draft tokens checked in an extend pass (jump-forward's forced text, framework/grammar.py).
+
+    Request i of the batch ends its extend with `lens[i]` draft tokens. Row r of `sampling_info`
+    is that request as it stood before draft `tokens[r]` (its penalties, seed step and grammar
+    mask then), so sampling row r from the logits of the position before the draft gives the
+    token plain decoding would have chosen there. A draft is kept while the two agree; at the first
+    disagreement the model's token replaces it and the later drafts are dropped.
+    """
+
+    lens: list[int]  # [bs]
+    tokens: list[int]  # [sum(lens)], request by request
+    sampling_info: SamplingBatchInfo  # [sum(lens)] rows
+
+    @classmethod
+    def from_reqs(cls, reqs: list[Req], vocab_size: int | None) -> "DraftCheck | None":
+        """The drafts of the requests of an extend pass, or None when none has any."""
+        if not any(r.num_draft_tokens for r in reqs):
+            return None
+        rows: list[_DraftRow] = []
+        tokens: list[int] = []
+        masks: list[torch.Tensor] = []
+        for req in reqs:
+            n = req.num_draft_tokens
+            if n == 0:
+                continue
+            start = len(req.output_ids) - n
+            rows.extend(_DraftRow(req, start + j) for j in range(n))
+            tokens.extend(req.output_ids[start:])
+            if req.draft_vocab_masks is not None:
+                masks.append(req.draft_vocab_masks)
+            else:  # an unconstrained draft: every token allowed (xgrammar's all-ones bitmask)
+                masks.append(torch.full((n, (vocab_size + 31) // 32), -1, dtype=torch.int32))
+        penalties = BatchPenalties.from_reqs(rows, vocab_size)
+        info = SamplingBatchInfo.from_reqs(rows, penalties)
+        info.vocab_mask = torch.cat(masks)
+        return cls([r.num_draft_tokens for r in reqs], tokens, info)
+
+    def settle(self, draft_ids: list[int], next_ids: list[int]) -> tuple[list[int], list[int]]:
+        """`draft_ids`: the token sampled at each draft row; `next_ids`: each request's token
+        sampled after its last draft. -> (each request's next token, drafts kept per request)."""
+        next_ids = list(next_ids)
+        kept: list[int] = []
+        row = 0
+        for i, n in enumerate(self.lens):
+            k = 0
+            while k < n and draft_ids[row + k] == self.tokens[row + k]:
+                k += 1
+            if k < n:
+                next_ids[i] = draft_ids[row + k]
+            kept.append(k)
+            row += n
+        return next_ids, kept
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -134,6 +209,8 @@ class ModelWorkerBatch:
     lora_paths: list[str | None] | None = None
     # DP attention: every rank's token count this pass, in rank order (reference L2).
     global_num_tokens: list[int] | None = None
+    # Extend passes: draft tokens at the end of some requests' extends, to check (DraftCheck).
+    draft_check: DraftCheck | None = None
 
     @property
     def batch_size(self) -> int:
@@ -362,6 +439,23 @@ class ScheduleBatch:
         self.penalties.cumulate_output_tokens(self.input_ids)
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.penalties)
 
+    def drop_last_tokens(self, i: int, num_tokens: int) -> None:
+        """Free the KV of request `i`'s last `num_tokens` tokens, computed by this extend pass
+        (draft tokens the model disagreed with, `DraftCheck`); the request already dropped them."""
+        req = self.reqs[i]
+        seq_len = int(self.seq_lens[i])
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, seq_len - num_tokens : seq_len]
+        self.token_to_kv_pool.free(slots.clone())
+        self.seq_lens = self.seq_lens.clone()  # the worker batch of the pass shares the tensor
+        self.seq_lens[i] = seq_len - num_tokens
+        req.stash[_COMPUTED_KEY] = seq_len - num_tokens
+        assert len(req.fill_ids) == seq_len - num_tokens, (len(req.fill_ids), seq_len, num_tokens)
+
+    def rebuild_penalties(self) -> None:
+        """Penalty rows from the requests' outputs again (after `drop_last_tokens`); rows match
+        the incremental ones wherever the requests' outputs are those the rows have counted."""
+        self.penalties = BatchPenalties.from_reqs(self.reqs, self.vocab_size)
+
     # -- membership -----------------------------------------------------------------------------
 
     def filter_batch(
@@ -442,6 +536,7 @@ class ScheduleBatch:
             is_embedding=self.is_embedding,
             lora_paths=self.lora_paths(),
             global_num_tokens=self.global_num_tokens,
+            draft_check=DraftCheck.from_reqs(self.reqs, self.vocab_size) if self.forward_mode.is_extend() else None,
         )
 
     def lora_paths(self) -> list[str | None] | None:

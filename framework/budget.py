@@ -184,7 +184,11 @@ class PrefillAdder:
                 return AddReqResult.NO_TOKEN
             freed += tokens_occupied + tokens_left
 
-        if self.rem_chunk_tokens is None or req.extend_input_len <= self.rem_chunk_tokens:
+        if (
+            self.rem_chunk_tokens is None
+            or req.extend_input_len <= self.rem_chunk_tokens
+            or _needs_whole_prompt(req)
+        ):
             self.can_run_list.append(req)
             self._prefill_one_req(0, req.extend_input_len, self._clipped_max_new(req))
         else:
@@ -232,8 +236,9 @@ class PrefillAdder:
 
 def _needs_whole_prompt(req: "Req") -> bool:
     # Prompt logprobs need the whole prompt in one pass, so such a request is never chunked; nor
-    # is an input_embeds one, whose KV cannot go through the prefix cache between chunks.
-    if req.input_embeds is not None:
+    # is an input_embeds one, whose KV cannot go through the prefix cache between chunks, nor one
+    # ending with draft tokens, which are checked on the logits of the pass that computes them.
+    if req.input_embeds is not None or req.num_draft_tokens:
         return True
     return (
         req.return_logprob

@@ -100,7 +100,8 @@ class SchedulerSettings(_Section):
     enable_jump_forward: bool = Field(
         False,
         description="Structured output: append the text a grammar forces without a forward pass per "
-        "token (retokenized, re-prefilled). Off with a pipelined worker (overlap, the default).",
+        "token, as drafts the re-prefill checks against the model (outputs stay those of plain "
+        "decoding). Off with a pipelined worker (overlap, the default).",
     )
     grammar_compile_threads: int = Field(
         1, gt=0, description="Threads compiling json_schema/regex grammars off the scheduler loop."

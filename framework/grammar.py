@@ -20,8 +20,11 @@ from framework.request import Req, SamplingParams, StashKey
 
 logger = logging.getLogger(__name__)
 
-# How far a matcher can roll back (the reference's value); a refused jump rolls back its partial accept.
+# How far a matcher can roll back (the reference's value): a refused jump rolls back its partial
+# accept, and drafts the model disagrees with are rolled back.
 MAX_ROLLBACK_TOKENS = 200
+# Draft tokens proposed per jump (a longer forced string goes on at the next jump).
+MAX_DRAFT_TOKENS = 64
 
 GrammarKey = tuple[str, str]
 
@@ -89,13 +92,18 @@ class Grammar:
         if num_tokens > 0:
             self.matcher.rollback(num_tokens)
 
-    def accept_tokens(self, token_ids: list[int]) -> bool:
-        """Accept all of `token_ids` or, on the first refusal, none of them."""
+    def accept_drafts(self, token_ids: list[int], vocab_size: int) -> torch.Tensor | None:
+        """Accept all of `token_ids` or none (None), recording before each the bitmask it is
+        chosen under: [len(token_ids), ceil(vocab / 32)] int32."""
+        import xgrammar as xgr
+
+        masks = xgr.allocate_token_bitmask(len(token_ids), vocab_size)
         for n, tok in enumerate(token_ids):
+            self.matcher.fill_next_token_bitmask(masks, n)
             if not self.matcher.accept_token(tok):
                 self.rollback(n)
-                return False
-        return True
+                return None
+        return masks
 
 
 class GrammarBackend:
@@ -208,16 +216,16 @@ def accept_last_token(req: Req) -> bool:
     return grammar.is_terminated()
 
 
-def jump_forward_ids(req: Req, tokenizer: Any) -> list[int] | None:
-    """The request's output ids followed by the tokens of the string its grammar forces next
-    (reference J2, with the QUIRK of its retokenization fixed); the matcher accepts them. None when
-    nothing can be jumped; then nothing changed.
+def jump_forward_drafts(req: Req, tokenizer: Any, vocab_size: int) -> tuple[list[int], torch.Tensor] | None:
+    """The tokens of the string the request's grammar forces next (reference J2), as drafts, and
+    the bitmask each is chosen under; the matcher has accepted them. None when nothing can be
+    jumped; then nothing changed.
 
-    Plain decoding picks its own tokens for forced text, and when jump-forward feeds the model other
-    tokens for the same characters its later free choices can differ. So the sampled tokens are
-    never re-encoded (the reference re-encodes them with the jump string, turning a sampled "{" then
-    '"' into one '{"' token), only the forced string is encoded, on its own, and its last token is
-    left for the model to sample: that token could merge with the free text after it.
+    The forced string is encoded on its own and nothing sampled is re-encoded (the reference
+    re-encodes the whole output with it, QUIRK). Its tokens are only a guess at how the model spells
+    it ("Monday" may be "M" "ond" "ay" to the model): the re-prefill checks each against the
+    token plain decoding would sample there (`framework.batch.DraftCheck`), so the output is the
+    one of plain constrained decoding.
     """
     grammar = grammar_of(req)
     if grammar is None or grammar.is_terminated():
@@ -225,8 +233,12 @@ def jump_forward_ids(req: Req, tokenizer: Any) -> list[int] | None:
     jump = grammar.jump_forward_string()
     if not jump:
         return None
-    forced = tokenizer.encode(jump, add_special_tokens=False)[:-1]
-    num_ids = len(req.output_ids) + len(forced)
-    if not forced or num_ids >= req.sampling_params.max_new_tokens or not grammar.accept_tokens(forced):
+    # Room for the drafts and the token sampled after them.
+    room = min(MAX_DRAFT_TOKENS, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
+    tokens = tokenizer.encode(jump, add_special_tokens=False)[: max(room, 0)]
+    if not tokens:
         return None
-    return req.output_ids + forced
+    masks = grammar.accept_drafts(tokens, vocab_size)
+    if masks is None:
+        return None
+    return tokens, masks

@@ -320,6 +320,12 @@ class Req:
         # The id of the token sampled by a launched batch whose result is not processed yet: a
         # placeholder from a pipelined worker (reference K5), or None when `output_ids` is current.
         self.future_token_id: int | None = None
+        # The last `num_draft_tokens` of `output_ids` are not sampled but proposed (jump-forward's
+        # forced text): the next extend pass checks them against what the model would sample.
+        self.num_draft_tokens = 0
+        # [num_draft_tokens, ceil(vocab / 32)] int32: the grammar bitmask each draft is chosen
+        # under, or None for unconstrained drafts.
+        self.draft_vocab_masks: Any = None
         self.fill_ids: list[int] = []
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids or set()
@@ -385,6 +391,19 @@ class Req:
         """The input of this request's next decode step: the in-flight token, else the last output."""
         return self.future_token_id if self.future_token_id is not None else self.output_ids[-1]
 
+    def keep_draft_tokens(self, kept: int) -> int:
+        """The first `kept` draft tokens become outputs like any other, the rest leave
+        `output_ids` (and `fill_ids`, when it holds them); returns how many left."""
+        dropped = self.num_draft_tokens - kept
+        if dropped:
+            end = len(self.origin_input_ids) + len(self.output_ids)
+            del self.output_ids[-dropped:]
+            if len(self.fill_ids) == end:
+                del self.fill_ids[-dropped:]
+        self.num_draft_tokens = 0
+        self.draft_vocab_masks = None
+        return dropped
+
     def init_next_round_input(self, tree_cache=None) -> None:
         """Set `fill_ids` and, when a cache is given, match the prefix (reference D4 step 8)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
@@ -398,7 +417,8 @@ class Req:
         """The longest prefix that may come from the cache: at least one token is recomputed (U1)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         input_len = len(self.fill_ids)
-        max_prefix_len = input_len - 1
+        # Draft tokens are checked on the logits of the positions before them, so those are computed.
+        max_prefix_len = input_len - 1 - self.num_draft_tokens
         if self.input_embeds is not None:
             max_prefix_len = 0  # placeholder ids: a cached prefix under them is not this prompt's KV
         if self.return_logprob:

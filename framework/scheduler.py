@@ -35,7 +35,7 @@ from framework.messages import (
 )
 from framework.grammar import (
     GRAMMAR_FUTURE_KEY, GRAMMAR_KEY, GrammarBackend, accept_last_token, batch_vocab_mask, grammar_key,
-    grammar_of, jump_forward_ids,
+    grammar_of, jump_forward_drafts,
 )
 from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
 from framework.plugins import PluginManager
@@ -134,6 +134,9 @@ class Scheduler(ControlMixin):
         self.cache_hit_tokens = 0
         self.cache_total_tokens = 0
         self.num_retractions = 0
+        # Jump-forward draft tokens the model agreed with, and those it replaced.
+        self.num_draft_tokens_kept = 0
+        self.num_draft_tokens_dropped = 0
         self.num_received_reqs = 0
         self.num_late_finish_frees = 0  # KV slots of requests that finished one step late (K6)
         self.new_token_ratio = NewTokenRatio(
@@ -352,6 +355,10 @@ class Scheduler(ControlMixin):
                     # The request keeps its rid and gets a new slot with its next chunk.
                     self.tree_cache.free_req_slot(req)
                 self.batch_is_full = False
+            else:
+                # Requests finished by their prefill (all of an embedding batch) do not join the
+                # running batch, where they would count as running until its next filter.
+                last.filter_batch()
             if not last.is_empty():
                 if self.running_batch is None:
                     self.running_batch = last
@@ -447,28 +454,50 @@ class Scheduler(ControlMixin):
         return batch
 
     def jump_forward(self, batch: ScheduleBatch) -> None:
-        """Requests whose grammar forces the next characters get them appended, retokenized, and
-        go back to waiting to be re-prefilled over their cached prefix (reference J)."""
+        """Requests whose grammar forces the next characters get the forced text's tokens
+        appended as drafts and go back to waiting, to be re-prefilled over their cached prefix
+        (reference J); the re-prefill keeps the drafts the model agrees with (`settle_drafts`)."""
         keep = []
         for i, req in enumerate(batch.reqs):
-            # Logprobs of jumped tokens would need the reference's re-derivation (J2 step 5).
-            if grammar_of(req) is None or req.return_logprob:
+            # Logprobs of jumped tokens would need the reference's re-derivation (J2 step 5); a
+            # stop string completed inside kept drafts would be found only after them.
+            if grammar_of(req) is None or req.return_logprob or req.sampling_params.stop_strs:
                 keep.append(i)
                 continue
-            old_len = len(req.output_ids)
-            new_ids = jump_forward_ids(req, self.tokenizer)
-            if new_ids is None:
+            drafts = jump_forward_drafts(req, self.tokenizer, self.worker.vocab_size)
+            if drafts is None:
                 keep.append(i)
                 continue
             # Cache the tokens computed so far; the slot and the lock are released.
             self.tree_cache.cache_finished_req(req)
-            req.output_ids = new_ids
-            req.stash[JUMPED_TOKENS_KEY] = req.stash.get(JUMPED_TOKENS_KEY, 0) + len(new_ids) - old_len
+            tokens, masks = drafts
+            req.output_ids.extend(tokens)
+            req.num_draft_tokens = len(tokens)
+            req.draft_vocab_masks = masks
             req.reset_for_retract()
-            req.vid += 1  # the detokenizer restarts this request's incremental state
             self.waiting_queue.append(req)
         if len(keep) < batch.batch_size():
             batch.filter_batch(keep_indices=keep)
+
+    def settle_drafts(self, batch: ScheduleBatch, kept: list[int]) -> None:
+        """Some requests' extends ended with draft tokens, of which the model agreed with the
+        first `kept[i]`: the others leave the request's outputs, its KV and its matcher (the
+        batch's next token for it is the model's own in their place)."""
+        dropped_any = False
+        for i, req in enumerate(batch.reqs):
+            if not req.num_draft_tokens:
+                continue
+            dropped = req.keep_draft_tokens(kept[i])
+            req.stash[JUMPED_TOKENS_KEY] = req.stash.get(JUMPED_TOKENS_KEY, 0) + kept[i]
+            self.num_draft_tokens_kept += kept[i]
+            self.num_draft_tokens_dropped += dropped
+            if dropped:
+                batch.drop_last_tokens(i, dropped)
+                grammar_of(req).rollback(dropped)
+                dropped_any = True
+        if dropped_any:
+            # Before any request appends this pass's token, so its rows are those of the pass.
+            batch.rebuild_penalties()
 
     def retract_req(self, req: Req, kv_len: int) -> None:
         """Release a running request's memory and send it back to waiting (used by on_decode_oom)."""
@@ -522,6 +551,10 @@ class Scheduler(ControlMixin):
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: BatchResult, launched: list[int]) -> None:
         decoding = {id(r) for r in batch.decoding_reqs} if batch.decoding_reqs else set()
+        if any(r.num_draft_tokens for r in batch.reqs):
+            # A worker that does not check drafts (no `kept_draft_tokens`) keeps them all, unchecked.
+            kept = result.kept_draft_tokens or [r.num_draft_tokens for r in batch.reqs]
+            self.settle_drafts(batch, kept)
         for i, req in enumerate(batch.reqs):
             if req.is_retracted:
                 continue
@@ -747,6 +780,6 @@ class Scheduler(ControlMixin):
         self.worker.shutdown()
 
 
-# Output tokens appended by jump-forward rather than sampled.
+# Output tokens appended by jump-forward (and kept) rather than sampled one pass each.
 JUMPED_TOKENS_KEY = StashKey("jumped_tokens")
 

@@ -33,6 +33,9 @@ class BatchResult:
     normalized_prompt_logprobs: list[float] | None = None
     # An embedding batch's pooled vectors (its next_token_ids are empty).
     embeddings: list[list[float]] | None = None
+    # Batches with a DraftCheck: per request, how many of its draft tokens the model agreed with
+    # (its next_token_ids entry is then the model's token after those).
+    kept_draft_tokens: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from framework.grammar import GrammarError
 from framework.messages import AbortReq, GenerateReqInput
@@ -170,35 +171,61 @@ JUMP_REGEXES = [
 ]
 
 
-def test_jump_forward_appends_forced_text(make_engine):
-    """Random weights: the forced text is appended and the output stays in the language. The free
-    choices after a jump may differ from plain decoding where random weights spell the forced text
-    unlike the tokenizer (equality is checked on the real model, tests/test_grammar_e2e.py)."""
-    prompts = ["Reply:", "Describe a person:"]
-    params = [{"temperature": 0, "max_new_tokens": 64, "regex": r} for r in JUMP_REGEXES]
-    plain = make_engine().generate(prompts, sampling_params=params)
+JUMP_PROMPTS = ["Reply:", "Describe a person:"]
+# Greedy, greedy with penalties (their rows must see only the drafts before them), seeded sampling
+# (a draft row draws with the seed step of its output position).
+JUMP_PARAMS = [
+    {"temperature": 0},
+    {"temperature": 0, "frequency_penalty": 0.7, "repetition_penalty": 1.3},
+    {"temperature": 1.0, "top_p": 0.9, "seed": 11},
+]
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {},
+        {"scheduler": {"enable_mixed_chunk": True}},
+        {"plugins": {"cache": "chunk", "policy": "fcfs"}},
+    ],
+    ids=["radix", "mixed-chunk", "chunk-cache"],
+)
+def test_jump_forward_gives_the_outputs_of_plain_decoding(make_engine, sections):
+    """Random weights spell forced text unlike the tokenizer, so the drafts are both kept and
+    replaced here; the outputs must still be those of plain constrained decoding, token for token."""
+    prompts = [p for p in JUMP_PROMPTS for _ in JUMP_PARAMS] * len(JUMP_REGEXES)
+    params = [
+        {**extra, "max_new_tokens": 64, "regex": regex}
+        for regex in JUMP_REGEXES for _ in JUMP_PROMPTS for extra in JUMP_PARAMS
+    ]
+    scheduler = {**sections.get("scheduler", {})}
+    plugins = {"worker": "tp", **sections.get("plugins", {})}
+    plain = make_engine(plugins=plugins, scheduler=scheduler).generate(prompts, sampling_params=params)
     # Jump-forward is off with a pipelined worker (as in the reference): it runs on the plain one.
-    jumped = make_engine(plugins={"worker": "tp"}, scheduler={"enable_jump_forward": True}).generate(
-        prompts, sampling_params=params
-    )
-    for regex, p, j in zip(JUMP_REGEXES, plain, jumped):
-        assert re.fullmatch(regex, j["text"]), j["text"]
-        assert re.fullmatch(regex, p["text"]), p["text"]
-        meta = j["meta_info"]
-        # Forced text was appended, not sampled.
-        assert meta["completion_tokens_wo_jump_forward"] < meta["completion_tokens"]
+    engine = make_engine(plugins=plugins, scheduler={**scheduler, "enable_jump_forward": True})
+    jumped = engine.generate(prompts, sampling_params=params)
+    for p, j, param in zip(plain, jumped, params):
+        assert re.fullmatch(param["regex"], j["text"]), j["text"]
+        assert (j["output_ids"], j["text"]) == (p["output_ids"], p["text"]), param
         assert p["meta_info"]["completion_tokens_wo_jump_forward"] == p["meta_info"]["completion_tokens"]
+    sched = engine.scheduler
+    assert sched.num_draft_tokens_kept > 0 and sched.num_draft_tokens_dropped > 0
+    kept = sum(j["meta_info"]["completion_tokens"] - j["meta_info"]["completion_tokens_wo_jump_forward"]
+               for j in jumped)
+    assert kept == sched.num_draft_tokens_kept
 
 
-def test_jump_keeps_the_sampled_tokens_and_leaves_the_last_forced_one(default_tokenizer):
-    """Plain decoding on SmolLM2 samples "{" then '"' where the tokenizer would write '{"'; a jump
-    must not re-encode the sampled "{" with the forced text, and the forced text's last token
-    (' "', which could merge with the free value after it) is left to the model."""
-    from framework.grammar import GRAMMAR_KEY, GrammarBackend, jump_forward_ids
+def test_jump_forward_drafts_and_their_masks(default_tokenizer):
+    """The forced text after SmolLM2's sampled "{" is encoded on its own (the sampled "{" is never
+    re-encoded with it) and accepted by the matcher, with the bitmask of each draft's position."""
+    import xgrammar as xgr
+
+    from framework.grammar import GRAMMAR_KEY, GrammarBackend, jump_forward_drafts
     from framework.request import Req
 
     schema = '{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}'
-    backend = GrammarBackend(default_tokenizer, len(default_tokenizer))
+    vocab_size = len(default_tokenizer)
+    backend = GrammarBackend(default_tokenizer, vocab_size)
     try:
         grammar = backend.make_grammar(backend.submit(("json", schema)))
     finally:
@@ -206,11 +233,88 @@ def test_jump_keeps_the_sampled_tokens_and_leaves_the_last_forced_one(default_to
     req = Req("r", [1], _params(max_new_tokens=64))
     req.stash[GRAMMAR_KEY] = grammar
     req.output_ids = default_tokenizer.encode("{", add_special_tokens=False)
-    assert grammar.accept_tokens(req.output_ids)
-    new_ids = jump_forward_ids(req, default_tokenizer)
-    assert new_ids is not None and new_ids[:1] == req.output_ids
-    assert [default_tokenizer.decode([i]) for i in new_ids] == ["{", '"', "name", '":']
-    # The matcher moved with the jump: only ' "' is forced now, and one token is not jumped.
-    assert grammar.jump_forward_string() == ' "'
-    req.output_ids = new_ids
-    assert jump_forward_ids(req, default_tokenizer) is None
+    assert grammar.accept_drafts(req.output_ids, vocab_size) is not None
+    tokens, masks = jump_forward_drafts(req, default_tokenizer, vocab_size)
+    assert [default_tokenizer.decode([i]) for i in tokens] == ['"', "name", '":', ' "']
+    assert masks.shape == (len(tokens), (vocab_size + 31) // 32)
+    # Each draft is allowed by its own row's mask; the rows differ (the grammar moved on).
+    logits = torch.zeros((len(tokens), vocab_size))
+    xgr.apply_token_bitmask_inplace(logits, masks)
+    assert all(logits[r, t] == 0 for r, t in enumerate(tokens))
+    assert logits[0, tokens[1]] == float("-inf")
+    # The matcher is past the forced text: the free string value comes next.
+    assert grammar.jump_forward_string() == ""
+    assert jump_forward_drafts(req, default_tokenizer, vocab_size) is None
+    # No room for drafts plus the token after them: nothing is jumped.
+    req.sampling_params.max_new_tokens = len(req.output_ids) + 1
+    grammar.rollback(len(tokens))
+    assert jump_forward_drafts(req, default_tokenizer, vocab_size) is None
+
+
+def test_draft_check_settles_at_the_first_disagreement():
+    from framework.batch import DraftCheck, SamplingBatchInfo
+
+    info = SamplingBatchInfo.from_reqs([])
+    check = DraftCheck(lens=[0, 3, 2], tokens=[5, 6, 7, 8, 9], sampling_info=info)
+    # Request 1 agrees with 5, then samples 4 for 6; request 2 agrees with both drafts.
+    next_ids, kept = check.settle([5, 4, 7, 8, 9], [100, 101, 102])
+    assert (next_ids, kept) == ([100, 4, 102], [0, 1, 2])
+    next_ids, kept = check.settle([1, 6, 7, 8, 0], [100, 101, 102])
+    assert (next_ids, kept) == ([100, 1, 0], [0, 0, 1])
+
+
+def test_dropped_drafts_leave_the_penalty_rows(make_engine):
+    """After a re-prefill whose drafts the model partly refused, each request's penalty row counts
+    exactly its outputs before the token this pass sampled (the refused drafts are not counted)."""
+    from framework import hookimpl
+    from framework.penalties import FrequencyPresencePenalizer, RepetitionPenalizer
+
+    checked, wrong = [], []
+
+    class Watch:
+        @hookimpl
+        def on_batch_result(self, batch, result, scheduler):
+            if result.kept_draft_tokens is None:
+                return
+            penalizers = batch.penalties.penalizers
+            for i, req in enumerate(batch.reqs):
+                before = req.output_ids[:-1]
+                counts = torch.zeros(scheduler.worker.vocab_size)
+                counts.index_add_(0, torch.tensor(before, dtype=torch.int64), torch.ones(len(before)))
+                seen = torch.zeros(scheduler.worker.vocab_size, dtype=torch.bool)
+                seen[req.origin_input_ids + before] = True
+                ok = torch.equal(penalizers[FrequencyPresencePenalizer].counts[i], counts)
+                ok &= torch.equal(penalizers[RepetitionPenalizer].seen[i], seen)
+                (checked if ok else wrong).append(len(before))
+
+    engine = make_engine(extra_plugins=(Watch(),), plugins={"worker": "tp"},
+                         scheduler={"enable_jump_forward": True})
+    params = {"temperature": 0, "max_new_tokens": 64, "frequency_penalty": 0.5, "repetition_penalty": 1.2}
+    outs = engine.generate(JUMP_PROMPTS * 2, sampling_params=[{**params, "regex": r} for r in JUMP_REGEXES * 2])
+    for regex, out in zip(JUMP_REGEXES * 2, outs):
+        assert re.fullmatch(regex, out["text"]), out["text"]
+    assert engine.scheduler.num_draft_tokens_dropped > 0
+    assert checked and not wrong, wrong
+
+
+def test_abort_while_drafts_wait_for_their_check(make_engine):
+    """A jumped request waiting for its re-prefill is aborted: its unchecked drafts are not part
+    of its output, and nothing leaks (the leak check runs after the test)."""
+    engine = make_engine(plugins={"worker": "tp"}, scheduler={"enable_jump_forward": True})
+    sched = engine.scheduler
+    ids = engine.tokenizer.encode("Reply:")
+    sched.send(GenerateReqInput("j", ids, _params(temperature=0, max_new_tokens=64, regex=JUMP_REGEXES[0])))
+
+    def drafts_waiting():
+        return any(r.num_draft_tokens for r in sched.waiting_queue)
+
+    _drive_until(engine, drafts_waiting)
+    req = next(r for r in sched.waiting_queue if r.num_draft_tokens)
+    checked = len(req.output_ids) - req.num_draft_tokens
+    sched.send(AbortReq("j"))
+    sched.run_once()
+    out = engine._outputs.pop("j")
+    assert out.finished_reason.to_json()["type"] == "abort"
+    assert len(out.output_ids) == checked
+    _drive_until(engine, lambda: not sched.has_work())
+    sched.run_once()

@@ -161,6 +161,31 @@ def test_abort_while_prefill_in_flight_frees_its_slot(make_engine):
     assert sched.num_late_finish_frees == 1
 
 
+@pytest.mark.parametrize("worker", ["tp", "overlap"])
+def test_abort_of_a_retracted_waiting_request_is_reported(make_engine, worker):
+    """A retracted request waits again; aborting it there must still report it (it was dropped
+    silently while it kept its retracted flag)."""
+    engine = make_engine(plugins={"worker": worker}, scheduler={"force_retract": True})
+    sched = engine.scheduler
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    params.normalize()
+    for n in range(12):
+        sched.send(GenerateReqInput(rid=f"r{n}", input_ids=list(range(40 + n, 50 + n)), sampling_params=params))
+    for _ in range(200):
+        sched.run_once()
+        retracted = [r for r in sched.waiting_queue if r.is_retracted]
+        if retracted:
+            break
+    assert retracted, "no request was retracted"
+    rid = retracted[0].rid
+    sched.send(AbortReq(rid))
+    while sched.has_work():
+        sched.run_once()
+    sched.run_once()
+    assert engine._outputs[rid].finished_reason.to_json()["type"] == "abort"
+    assert sum(o.finished_reason is not None for o in engine._outputs.values()) == 12
+
+
 class FailingForward:
     """Makes the model's forward pass raise on its second call (on the forward thread)."""
 

@@ -214,6 +214,25 @@ def test_flush_right_after_a_finish_succeeds(make_engine):
 
 
 
+def test_requests_finished_by_their_prefill_do_not_join_the_running_batch(make_engine):
+    """A one-token request (or any embedding request) is done after its prefill; it must not sit
+    in the running batch, counted by /get_server_info as running, while the next prefill runs
+    (the embedding server's leak check saw num_running_reqs == 1 after its response)."""
+    engine = make_engine(plugins={"worker": "tp"})
+    sched = engine.scheduler
+    one = SamplingParams(max_new_tokens=1)
+    one.normalize()
+    sched.send(GenerateReqInput(rid="a", input_ids=[1, 2, 3], sampling_params=one))
+    sched.run_once()
+    assert engine._outputs["a"].finished_reason is not None
+    sched.send(GenerateReqInput(rid="b", input_ids=list(range(10, 40)), sampling_params=one))
+    sched.run_once()  # merges a's batch, runs b's prefill
+    assert engine._outputs["b"].finished_reason is not None
+    assert sched.get_stats().num_running_reqs == 0
+    while sched.has_work():
+        sched.run_once()
+
+
 def test_priority_reaches_the_priority_eviction_order(make_engine):
     """Under `cache.eviction = priority` a low-priority request's cached prompt is evicted first."""
     engine = make_engine(cache={"eviction": "priority", "max_total_tokens": 250})

@@ -4,6 +4,9 @@ Without logprobs only the last token of each request goes through the LM head. W
 request i also gets the rows `extend_logprob_start_lens[i] .. extend_lens[i]-1`: row p scores the
 request's input token p+1, except the last row, whose "next token" is the one about to be sampled
 and is reported after sampling as `next_token_logprobs` instead.
+
+A request ending its extend with n draft tokens (`batch.draft_check`) also gets the n rows before
+its last one, each scoring one draft, in `draft_logits`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class LogitsOutput:
     # [bs] float32, filled by ModelRunner.sample: logprob of the sampled token under the
     # unprocessed log_softmax of next_token_logits.
     next_token_logprobs: torch.Tensor | None = None
+    # [sum(draft_check.lens), vocab] in the model's dtype: row r scores draft token r (its
+    # request's position before it). None without drafts.
+    draft_logits: torch.Tensor | None = None
 
 
 def compute_logits_output(
@@ -49,6 +55,18 @@ def compute_logits_output(
     if bs == 0:
         return LogitsOutput(next_token_logits=torch.empty((0, vocab_size), dtype=torch.float32))
     ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0)
+    output = _next_token_logits(hidden, batch, ends, lm_head)
+    if batch.draft_check is not None:
+        lens = batch.draft_check.lens
+        rows = torch.cat([torch.arange(int(e) - 1 - n, int(e) - 1) for e, n in zip(ends.tolist(), lens) if n])
+        output.draft_logits = lm_head(hidden[rows])
+    return output
+
+
+def _next_token_logits(
+    hidden: torch.Tensor, batch: ModelWorkerBatch, ends: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]
+) -> LogitsOutput:
+    bs = batch.batch_size
     if not batch.return_logprob:
         return LogitsOutput(next_token_logits=lm_head(hidden[ends - 1]))
 

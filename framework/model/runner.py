@@ -263,3 +263,8 @@ class ModelRunner:
         if batch.return_logprob:
             fill_next_token_logprobs(logits_output, next_token_ids)
         return next_token_ids
+
+    @torch.inference_mode()
+    def sample_drafts(self, logits_output: LogitsOutput, batch: ModelWorkerBatch) -> torch.Tensor:
+        """The token sampled at each draft row of `batch.draft_check` [sum(lens)] int64."""
+        return self.sampler(logits_output.draft_logits, batch.draft_check.sampling_info)

@@ -116,9 +116,18 @@ class TpWorker:
     def sample(self, logits_output, batch) -> BatchResult:
         """The next tokens (and logprobs) from a forward pass's logits."""
         next_token_ids = self.runner.sample(logits_output, batch)
+        check = batch.draft_check
+        if check is not None:
+            # One tensor, so that TP ranks share the draft checks with the next ids.
+            next_token_ids = torch.cat([next_token_ids, self.runner.sample_drafts(logits_output, batch)])
         if self.shares_sampled_ids:
             next_token_ids = get_parallel_context().broadcast_from_first(next_token_ids.cpu())
-        result = BatchResult(next_token_ids=next_token_ids.tolist())
+        ids = next_token_ids.tolist()
+        kept = None
+        if check is not None:
+            bs = batch.batch_size
+            ids, kept = check.settle(ids[bs:], ids[:bs])
+        result = BatchResult(next_token_ids=ids, kept_draft_tokens=kept)
         if batch.return_logprob:
             result.next_token_logprobs = logits_output.next_token_logprobs.tolist()
             result.next_token_top_logprobs = logits_output.next_token_top_logprobs
