@@ -421,9 +421,12 @@ class ScheduleBatch:
     def prepare_for_decode(self) -> None:
         """One new token per request: its input is the last sampled id, a placeholder while that id
         is still in flight on a pipelined worker (reference P6, K5)."""
-        self.forward_mode = ForwardMode.DECODE
         self.image_inputs = None
         self.input_embeds = self.input_embeds_mask = None  # decode inputs are sampled ids
+        if any(r.num_draft_tokens for r in self.reqs):
+            self._prepare_for_decode_with_drafts()
+            return
+        self.forward_mode = ForwardMode.DECODE
         bs = self.batch_size()
         self.input_ids = torch.tensor([r.last_token_id() for r in self.reqs], dtype=torch.int64)
         self.out_cache_loc = self.alloc_token_slots(bs)
@@ -439,16 +442,47 @@ class ScheduleBatch:
         self.penalties.cumulate_output_tokens(self.input_ids)
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.penalties)
 
+    def _prepare_for_decode_with_drafts(self) -> None:
+        """A decode step in which some requests also compute their draft tokens (jump-forward):
+        an extend pass over the running requests, each computing its last sampled token and its
+        drafts (`DraftCheck` checks them). Non-pipelined workers only: every last token is known."""
+        self.forward_mode = ForwardMode.MIXED
+        self.decoding_reqs = list(self.reqs)
+        self.extend_lens = [1 + r.num_draft_tokens for r in self.reqs]
+        self.extend_num_tokens = sum(self.extend_lens)
+        prefix_lens = self.seq_lens.tolist()
+        self.out_cache_loc = self.alloc_token_slots(self.extend_num_tokens)
+        req_to_token = self.req_to_token_pool.req_to_token
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        pt = 0
+        for req, pre_len, ext_len in zip(self.reqs, prefix_lens, self.extend_lens):
+            assert req.future_token_id is None, "drafts need the last sampled token"
+            req.fill_ids = req.origin_input_ids + req.output_ids
+            input_ids.extend(req.output_ids[len(req.output_ids) - ext_len :])
+            positions.append(torch.arange(pre_len, pre_len + ext_len, dtype=torch.int64))
+            req_to_token[req.req_pool_idx, pre_len : pre_len + ext_len] = self.out_cache_loc[pt : pt + ext_len]
+            pt += ext_len
+        self.input_ids = torch.tensor(input_ids, dtype=torch.int64)
+        self.positions = torch.cat(positions)
+        self.prefix_lens = prefix_lens
+        self.seq_lens = self.seq_lens + torch.tensor(self.extend_lens, dtype=torch.int64)
+        self.extend_logprob_start_lens = [n - 1 for n in self.extend_lens]
+        # Rows over every output so far, drafts included: the incremental update would count the
+        # previous step's token and then each draft.
+        self.rebuild_penalties()
+        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.penalties)
+
     def drop_last_tokens(self, i: int, num_tokens: int) -> None:
-        """Free the KV of request `i`'s last `num_tokens` tokens, computed by this extend pass
-        (draft tokens the model disagreed with, `DraftCheck`); the request already dropped them."""
+        """Free the KV of request `i`'s last `num_tokens` tokens, computed by this pass (draft
+        tokens the model disagreed with, `DraftCheck`); the request already dropped them."""
         req = self.reqs[i]
         seq_len = int(self.seq_lens[i])
         slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, seq_len - num_tokens : seq_len]
         self.token_to_kv_pool.free(slots.clone())
         self.seq_lens = self.seq_lens.clone()  # the worker batch of the pass shares the tensor
         self.seq_lens[i] = seq_len - num_tokens
-        req.stash[_COMPUTED_KEY] = seq_len - num_tokens
+        req.stash[_COMPUTED_KEY] = min(req.stash.get(_COMPUTED_KEY, 0), seq_len - num_tokens)
         assert len(req.fill_ids) == seq_len - num_tokens, (len(req.fill_ids), seq_len, num_tokens)
 
     def rebuild_penalties(self) -> None:

@@ -236,9 +236,8 @@ class PrefillAdder:
 
 def _needs_whole_prompt(req: "Req") -> bool:
     # Prompt logprobs need the whole prompt in one pass, so such a request is never chunked; nor
-    # is an input_embeds one, whose KV cannot go through the prefix cache between chunks, nor one
-    # ending with draft tokens, which are checked on the logits of the pass that computes them.
-    if req.input_embeds is not None or req.num_draft_tokens:
+    # is an input_embeds one, whose KV cannot go through the prefix cache between chunks.
+    if req.input_embeds is not None:
         return True
     return (
         req.return_logprob

@@ -100,7 +100,7 @@ class SchedulerSettings(_Section):
     enable_jump_forward: bool = Field(
         False,
         description="Structured output: append the text a grammar forces without a forward pass per "
-        "token, as drafts the re-prefill checks against the model (outputs stay those of plain "
+        "token, as drafts the next decode step checks against the model (outputs stay those of plain "
         "decoding). Off with a pipelined worker (overlap, the default).",
     )
     grammar_compile_threads: int = Field(

@@ -30,8 +30,7 @@ class ControlMixin:
             for i, req in enumerate(queue):
                 if req.rid == rid:
                     del queue[i]
-                    req.keep_draft_tokens(0)  # jump-forward drafts nobody checked are not output
-                    # A retracted (or jumped) request waits too; it must still be reported.
+                    # A retracted request waits too; it must still be reported.
                     req.is_retracted = False
                     req.finished_reason = FinishAbort("Aborted by the client.")
                     self.hooks.on_request_finished(req, self)

@@ -216,16 +216,18 @@ def accept_last_token(req: Req) -> bool:
     return grammar.is_terminated()
 
 
-def jump_forward_drafts(req: Req, tokenizer: Any, vocab_size: int) -> tuple[list[int], torch.Tensor] | None:
-    """The tokens of the string the request's grammar forces next (reference J2), as drafts, and
-    the bitmask each is chosen under; the matcher has accepted them. None when nothing can be
-    jumped; then nothing changed.
+def jump_forward_drafts(
+    req: Req, tokenizer: Any, vocab_size: int, limit: int = MAX_DRAFT_TOKENS
+) -> tuple[list[int], torch.Tensor] | None:
+    """Up to `limit` tokens of the string the request's grammar forces next (reference J2), as
+    drafts, and the bitmask each is chosen under; the matcher has accepted them. None when nothing
+    can be jumped; then nothing changed.
 
     The forced string is encoded on its own and nothing sampled is re-encoded (the reference
     re-encodes the whole output with it, QUIRK). Its tokens are only a guess at how the model spells
-    it ("Monday" may be "M" "ond" "ay" to the model): the re-prefill checks each against the
-    token plain decoding would sample there (`framework.batch.DraftCheck`), so the output is the
-    one of plain constrained decoding.
+    it ("Monday" may be "M" "ond" "ay" to the model): the next pass checks each against the token
+    plain decoding would sample there (`framework.batch.DraftCheck`), so the output is the one of
+    plain constrained decoding.
     """
     grammar = grammar_of(req)
     if grammar is None or grammar.is_terminated():
@@ -234,7 +236,7 @@ def jump_forward_drafts(req: Req, tokenizer: Any, vocab_size: int) -> tuple[list
     if not jump:
         return None
     # Room for the drafts and the token sampled after them.
-    room = min(MAX_DRAFT_TOKENS, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
+    room = min(limit, MAX_DRAFT_TOKENS, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
     tokens = tokenizer.encode(jump, add_special_tokens=False)[: max(room, 0)]
     if not tokens:
         return None

@@ -321,7 +321,7 @@ class Req:
         # placeholder from a pipelined worker (reference K5), or None when `output_ids` is current.
         self.future_token_id: int | None = None
         # The last `num_draft_tokens` of `output_ids` are not sampled but proposed (jump-forward's
-        # forced text): the next extend pass checks them against what the model would sample.
+        # forced text): the next pass checks them against what the model would sample.
         self.num_draft_tokens = 0
         # [num_draft_tokens, ceil(vocab / 32)] int32: the grammar bitmask each draft is chosen
         # under, or None for unconstrained drafts.
@@ -393,13 +393,11 @@ class Req:
 
     def keep_draft_tokens(self, kept: int) -> int:
         """The first `kept` draft tokens become outputs like any other, the rest leave
-        `output_ids` (and `fill_ids`, when it holds them); returns how many left."""
+        `output_ids` and `fill_ids` (which holds them); returns how many left."""
         dropped = self.num_draft_tokens - kept
         if dropped:
-            end = len(self.origin_input_ids) + len(self.output_ids)
             del self.output_ids[-dropped:]
-            if len(self.fill_ids) == end:
-                del self.fill_ids[-dropped:]
+            del self.fill_ids[-dropped:]
         self.num_draft_tokens = 0
         self.draft_vocab_masks = None
         return dropped
@@ -417,8 +415,7 @@ class Req:
         """The longest prefix that may come from the cache: at least one token is recomputed (U1)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         input_len = len(self.fill_ids)
-        # Draft tokens are checked on the logits of the positions before them, so those are computed.
-        max_prefix_len = input_len - 1 - self.num_draft_tokens
+        max_prefix_len = input_len - 1
         if self.input_embeds is not None:
             max_prefix_len = 0  # placeholder ids: a cached prefix under them is not this prompt's KV
         if self.return_logprob:

@@ -342,9 +342,10 @@ class Scheduler(ControlMixin):
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         last = self.last_batch
-        if last is not None and last.forward_mode.is_extend():
-            if self.being_chunked_req is not None:
-                req = self.being_chunked_req
+        # A decode step with jump-forward drafts is an extend pass of the running batch itself.
+        if last is not None and last.forward_mode.is_extend() and last is not self.running_batch:
+            req = self.being_chunked_req
+            if req is not None and any(r is req for r in last.reqs):
                 last.filter_batch(being_chunked_req=req)
                 if req.finished():  # aborted between two chunks
                     self.being_chunked_req = None
@@ -445,9 +446,6 @@ class Scheduler(ControlMixin):
             self.new_token_ratio.step()
         if self.enable_jump_forward:
             self.jump_forward(batch)
-            if batch.is_empty():
-                self.batch_is_full = False
-                return None
         if batch.batch_size() < initial_bs:
             self.batch_is_full = False
         batch.prepare_for_decode()
@@ -455,29 +453,26 @@ class Scheduler(ControlMixin):
 
     def jump_forward(self, batch: ScheduleBatch) -> None:
         """Requests whose grammar forces the next characters get the forced text's tokens
-        appended as drafts and go back to waiting, to be re-prefilled over their cached prefix
-        (reference J); the re-prefill keeps the drafts the model agrees with (`settle_drafts`)."""
-        keep = []
-        for i, req in enumerate(batch.reqs):
+        appended as drafts (reference J). They stay in the batch: its next pass computes each
+        request's last token and its drafts together, and keeps the drafts the model agrees with
+        (`settle_drafts`). The reference sends them back to waiting to be re-prefilled instead."""
+        # KV slots beyond the one per request that the decode step takes anyway.
+        budget = self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size() - batch.batch_size()
+        for req in batch.reqs:
+            if budget <= 0:
+                break
             # Logprobs of jumped tokens would need the reference's re-derivation (J2 step 5); a
             # stop string completed inside kept drafts would be found only after them.
             if grammar_of(req) is None or req.return_logprob or req.sampling_params.stop_strs:
-                keep.append(i)
                 continue
-            drafts = jump_forward_drafts(req, self.tokenizer, self.worker.vocab_size)
+            drafts = jump_forward_drafts(req, self.tokenizer, self.worker.vocab_size, limit=budget)
             if drafts is None:
-                keep.append(i)
                 continue
-            # Cache the tokens computed so far; the slot and the lock are released.
-            self.tree_cache.cache_finished_req(req)
             tokens, masks = drafts
             req.output_ids.extend(tokens)
             req.num_draft_tokens = len(tokens)
             req.draft_vocab_masks = masks
-            req.reset_for_retract()
-            self.waiting_queue.append(req)
-        if len(keep) < batch.batch_size():
-            batch.filter_batch(keep_indices=keep)
+            budget -= len(tokens)
 
     def settle_drafts(self, batch: ScheduleBatch, kept: list[int]) -> None:
         """Some requests' extends ended with draft tokens, of which the model agreed with the

@@ -187,8 +187,10 @@ JUMP_PARAMS = [
         {},
         {"scheduler": {"enable_mixed_chunk": True}},
         {"plugins": {"cache": "chunk", "policy": "fcfs"}},
+        # 12 requests: retracted while more than 10 run, and re-prefilled with their outputs.
+        {"scheduler": {"force_retract": True}},
     ],
-    ids=["radix", "mixed-chunk", "chunk-cache"],
+    ids=["radix", "mixed-chunk", "chunk-cache", "retract"],
 )
 def test_jump_forward_gives_the_outputs_of_plain_decoding(make_engine, sections):
     """Random weights spell forced text unlike the tokenizer, so the drafts are both kept and
@@ -200,7 +202,8 @@ def test_jump_forward_gives_the_outputs_of_plain_decoding(make_engine, sections)
     ]
     scheduler = {**sections.get("scheduler", {})}
     plugins = {"worker": "tp", **sections.get("plugins", {})}
-    plain = make_engine(plugins=plugins, scheduler=scheduler).generate(prompts, sampling_params=params)
+    plain_engine = make_engine(plugins=plugins, scheduler=scheduler)
+    plain = plain_engine.generate(prompts, sampling_params=params)
     # Jump-forward is off with a pipelined worker (as in the reference): it runs on the plain one.
     engine = make_engine(plugins=plugins, scheduler={**scheduler, "enable_jump_forward": True})
     jumped = engine.generate(prompts, sampling_params=params)
@@ -213,6 +216,9 @@ def test_jump_forward_gives_the_outputs_of_plain_decoding(make_engine, sections)
     kept = sum(j["meta_info"]["completion_tokens"] - j["meta_info"]["completion_tokens_wo_jump_forward"]
                for j in jumped)
     assert kept == sched.num_draft_tokens_kept
+    # Drafts are computed in the decode step itself (no re-prefill pass), so passes are saved
+    # (29 -> 18 here).
+    assert sched.forward_ct < plain_engine.scheduler.forward_ct
 
 
 def test_jump_forward_drafts_and_their_masks(default_tokenizer):
@@ -264,7 +270,7 @@ def test_draft_check_settles_at_the_first_disagreement():
 
 
 def test_dropped_drafts_leave_the_penalty_rows(make_engine):
-    """After a re-prefill whose drafts the model partly refused, each request's penalty row counts
+    """After a pass whose drafts the model partly refused, each request's penalty row counts
     exactly its outputs before the token this pass sampled (the refused drafts are not counted)."""
     from framework import hookimpl
     from framework.penalties import FrequencyPresencePenalizer, RepetitionPenalizer
@@ -295,26 +301,3 @@ def test_dropped_drafts_leave_the_penalty_rows(make_engine):
         assert re.fullmatch(regex, out["text"]), out["text"]
     assert engine.scheduler.num_draft_tokens_dropped > 0
     assert checked and not wrong, wrong
-
-
-def test_abort_while_drafts_wait_for_their_check(make_engine):
-    """A jumped request waiting for its re-prefill is aborted: its unchecked drafts are not part
-    of its output, and nothing leaks (the leak check runs after the test)."""
-    engine = make_engine(plugins={"worker": "tp"}, scheduler={"enable_jump_forward": True})
-    sched = engine.scheduler
-    ids = engine.tokenizer.encode("Reply:")
-    sched.send(GenerateReqInput("j", ids, _params(temperature=0, max_new_tokens=64, regex=JUMP_REGEXES[0])))
-
-    def drafts_waiting():
-        return any(r.num_draft_tokens for r in sched.waiting_queue)
-
-    _drive_until(engine, drafts_waiting)
-    req = next(r for r in sched.waiting_queue if r.num_draft_tokens)
-    checked = len(req.output_ids) - req.num_draft_tokens
-    sched.send(AbortReq("j"))
-    sched.run_once()
-    out = engine._outputs.pop("j")
-    assert out.finished_reason.to_json()["type"] == "abort"
-    assert len(out.output_ids) == checked
-    _drive_until(engine, lambda: not sched.has_work())
-    sched.run_once()

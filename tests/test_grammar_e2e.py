@@ -99,9 +99,9 @@ def test_jump_forward_gives_the_same_greedy_text(plain, default_model_folder, de
     for out in jumped[:-1]:
         _check_person(json.loads(out["text"]))
     assert re.fullmatch(REGEX, jumped[-1]["text"]), jumped[-1]["text"]
-    # The forced text's tokens are drafts the re-prefill checks against the model, so every output
-    # is plain constrained decoding's, token for token: also the regex one, where the model spells
-    # "Monday, the" as "M", "ond", "ay", ",", " ", "th", "e", not as the tokenizer would.
+    # The forced text's tokens are drafts the next decode step checks against the model, so every
+    # output is plain constrained decoding's, token for token: also the regex one, where the model
+    # spells "Monday, the" as "M", "ond", "ay", ",", " ", "th", "e", not as the tokenizer would.
     assert [(j["text"], j["output_ids"]) for j in jumped] == [(p["text"], p["output_ids"]) for p in plain]
     for j in jumped[:-1]:
         meta = j["meta_info"]

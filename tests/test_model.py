@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from framework.batch import ForwardMode, ModelWorkerBatch, SamplingBatchInfo, idle_worker_batch, step_seed
+from framework.batch import DraftCheck, ForwardMode, ModelWorkerBatch, SamplingBatchInfo, idle_worker_batch, step_seed
 from framework.model import ModelRunner, Sampler, llama
 from framework.model.logits import LogitsOutput
 
@@ -151,6 +151,30 @@ def test_decode_steps_match_hf(hf_model, runner):
         out = runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE))
         for i, r in enumerate(reqs):
             torch.testing.assert_close(out.next_token_logits[i], refs[i][r.done - 1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("draft_lens", [[0, 3, 0, 2], [5, 1, 2, 19]])
+def test_decode_step_with_drafts_matches_hf(hf_model, runner, draft_lens):
+    """A decode step in which some requests also compute draft tokens (jump-forward): each
+    draft row's logits are those of the position before the draft, also a 20-token extend
+    (past the kernel's short-extend rows, so SDPA) next to kernel rows."""
+    prompt_lens = [9, 30, 4, 17]
+    if sum(draft_lens) > 10:
+        draft_lens = draft_lens[:-1] + [19]
+    reqs = _new_reqs(runner, [n + 1 + d for n, d in zip(prompt_lens, draft_lens)], seed=3)
+    runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))
+    batch = _batch(runner, reqs, [1 + d for d in draft_lens], ForwardMode.MIXED)
+    batch.draft_check = DraftCheck(lens=draft_lens, tokens=[], sampling_info=None)
+    out = runner.forward(batch)
+    _check_last(hf_model, out, reqs)
+    assert out.draft_logits.shape == (sum(draft_lens), VOCAB)
+    row = 0
+    for r, n in zip(reqs, draft_lens):
+        ref = _hf_logits(hf_model, r.tokens)
+        for j in range(n):
+            # Draft j of the request is its token r.done - n + j; its row scores it.
+            torch.testing.assert_close(out.draft_logits[row].float(), ref[r.done - n - 1 + j], atol=ATOL, rtol=0)
+            row += 1
 
 
 def test_decode_cache_with_finishing_and_reordered_requests(hf_model, runner):

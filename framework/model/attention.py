@@ -65,13 +65,13 @@ class _DecodeGroup:
 
 @dataclass
 class _KernelDecode:
-    """The one-token requests of a pass, for the C kernel: it reads their KV slots from the
-    request-to-token table itself."""
+    """One-token queries of a pass for the C kernel (each request of a decode step; each token of
+    a short extend): it reads their KV slots from the request-to-token table itself."""
 
     rows: torch.Tensor | None  # token rows of the pass; None when they are exactly 0..n-1
     req_to_token: torch.Tensor  # [pool rows, max_context_len] int64
-    pool_idx: torch.Tensor  # [n] int64, contiguous
-    seq_lens: torch.Tensor  # [n] int64, contiguous
+    pool_idx: torch.Tensor  # [n] int64, contiguous: the request of each row
+    seq_lens: torch.Tensor  # [n] int64, contiguous: the KV length each row attends to
 
 
 @dataclass
@@ -86,6 +86,11 @@ class AttentionMetadata:
     # With the C kernel, all one-token requests go there instead.
     kernel: _KernelDecode | None = None
 
+
+# With the C kernel, extends of at most this many tokens run as one kernel row per token (decode
+# steps with jump-forward drafts); longer ones, prefills, go to SDPA, which reuses each K/V row
+# across the queries.
+_KERNEL_MAX_EXTEND = 16
 
 # A decode request shorter than this fraction of its group's longest starts a new group, so the
 # padded KV read stays within ~1/fraction of the real one; each extra group costs ~10 small ops
@@ -197,12 +202,21 @@ class TorchNativeAttention:
 
         decode_reqs: list[int] = []
         decode_rows: list[int] = []
+        decode_lens: list[int] = []  # KV length each row attends to (kernel rows)
         extend_reqs: list[_ExtendReq] = []
         token_start = 0
         for i, ext_len in enumerate(batch.extend_lens):
             if ext_len == 1:
                 decode_reqs.append(i)
                 decode_rows.append(token_start)
+                decode_lens.append(seq_lens[i])
+            elif self.decode_kernel is not None and ext_len <= _KERNEL_MAX_EXTEND:
+                # A short extend (a decode step with drafts): one kernel row per token, each over
+                # the KV up to its own position, which this pass wrote before attention.
+                first_len = seq_lens[i] - ext_len + 1
+                decode_reqs.extend([i] * ext_len)
+                decode_rows.extend(range(token_start, token_start + ext_len))
+                decode_lens.extend(range(first_len, first_len + ext_len))
             elif ext_len > 1:
                 seq_len = seq_lens[i]
                 prefix_len = seq_len - ext_len
@@ -218,7 +232,7 @@ class TorchNativeAttention:
         meta = AttentionMetadata(num_tokens, [], extend_reqs)
         if self.decode_kernel is not None:
             if decode_reqs:
-                meta.kernel = self._kernel_plan(batch, req_to_token, decode_reqs, decode_rows, num_tokens)
+                meta.kernel = self._kernel_plan(batch, req_to_token, decode_reqs, decode_rows, decode_lens, num_tokens)
             return meta
         if not self.enable_dense_decode:
             self._dense = None
@@ -255,15 +269,13 @@ class TorchNativeAttention:
         return meta
 
     @staticmethod
-    def _kernel_plan(batch, req_to_token, decode_reqs, decode_rows, num_tokens) -> _KernelDecode:
+    def _kernel_plan(batch, req_to_token, decode_reqs, decode_rows, decode_lens, num_tokens) -> _KernelDecode:
         pool_idx = batch.req_pool_indices.to(torch.int64)
-        seq_lens = batch.seq_lens.to(torch.int64)
-        rows = None
-        if decode_rows != list(range(num_tokens)):
-            reqs = torch.tensor(decode_reqs, dtype=torch.int64)
-            pool_idx, seq_lens = pool_idx[reqs], seq_lens[reqs]
-            rows = torch.tensor(decode_rows, dtype=torch.int64)
-        return _KernelDecode(rows, req_to_token, pool_idx.contiguous(), seq_lens.contiguous())
+        rows = None if decode_rows == list(range(num_tokens)) else torch.tensor(decode_rows, dtype=torch.int64)
+        if decode_reqs == list(range(batch.batch_size)):  # one row per request, in order
+            return _KernelDecode(rows, req_to_token, pool_idx.contiguous(), batch.seq_lens.to(torch.int64).contiguous())
+        reqs = torch.tensor(decode_reqs, dtype=torch.int64)
+        return _KernelDecode(rows, req_to_token, pool_idx[reqs].contiguous(), torch.tensor(decode_lens, dtype=torch.int64))
 
     def _forget(self, pool_list: list[int]) -> None:
         if not self._dense:
