@@ -98,10 +98,10 @@ class SchedulerSettings(_Section):
     )
     stream_interval: int = Field(1, gt=0, description="Stream every this many decode steps.")
     enable_jump_forward: bool = Field(
-        False,
+        True,
         description="Structured output: append the text a grammar forces without a forward pass per "
         "token, as drafts the next decode step checks against the model (outputs stay those of plain "
-        "decoding). Off with a pipelined worker (overlap, the default).",
+        "decoding). Only with a non-pipelined worker (tp): the overlap default cannot jump.",
     )
     grammar_compile_threads: int = Field(
         1, gt=0, description="Threads compiling json_schema/regex grammars off the scheduler loop."

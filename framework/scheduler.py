@@ -109,7 +109,7 @@ class Scheduler(ControlMixin):
         # The mask of batch N+1 needs batch N's tokens, which a pipelined worker has not returned
         # yet when N+1 is launched; jump-forward is off there, as in the reference.
         self.enable_jump_forward = sched.enable_jump_forward and not self.worker.is_pipelined
-        if sched.enable_jump_forward and self.worker.is_pipelined:
+        if sched.enable_jump_forward and self.worker.is_pipelined and "enable_jump_forward" in sched.model_fields_set:
             logger.info("Jump-forward is off: the %s worker is pipelined.", settings.plugins.worker)
         # TP ranks must admit the same requests: they wait for each compilation instead of the
         # reference's all-reduce of the ready count (X2).

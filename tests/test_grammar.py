@@ -202,10 +202,10 @@ def test_jump_forward_gives_the_outputs_of_plain_decoding(make_engine, sections)
     ]
     scheduler = {**sections.get("scheduler", {})}
     plugins = {"worker": "tp", **sections.get("plugins", {})}
-    plain_engine = make_engine(plugins=plugins, scheduler=scheduler)
+    plain_engine = make_engine(plugins=plugins, scheduler={**scheduler, "enable_jump_forward": False})
     plain = plain_engine.generate(prompts, sampling_params=params)
     # Jump-forward is off with a pipelined worker (as in the reference): it runs on the plain one.
-    engine = make_engine(plugins=plugins, scheduler={**scheduler, "enable_jump_forward": True})
+    engine = make_engine(plugins=plugins, scheduler=scheduler)  # jump-forward is on by default
     jumped = engine.generate(prompts, sampling_params=params)
     for p, j, param in zip(plain, jumped, params):
         assert re.fullmatch(param["regex"], j["text"]), j["text"]
@@ -293,11 +293,27 @@ def test_dropped_drafts_leave_the_penalty_rows(make_engine):
                 ok &= torch.equal(penalizers[RepetitionPenalizer].seen[i], seen)
                 (checked if ok else wrong).append(len(before))
 
-    engine = make_engine(extra_plugins=(Watch(),), plugins={"worker": "tp"},
-                         scheduler={"enable_jump_forward": True})
+    engine = make_engine(extra_plugins=(Watch(),), plugins={"worker": "tp"})
     params = {"temperature": 0, "max_new_tokens": 64, "frequency_penalty": 0.5, "repetition_penalty": 1.2}
     outs = engine.generate(JUMP_PROMPTS * 2, sampling_params=[{**params, "regex": r} for r in JUMP_REGEXES * 2])
     for regex, out in zip(JUMP_REGEXES * 2, outs):
         assert re.fullmatch(regex, out["text"]), out["text"]
     assert engine.scheduler.num_draft_tokens_dropped > 0
     assert checked and not wrong, wrong
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_pipelined_worker_does_not_jump(make_engine, caplog, explicit):
+    """On by default, but the overlap worker cannot jump (reference J1): it says so only when the
+    setting was asked for explicitly."""
+    caplog.set_level("INFO", logger="framework.scheduler")
+    engine = make_engine(scheduler={"enable_jump_forward": True} if explicit else {})
+    sched = engine.scheduler
+    assert sched.settings.scheduler.enable_jump_forward and sched.worker.is_pipelined
+    assert not sched.enable_jump_forward
+    assert ("Jump-forward is off" in caplog.text) == explicit
+    out = engine.generate("Reply:", sampling_params={"temperature": 0, "max_new_tokens": 64, "regex": JUMP_REGEXES[0]})
+    assert re.fullmatch(JUMP_REGEXES[0], out["text"])
+    meta = out["meta_info"]
+    assert meta["completion_tokens_wo_jump_forward"] == meta["completion_tokens"]
+    assert sched.num_draft_tokens_kept == 0

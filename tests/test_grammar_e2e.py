@@ -63,7 +63,7 @@ def _run(engine, prompts, tokenizer):
 
 @pytest.fixture(scope="module")
 def plain(default_model_folder, default_tokenizer, prompts):
-    engine = _engine(default_model_folder)
+    engine = _engine(default_model_folder, enable_jump_forward=False)
     try:
         yield _run(engine, prompts, default_tokenizer)
     finally:
@@ -89,7 +89,7 @@ def test_overlap_worker_gives_the_same_outputs(plain, default_model_folder, defa
 
 
 def test_jump_forward_gives_the_same_greedy_text(plain, default_model_folder, default_tokenizer, prompts):
-    engine = _engine(default_model_folder, enable_jump_forward=True)
+    engine = _engine(default_model_folder)  # jump-forward is on by default with the tp worker
     try:
         jumped = _run(engine, prompts, default_tokenizer)
         sched = engine.scheduler
