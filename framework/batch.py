@@ -128,10 +128,7 @@ class DraftCheck:
             start = len(req.output_ids) - n
             rows.extend(_DraftRow(req, start + j) for j in range(n))
             tokens.extend(req.output_ids[start:])
-            if req.draft_vocab_masks is not None:
-                masks.append(req.draft_vocab_masks)
-            else:  # an unconstrained draft: every token allowed (xgrammar's all-ones bitmask)
-                masks.append(torch.full((n, (vocab_size + 31) // 32), -1, dtype=torch.int32))
+            masks.append(req.draft_vocab_masks)
         penalties = BatchPenalties.from_reqs(rows, vocab_size)
         info = SamplingBatchInfo.from_reqs(rows, penalties)
         info.vocab_mask = torch.cat(masks)
@@ -486,8 +483,8 @@ class ScheduleBatch:
         assert len(req.fill_ids) == seq_len - num_tokens, (len(req.fill_ids), seq_len, num_tokens)
 
     def rebuild_penalties(self) -> None:
-        """Penalty rows from the requests' outputs again (after `drop_last_tokens`); rows match
-        the incremental ones wherever the requests' outputs are those the rows have counted."""
+        """Penalty rows from the requests' outputs again (when drafts were added or dropped); they
+        equal the incremental rows of requests whose outputs the rows have all counted."""
         self.penalties = BatchPenalties.from_reqs(self.reqs, self.vocab_size)
 
     # -- membership -----------------------------------------------------------------------------

@@ -323,8 +323,7 @@ class Req:
         # The last `num_draft_tokens` of `output_ids` are not sampled but proposed (jump-forward's
         # forced text): the next pass checks them against what the model would sample.
         self.num_draft_tokens = 0
-        # [num_draft_tokens, ceil(vocab / 32)] int32: the grammar bitmask each draft is chosen
-        # under, or None for unconstrained drafts.
+        # [num_draft_tokens, ceil(vocab / 32)] int32: the grammar bitmask each draft is chosen under.
         self.draft_vocab_masks: Any = None
         self.fill_ids: list[int] = []
         self.sampling_params = sampling_params
