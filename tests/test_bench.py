@@ -364,3 +364,32 @@ def test_serving_cli_records_and_counts_failures(fake_server, tmp_path):
     assert "total_output_tokens_retokenized" in ok["metrics"] and ok["hardware"]["cpu"] is not None
     assert partial["metrics"]["completed"] == 2 and partial["metrics"]["failed"] == 1
     assert partial["request_rate"] == 100.0 and math.isfinite(partial["metrics"]["mean_ttft_ms"])
+
+
+def test_offline_extra_sampling_params_constrain_every_request(bench_model, tmp_path):
+    """A grammar for every request (warm-up included): random weights still stop at the regex's
+    end, and the record keeps the parameters, the passes and the jumped tokens."""
+    out = tmp_path / "grammar.jsonl"
+    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
+            "--warmup-requests", "1", "--no-ignore-eos", "--plugins.worker", "tp",
+            "--extra-sampling-params", '{"regex": "(yes|no), sir"}', "--output-file", str(out)]
+    assert cli_main(argv) == 0
+    (record,) = read_lines(out)
+    assert record["args"]["extra_sampling_params"] == {"regex": "(yes|no), sir"}
+    m = record["metrics"]
+    # "yes"/"no" then the forced ", sir" then EOS: at most 6 tokens, fewer than the 6 x 5 unconstrained.
+    assert m["completed"] == 5 and m["total_output_tokens"] < 30
+    assert 0 < m["forward_passes"] and m["jump_forward_tokens"] > 0
+
+
+@pytest.mark.parametrize("value", ["{not json", "[1, 2]"])
+def test_bench_json_options_are_checked(value, capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "offline", "--extra-sampling-params", value])
+    assert "--extra-sampling-params" in capsys.readouterr().err
+
+
+def test_offline_extra_sampling_params_need_our_backend(bench_model):
+    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
+            "--backend", "both", "--extra-sampling-params", '{"regex": "a+"}']
+    assert cli_main(argv) == 2

@@ -365,6 +365,40 @@ def test_sampler_greedy_rows_in_mixed_batch():
         assert torch.equal(ids[greedy], logits.argmax(-1)[greedy])
 
 
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_check_greedy_equals_masked_greedy(dtype, cpu_kernels):
+    """Draft rows: the shortcut (unmasked argmax where it is the draft) gives exactly the masked
+    argmax, on rows whose argmax is the draft, is another allowed token, or is masked out."""
+    import xgrammar as xgr
+
+    bs = 12
+    logits = _logits(bs).to(dtype)
+    top = logits.float().argmax(-1)
+    gen = torch.Generator().manual_seed(1)
+    allowed = torch.rand(bs, VOCAB, generator=gen) < 0.3
+    expected = torch.randint(0, VOCAB, (bs,), generator=gen)
+    expected[:4] = top[:4]  # the draft is the argmax
+    allowed[torch.arange(4, 8), top[4:8]] = False  # the argmax is masked out
+    allowed[torch.arange(8, 12), top[8:12]] = True  # the argmax is allowed but not the draft
+    allowed[torch.arange(bs), expected] = True  # a draft is always allowed
+    mask = xgr.allocate_token_bitmask(bs, VOCAB)
+    for r in range(bs):
+        bits = torch.zeros(mask.shape[1] * 32, dtype=torch.int64)
+        bits[:VOCAB] = allowed[r].to(torch.int64)
+        words = (bits.view(-1, 32) << torch.arange(32)).sum(dim=1)
+        mask[r] = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    info = _info([1.0] * bs, top_ks=[1] * bs)
+    info.vocab_mask = mask
+    from framework.model.cpu_kernels import pick
+
+    kernels = pick(cpu_kernels, "cpu")
+    sampler = Sampler(kernels.fused if kernels else None)
+    full = sampler(logits, info)
+    assert torch.equal(sampler.check_greedy(logits, info, expected), full)
+    assert torch.equal(full[:4], expected[:4]) and not torch.equal(full[4:8], top[4:8])
+
+
 def test_sampler_seeded_is_reproducible():
     logits = _logits(3, scale=0.1)
     a = Sampler()(logits, _info([1.0] * 3, seeds=[42, None, 7]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 
 from framework.bench.datasets import DATASET_NAMES
 
@@ -23,6 +24,17 @@ def _dispatch(module: str):
         return importlib.import_module(f"framework.bench.{module}").main(args)
 
     return run
+
+
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object, or a usage error saying what is wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
@@ -80,7 +92,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after the warm-up")
-    p.add_argument("--extra-request-body", help="JSON merged into every request body")
+    p.add_argument("--extra-request-body", type=json_object, help="JSON merged into every request body")
     add_dataset_args(p)
     add_output_args(p)
     p.set_defaults(func=_dispatch("serving"))
@@ -94,6 +106,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--hf-max-batch-tokens", type=int, default=2048,
                    help="tokens per step of HF continuous batching (its prefill chunk)")
     p.add_argument("--warmup-requests", type=int, default=16, help="random 256-in/16-out warm-up requests")
+    p.add_argument("--extra-sampling-params", type=json_object, metavar="JSON",
+                   help='merged into every request\'s sampling params, warm-up included, e.g. '
+                        '\'{"json_schema": "..."}\' for structured output (with --no-ignore-eos)')
     add_dataset_args(p)
     add_output_args(p)
     add_engine_args(p)

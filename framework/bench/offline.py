@@ -24,8 +24,8 @@ BACKENDS = ("batchyard", "hf", "both")
 WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN = 256, 16
 
 
-def sampling_params(req: BenchRequest, ignore_eos: bool) -> dict:
-    return {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": ignore_eos}
+def sampling_params(req: BenchRequest, ignore_eos: bool, extra: dict | None = None) -> dict:
+    return {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": ignore_eos, **(extra or {})}
 
 
 def _progress_sink(engine, pbar):
@@ -43,27 +43,32 @@ def _progress_sink(engine, pbar):
     return inner, sink
 
 
-def warmup_engine(engine, tokenizer, num: int, seed: int) -> None:
-    """Run `num` random requests and flush the cache (the reference's warm-up)."""
+def warmup_engine(engine, tokenizer, num: int, seed: int, extra: dict | None = None) -> None:
+    """Run `num` random requests and flush the cache (the reference's warm-up); with `extra`
+    sampling params (a grammar), so that its compilation is not timed."""
     if num <= 0:
         return
     warm = sample_random(tokenizer, num, WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, 1.0, seed=seed + 1, source="ids")
     engine.generate(input_ids=[r.prompt_ids for r in warm],
-                    sampling_params=[sampling_params(r, True) for r in warm])
+                    sampling_params=[sampling_params(r, True, extra) for r in warm])
     engine.flush_cache()
 
 
-def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool = True, progress: bool = True) -> dict:
-    """Time one generate call over all requests; returns the offline metrics and cache hit rate."""
+def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool = True, progress: bool = True,
+               extra: dict | None = None) -> dict:
+    """Time one generate call over all requests; returns the offline metrics, the cache hit rate,
+    the forward passes and the jump-forward drafts kept."""
     from tqdm import tqdm
 
     pbar = tqdm(total=len(requests), disable=not progress, desc="offline", unit="req")
     inner, sink = _progress_sink(engine, pbar)
     engine.scheduler.output_sink = sink
+    sched = engine.scheduler
+    passes, kept = sched.forward_ct, sched.num_draft_tokens_kept
     try:
         start = time.perf_counter()
         outs = engine.generate(input_ids=[r.prompt_ids for r in requests],
-                               sampling_params=[sampling_params(r, ignore_eos) for r in requests])
+                               sampling_params=[sampling_params(r, ignore_eos, extra) for r in requests])
         elapsed = time.perf_counter() - start
     finally:
         engine.scheduler.output_sink = inner
@@ -71,7 +76,9 @@ def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool = True, pr
     in_tokens = sum(o["meta_info"]["prompt_tokens"] for o in outs)
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     metrics = offline_metrics(len(outs), in_tokens, out_tokens, elapsed)
-    metrics["cache_hit_rate"] = engine.scheduler.cache_hit_rate()
+    metrics["cache_hit_rate"] = sched.cache_hit_rate()
+    metrics["forward_passes"] = sched.forward_ct - passes
+    metrics["jump_forward_tokens"] = sched.num_draft_tokens_kept - kept
     return metrics
 
 
@@ -92,6 +99,10 @@ def main(args) -> int:
     from framework.model.loader import load_tokenizer, resolve_model
     from plugins.workers.tp import resolve_dtype
 
+    if args.extra_sampling_params and args.backend != "batchyard":
+        # transformers' generate has no grammars or batchyard's sampling fields: not comparable.
+        logger.error("--extra-sampling-params needs --backend batchyard")
+        return 2
     settings = bench_settings(args)
     folder = resolve_model(settings.model.path)
     tokenizer = load_tokenizer(settings.model.tokenizer_path or folder)
@@ -105,9 +116,9 @@ def main(args) -> int:
 
         engine = Engine(settings)
         try:
-            warmup_engine(engine, tokenizer, args.warmup_requests, args.seed)
+            warmup_engine(engine, tokenizer, args.warmup_requests, args.seed, args.extra_sampling_params)
             meter = ContentionMeter()
-            metrics = run_engine(engine, requests, args.ignore_eos, not args.disable_tqdm)
+            metrics = run_engine(engine, requests, args.ignore_eos, not args.disable_tqdm, args.extra_sampling_params)
             dtype = engine_dtype(engine)
         finally:
             engine.shutdown()

@@ -264,7 +264,7 @@ def main(args) -> int:
         listing = asyncio.run(get_json(base_url, "/v1/models")) or {}
         data = listing.get("data") or [{}]
         model = data[0].get("id", "default")
-    extra = json.loads(args.extra_request_body) if args.extra_request_body else None
+    extra = args.extra_request_body
     server_info = asyncio.run(get_json(base_url, "/get_server_info"))
 
     meter = ContentionMeter()

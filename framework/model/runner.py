@@ -267,4 +267,8 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_drafts(self, logits_output: LogitsOutput, batch: ModelWorkerBatch) -> torch.Tensor:
         """The token sampled at each draft row of `batch.draft_check` [sum(lens)] int64."""
-        return self.sampler(logits_output.draft_logits, batch.draft_check.sampling_info)
+        check = batch.draft_check
+        info = check.sampling_info
+        if info.is_all_greedy and info.penalties is None:
+            return self.sampler.check_greedy(logits_output.draft_logits, info, torch.tensor(check.tokens))
+        return self.sampler(logits_output.draft_logits, info)

@@ -28,7 +28,7 @@ class Sampler:
     def __init__(self, fused=None):
         self.fused = fused
 
-    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.supports(logits):
             return self.fused.argmax(logits)
         return logits.argmax(dim=-1)
@@ -42,7 +42,7 @@ class Sampler:
         if info.penalties is not None:
             # A copy: the caller keeps the raw logits for logprobs.
             logits = info.penalties.apply(to_float32(logits))
-        greedy_ids = self._argmax(logits)
+        greedy_ids = self.argmax(logits)
         if info.is_all_greedy:
             return greedy_ids
 
@@ -57,6 +57,18 @@ class Sampler:
         else:
             ids = _sample_filtered(probs, top_ks, need_top_p, info)
         return torch.where(info.top_ks <= 1, greedy_ids, ids)
+
+    def check_greedy(self, logits: torch.Tensor, info: SamplingBatchInfo, expected: torch.Tensor) -> torch.Tensor:
+        """What `self(logits, info)` returns when every row is greedy without penalties and
+        `expected[r]` is allowed by row r's mask (a draft): a row whose unmasked argmax is its
+        expected token has that as its masked argmax too (the first maximum is allowed), so only
+        the other rows pay for the mask."""
+        assert info.is_all_greedy and info.penalties is None
+        ids = self.argmax(logits)
+        miss = (ids != expected).nonzero().squeeze(1)
+        if miss.numel() and info.vocab_mask is not None:
+            ids[miss] = apply_vocab_mask(logits[miss], info.vocab_mask[miss]).argmax(dim=-1)
+        return ids
 
 
 def _sample_filtered(
