@@ -379,7 +379,7 @@ def test_offline_extra_sampling_params_constrain_every_request(bench_model, tmp_
     m = record["metrics"]
     # "yes"/"no" then the forced ", sir" then EOS: at most 6 tokens, fewer than the 6 x 5 unconstrained.
     assert m["completed"] == 5 and m["total_output_tokens"] < 30
-    assert 0 < m["forward_passes"] and m["jump_forward_tokens"] > 0
+    assert 0 < m["forward_passes"] and m["jump_forward_tokens"] > 0 and m["jump_forward_dropped"] >= 0
 
 
 @pytest.mark.parametrize("value", ["{not json", "[1, 2]"])

@@ -237,3 +237,42 @@ def test_fused_add_and_norm_matches_torch():
     assert torch.equal(h, ref_h)
     torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2**-7)
     assert (out == ref).float().mean() > 0.99
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] bool -> xgrammar's int32 bitmask (bit j of word w: token 32w + j)."""
+    rows, vocab = allowed.shape
+    words = (vocab + 31) // 32
+    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.to(torch.int64)
+    packed = (bits.view(rows, words, 32) << torch.arange(32)).sum(dim=2)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_masked_argmax_matches_masking_then_argmax(dtype):
+    from framework.grammar import apply_vocab_mask
+
+    gen = torch.Generator().manual_seed(6)
+    vocab = 1003  # a tail word past the full ones
+    logits = torch.randn(9, vocab, generator=gen).to(dtype)
+    allowed = torch.rand(9, vocab, generator=gen) < 0.2
+    allowed[0] = True  # unconstrained
+    allowed[1] = False
+    allowed[1, [3, 1001]] = True  # two tokens, one in the tail word
+    logits[2, 10] = logits[2, 500] = 40.0
+    allowed[2, [10, 500]] = True  # a tie among allowed: the first wins
+    logits[3, 7] = float("nan")
+    allowed[3, 7] = False  # a masked-out NaN is ignored
+    logits[4, 900] = float("nan")
+    allowed[4, 900] = True  # an allowed NaN wins
+    allowed[5] = False  # nothing allowed: index 0, as argmax of all -inf
+    logits[6, allowed[6]] = float("-inf")  # everything allowed is -inf: index 0
+    logits[7, 1002] = 99.0
+    allowed[7, 1002] = True  # the maximum is the last token
+    mask = _bitmask(allowed)
+    expected = apply_vocab_mask(logits, mask).argmax(dim=-1)
+    assert torch.equal(KERNELS.fused.argmax_masked(logits, mask), expected)
+    strided = torch.randn(9, 2 * vocab, generator=gen).to(dtype)[:, 5 : 5 + vocab]
+    assert torch.equal(KERNELS.fused.argmax_masked(strided, mask), apply_vocab_mask(strided, mask).argmax(dim=-1))

@@ -57,14 +57,14 @@ def warmup_engine(engine, tokenizer, num: int, seed: int, extra: dict | None = N
 def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool = True, progress: bool = True,
                extra: dict | None = None) -> dict:
     """Time one generate call over all requests; returns the offline metrics, the cache hit rate,
-    the forward passes and the jump-forward drafts kept."""
+    the forward passes and the jump-forward drafts kept and dropped."""
     from tqdm import tqdm
 
     pbar = tqdm(total=len(requests), disable=not progress, desc="offline", unit="req")
     inner, sink = _progress_sink(engine, pbar)
     engine.scheduler.output_sink = sink
     sched = engine.scheduler
-    passes, kept = sched.forward_ct, sched.num_draft_tokens_kept
+    passes, kept, dropped = sched.forward_ct, sched.num_draft_tokens_kept, sched.num_draft_tokens_dropped
     try:
         start = time.perf_counter()
         outs = engine.generate(input_ids=[r.prompt_ids for r in requests],
@@ -78,7 +78,9 @@ def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool = True, pr
     metrics = offline_metrics(len(outs), in_tokens, out_tokens, elapsed)
     metrics["cache_hit_rate"] = sched.cache_hit_rate()
     metrics["forward_passes"] = sched.forward_ct - passes
+    # Jump-forward drafts the model kept, and those it replaced (computed for nothing).
     metrics["jump_forward_tokens"] = sched.num_draft_tokens_kept - kept
+    metrics["jump_forward_dropped"] = sched.num_draft_tokens_dropped - dropped
     return metrics
 
 

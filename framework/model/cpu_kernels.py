@@ -106,6 +106,9 @@ class FusedOps:
         self._argmax = lib.argmax_bf16
         self._argmax.restype = None
         self._argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+        self._argmax_masked = lib.argmax_masked
+        self._argmax_masked.restype = None
+        self._argmax_masked.argtypes = [_PTR, _INT, _I64, _PTR, _I64, _I64, _I64, _PTR]
         self._rope_kv = lib.rope_kv_bf16
         self._rope_kv.restype = _INT
         self._rope_kv.argtypes = [_PTR, _I64] + [_PTR] * 6 + [_I64] + [_INT] * 4
@@ -155,6 +158,25 @@ class FusedOps:
         rows, d = logits.shape
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(logits.data_ptr(), logits.stride(0), rows, d, out.data_ptr())
+        return out
+
+    @staticmethod
+    def supports_masked_argmax(logits: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether `argmax_masked` takes these: bf16 or fp32 rows with unit stride on the CPU and
+        an int32 bitmask with a row per logits row and a bit per token."""
+        return (
+            logits.dtype in (torch.bfloat16, torch.float32) and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.stride(1) == 1 and mask.dtype == torch.int32 and mask.dim() == 2
+            and mask.stride(1) == 1 and mask.shape[0] == logits.shape[0] and mask.shape[1] * 32 >= logits.shape[1]
+        )
+
+    def argmax_masked(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """argmax of each row over the tokens its xgrammar bitmask allows -> int64 [n]: what
+        `apply_vocab_mask` then `argmax` give, without the fp32 copy (see supports_masked_argmax)."""
+        rows, d = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax_masked(logits.data_ptr(), int(logits.dtype == torch.bfloat16), logits.stride(0),
+                            mask.data_ptr(), mask.stride(0), rows, d, out.data_ptr())
         return out
 
     def rope_kv(self, qkv, cos, sin, loc, k_pool, v_pool, heads: int, kv_heads: int) -> torch.Tensor:

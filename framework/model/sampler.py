@@ -33,11 +33,21 @@ class Sampler:
             return self.fused.argmax(logits)
         return logits.argmax(dim=-1)
 
+    def masked_argmax(self, logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """argmax of each row over the tokens its grammar bitmask allows (all without a mask)."""
+        if mask is None:
+            return self.argmax(logits)
+        if self.fused is not None and self.fused.supports_masked_argmax(logits, mask):
+            return self.fused.argmax_masked(logits, mask)
+        return apply_vocab_mask(logits, mask).argmax(dim=-1)
+
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """logits: [bs, vocab] fp32 or bf16 (not modified) -> int64 token ids [bs]."""
         bs, vocab_size = logits.shape
         if bs == 0:
             return torch.empty((0,), dtype=torch.int64)
+        if info.is_all_greedy and info.penalties is None:
+            return self.masked_argmax(logits, info.vocab_mask)
         logits = apply_vocab_mask(logits, info.vocab_mask)  # an fp32 copy when there is a mask
         if info.penalties is not None:
             # A copy: the caller keeps the raw logits for logprobs.
@@ -67,7 +77,7 @@ class Sampler:
         ids = self.argmax(logits)
         miss = (ids != expected).nonzero().squeeze(1)
         if miss.numel() and info.vocab_mask is not None:
-            ids[miss] = apply_vocab_mask(logits[miss], info.vocab_mask[miss]).argmax(dim=-1)
+            ids[miss] = self.masked_argmax(logits[miss], info.vocab_mask[miss])
         return ids
 
 

@@ -227,3 +227,67 @@ void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t d, i
         out[r] = arg;
     }
 }
+
+static inline float value_at(const void *row, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* Index of the largest value of each row among the tokens its xgrammar bitmask allows (bit j of
+ * word w: token 32w + j), as torch.argmax of the row with the other tokens set to -inf: the first
+ * on ties, the first allowed NaN if there is one, 0 when nothing allowed is above -inf. x: bf16 or
+ * fp32 rows [rows, d] with row stride x_stride; mask: int32 rows with stride mask_stride. */
+void argmax_masked(const void *x, int bf16, int64_t x_stride, const int32_t *mask, int64_t mask_stride,
+                   int64_t rows, int64_t d, int64_t *out) {
+    const size_t elem = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = (const char *)x + r * x_stride * elem;
+        const int32_t *bits_row = mask + r * mask_stride;
+        const int64_t full_words = d / 32, num_words = (d + 31) / 32;
+        float best = -INFINITY;
+        int has_nan = 0;
+        int64_t w = 0;
+#ifdef __AVX512F__
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (; w < full_words; w++) {
+            uint32_t bits = (uint32_t)bits_row[w];
+            if (!bits) continue;
+            __mmask16 lo = (__mmask16)(bits & 0xFFFF), hi = (__mmask16)(bits >> 16);
+            __m512 v0 = load16(row + w * 32 * elem, bf16), v1 = load16(row + (w * 32 + 16) * elem, bf16);
+            has_nan |= (_mm512_mask_cmp_ps_mask(lo, v0, v0, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(hi, v1, v1, _CMP_UNORD_Q)) != 0;
+            vmax = _mm512_mask_max_ps(vmax, lo, vmax, v0);
+            vmax = _mm512_mask_max_ps(vmax, hi, vmax, v1);
+        }
+        best = _mm512_reduce_max_ps(vmax);
+#endif
+        for (; w < num_words; w++) {
+            uint32_t bits = (uint32_t)bits_row[w];
+            for (int j = 0; j < 32 && w * 32 + j < d; j++) {
+                if (!(bits >> j & 1u)) continue;
+                float v = value_at(row, bf16, w * 32 + j);
+                has_nan |= v != v;
+                if (v > best) best = v;
+            }
+        }
+        int64_t arg = 0;
+        if (has_nan || best > -INFINITY) {
+            for (w = 0; w < num_words; w++) {
+                uint32_t bits = (uint32_t)bits_row[w];
+                int found = 0;
+                while (bits) {
+                    int j = __builtin_ctz(bits);
+                    bits &= bits - 1;
+                    int64_t i = w * 32 + j;
+                    if (i >= d) break;
+                    float v = value_at(row, bf16, i);
+                    if (has_nan ? v != v : v == best) {
+                        arg = i;
+                        found = 1;
+                        break;
+                    }
+                }
+                if (found) break;
+            }
+        }
+        out[r] = arg;
+    }
+}
