@@ -35,7 +35,7 @@ from framework.messages import (
 )
 from framework.grammar import (
     GRAMMAR_FUTURE_KEY, GRAMMAR_KEY, GrammarBackend, accept_last_token, batch_vocab_mask, grammar_key,
-    grammar_of, jump_forward_drafts,
+    grammar_of, jump_forward_drafts, MAX_DRAFT_TOKENS,
 )
 from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
 from framework.plugins import PluginManager
@@ -465,7 +465,8 @@ class Scheduler(ControlMixin):
             # stop string completed inside kept drafts would be found only after them.
             if grammar_of(req) is None or req.return_logprob or req.sampling_params.stop_strs:
                 continue
-            drafts = jump_forward_drafts(req, self.tokenizer, self.worker.vocab_size, limit=budget)
+            limit = min(budget, req.stash.get(DRAFT_LIMIT_KEY, MAX_DRAFT_TOKENS))
+            drafts = jump_forward_drafts(req, self.tokenizer, self.worker.vocab_size, limit=limit)
             if drafts is None:
                 continue
             tokens, masks = drafts
@@ -482,7 +483,11 @@ class Scheduler(ControlMixin):
         for i, req in enumerate(batch.reqs):
             if not req.num_draft_tokens:
                 continue
+            proposed = req.num_draft_tokens
             dropped = req.keep_draft_tokens(kept[i])
+            # Propose about as many as the model takes: a refused draft costs a wasted token.
+            limit = req.stash.get(DRAFT_LIMIT_KEY, MAX_DRAFT_TOKENS)
+            req.stash[DRAFT_LIMIT_KEY] = max(1, kept[i] + 1) if dropped else min(MAX_DRAFT_TOKENS, max(limit, 2 * proposed))
             req.stash[JUMPED_TOKENS_KEY] = req.stash.get(JUMPED_TOKENS_KEY, 0) + kept[i]
             self.num_draft_tokens_kept += kept[i]
             self.num_draft_tokens_dropped += dropped
@@ -775,6 +780,8 @@ class Scheduler(ControlMixin):
         self.worker.shutdown()
 
 
+# The most drafts the request's next jump proposes (adapted to how many the model kept).
+DRAFT_LIMIT_KEY: StashKey[int] = StashKey("draft_limit")
 # Output tokens appended by jump-forward (and kept) rather than sampled one pass each.
 JUMPED_TOKENS_KEY = StashKey("jumped_tokens")
 

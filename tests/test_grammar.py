@@ -317,3 +317,28 @@ def test_pipelined_worker_does_not_jump(make_engine, caplog, explicit):
     meta = out["meta_info"]
     assert meta["completion_tokens_wo_jump_forward"] == meta["completion_tokens"]
     assert sched.num_draft_tokens_kept == 0
+
+
+def test_draft_length_follows_what_the_model_keeps(make_engine):
+    """After the model refuses a draft, the request's next jump proposes at most one more than it
+    kept (a refused draft is a token computed for nothing); after a full accept it may grow again."""
+    engine = make_engine(plugins={"worker": "tp"})
+    sched = engine.scheduler
+    events: list[tuple[str, int, int]] = []
+    settle = sched.settle_drafts
+
+    def spy(batch, kept):
+        events.extend((r.rid, r.num_draft_tokens, k) for r, k in zip(batch.reqs, kept) if r.num_draft_tokens)
+        settle(batch, kept)
+
+    sched.settle_drafts = spy
+    params = [{"temperature": 0, "max_new_tokens": 64, "regex": r} for r in JUMP_REGEXES]
+    engine.generate(JUMP_PROMPTS, sampling_params=params)
+    after_refusal = 0
+    for rid in {e[0] for e in events}:
+        mine = [(n, k) for r, n, k in events if r == rid]
+        for (n0, k0), (n1, _) in zip(mine, mine[1:]):
+            if k0 < n0:
+                assert n1 <= k0 + 1, mine
+                after_refusal += 1
+    assert after_refusal > 0
