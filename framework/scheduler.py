@@ -455,7 +455,8 @@ class Scheduler(ControlMixin):
         """Requests whose grammar forces the next characters get the forced text's tokens
         appended as drafts (reference J). They stay in the batch: its next pass computes each
         request's last token and its drafts together, and keeps the drafts the model agrees with
-        (`settle_drafts`). The reference sends them back to waiting to be re-prefilled instead."""
+        (`settle_drafts`). The reference sends them back to waiting to be re-prefilled instead.
+        A request proposes at most `DRAFT_LIMIT_KEY` drafts, and all together fit the free KV."""
         # KV slots beyond the one per request that the decode step takes anyway.
         budget = self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size() - batch.batch_size()
         for req in batch.reqs:
@@ -476,7 +477,7 @@ class Scheduler(ControlMixin):
             budget -= len(tokens)
 
     def settle_drafts(self, batch: ScheduleBatch, kept: list[int]) -> None:
-        """Some requests' extends ended with draft tokens, of which the model agreed with the
+        """Some requests of the pass computed draft tokens, of which the model agreed with the
         first `kept[i]`: the others leave the request's outputs, its KV and its matcher (the
         batch's next token for it is the model's own in their place)."""
         dropped_any = False
@@ -485,7 +486,8 @@ class Scheduler(ControlMixin):
                 continue
             proposed = req.num_draft_tokens
             dropped = req.keep_draft_tokens(kept[i])
-            # Propose about as many as the model takes: a refused draft costs a wasted token.
+            # Propose about as many as the model takes (a refused draft is a token computed for
+            # nothing): one more than it kept after a refusal, twice as many after a full accept.
             limit = req.stash.get(DRAFT_LIMIT_KEY, MAX_DRAFT_TOKENS)
             req.stash[DRAFT_LIMIT_KEY] = max(1, kept[i] + 1) if dropped else min(MAX_DRAFT_TOKENS, max(limit, 2 * proposed))
             req.stash[JUMPED_TOKENS_KEY] = req.stash.get(JUMPED_TOKENS_KEY, 0) + kept[i]
