@@ -28,12 +28,7 @@ import torch.nn.functional as F
 
 from framework.batch import ModelWorkerBatch
 from framework.memory import ReqToTokenPool, TokenToKVPool
-
-
-def _to_float32(x: torch.Tensor) -> torch.Tensor:
-    """`x.float()` through `copy_`, which is much faster for bf16 on CPU (see llama.to_float32).
-    Always a new tensor, so callers may modify it in place."""
-    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+from framework.model.cpu import to_float32
 
 
 @dataclass
@@ -411,7 +406,7 @@ class TorchNativeAttention:
         else:
             qg = q
         qg = qg.reshape(n * kvh, self.group_size, d).to(k.dtype)
-        scores = _to_float32(torch.bmm(qg, k.transpose(1, 2))).mul_(self.scaling).add_(plan.bias)
+        scores = to_float32(torch.bmm(qg, k.transpose(1, 2)), copy=True).mul_(self.scaling).add_(plan.bias)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.bmm(probs, v)  # [n * kv_heads, group, D]
         return out.view(n, self.num_heads * d).to(q.dtype)
@@ -474,7 +469,7 @@ class TorchNativeAttention:
         k = k_buf.view(-1, d).index_select(0, group.kv_indices).view(n, kvh, max_len, d)
         v = v_buf.view(-1, d).index_select(0, group.kv_indices).view(n, kvh, max_len, d)
         qg = q.reshape(n, kvh, self.group_size, d).to(k.dtype)
-        scores = _to_float32(torch.matmul(qg, k.transpose(2, 3))).mul_(self.scaling).add_(group.bias)
+        scores = to_float32(torch.matmul(qg, k.transpose(2, 3)), copy=True).mul_(self.scaling).add_(group.bias)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)  # [n, kv_heads, group, D]
         return out.view(n, self.num_heads * d).to(q.dtype)

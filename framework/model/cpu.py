@@ -14,6 +14,8 @@ import ctypes
 import ctypes.util
 import logging
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 # mallopt parameters (malloc.h).
@@ -45,3 +47,12 @@ def tune_allocator() -> bool:
     _tuned = ok
     return ok
 
+
+
+def to_float32(x: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """`x.float()`, but through `copy_`: on this CPU torch's bf16 -> fp32 `.to` takes a slow path
+    (~5x slower than `copy_` into an fp32 buffer, measured on [8192, 576]). An fp32 `x` comes back
+    as is unless `copy` asks for a new tensor (one the caller may modify in place)."""
+    if x.dtype == torch.float32 and not copy:
+        return x
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from framework.batch import ModelWorkerBatch
-from framework.model.llama import to_float32
+from framework.model.cpu import to_float32
 
 TopLogprobs = list[tuple[float, int]]
 

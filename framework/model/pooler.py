@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from framework.model.llama import to_float32
+from framework.model.cpu import to_float32
 
 
 def pool_last_token(hidden: torch.Tensor, extend_lens: list[int]) -> torch.Tensor:

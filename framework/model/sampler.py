@@ -12,7 +12,7 @@ import torch
 
 from framework.batch import SamplingBatchInfo
 from framework.grammar import apply_vocab_mask
-from framework.model.llama import to_float32
+from framework.model.cpu import to_float32
 
 # Candidates taken by the partial sort before falling back to sorting the whole vocabulary.
 _NUM_CANDIDATES = 512
