@@ -479,7 +479,6 @@ class ScheduleBatch:
         self.token_to_kv_pool.free(slots.clone())
         self.seq_lens = self.seq_lens.clone()  # the worker batch of the pass shares the tensor
         self.seq_lens[i] = seq_len - num_tokens
-        req.stash[_COMPUTED_KEY] = min(req.stash.get(_COMPUTED_KEY, 0), seq_len - num_tokens)
         assert len(req.fill_ids) == seq_len - num_tokens, (len(req.fill_ids), seq_len, num_tokens)
 
     def rebuild_penalties(self) -> None:

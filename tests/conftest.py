@@ -217,3 +217,13 @@ def assert_same_direction(ours: list[float], ref: torch.Tensor, min_cosine: floa
     assert abs(float(vec.norm()) - 1.0) < 1e-4
     cosine = float(torch.dot(vec, ref))
     assert cosine >= min_cosine, f"cosine {cosine:.6f}"
+
+
+def bool_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] bool -> xgrammar's int32 token bitmask (bit j of word w: token 32w + j)."""
+    rows, vocab = allowed.shape
+    words = (vocab + 31) // 32
+    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.to(torch.int64)
+    packed = (bits.view(rows, words, 32) << torch.arange(32)).sum(dim=2)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)

@@ -17,6 +17,7 @@ from framework.model import cpu_kernels
 from framework.model.attention import TorchNativeAttention, _KernelDecode
 from framework.model.cpu_kernels import load_decode_kernel
 from framework.model.llama import RMSNorm
+from tests.conftest import bool_bitmask
 
 KERNEL = load_decode_kernel()
 KERNELS = cpu_kernels.pick("auto", "cpu")
@@ -239,16 +240,6 @@ def test_fused_add_and_norm_matches_torch():
     assert (out == ref).float().mean() > 0.99
 
 
-def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] bool -> xgrammar's int32 bitmask (bit j of word w: token 32w + j)."""
-    rows, vocab = allowed.shape
-    words = (vocab + 31) // 32
-    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
-    bits[:, :vocab] = allowed.to(torch.int64)
-    packed = (bits.view(rows, words, 32) << torch.arange(32)).sum(dim=2)
-    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
-
-
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_masked_argmax_matches_masking_then_argmax(dtype):
@@ -271,7 +262,7 @@ def test_fused_masked_argmax_matches_masking_then_argmax(dtype):
     logits[6, allowed[6]] = float("-inf")  # everything allowed is -inf: index 0
     logits[7, 1002] = 99.0
     allowed[7, 1002] = True  # the maximum is the last token
-    mask = _bitmask(allowed)
+    mask = bool_bitmask(allowed)
     expected = apply_vocab_mask(logits, mask).argmax(dim=-1)
     assert torch.equal(KERNELS.fused.argmax_masked(logits, mask), expected)
     strided = torch.randn(9, 2 * vocab, generator=gen).to(dtype)[:, 5 : 5 + vocab]

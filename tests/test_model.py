@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from framework.batch import DraftCheck, ForwardMode, ModelWorkerBatch, SamplingBatchInfo, idle_worker_batch, step_seed
 from framework.model import ModelRunner, Sampler, llama
 from framework.model.logits import LogitsOutput
+from tests.conftest import bool_bitmask
 
 VOCAB = 1000
 ATOL = 1e-4
@@ -159,8 +160,6 @@ def test_decode_step_with_drafts_matches_hf(hf_model, runner, draft_lens):
     draft row's logits are those of the position before the draft, also a 20-token extend
     (past the kernel's short-extend rows, so SDPA) next to kernel rows."""
     prompt_lens = [9, 30, 4, 17]
-    if sum(draft_lens) > 10:
-        draft_lens = draft_lens[:-1] + [19]
     reqs = _new_reqs(runner, [n + 1 + d for n, d in zip(prompt_lens, draft_lens)], seed=3)
     runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))
     batch = _batch(runner, reqs, [1 + d for d in draft_lens], ForwardMode.MIXED)
@@ -370,8 +369,6 @@ def test_sampler_greedy_rows_in_mixed_batch():
 def test_sampler_check_greedy_equals_masked_greedy(dtype, cpu_kernels):
     """Draft rows: the shortcut (unmasked argmax where it is the draft) gives exactly the masked
     argmax, on rows whose argmax is the draft, is another allowed token, or is masked out."""
-    import xgrammar as xgr
-
     bs = 12
     logits = _logits(bs).to(dtype)
     top = logits.float().argmax(-1)
@@ -382,12 +379,7 @@ def test_sampler_check_greedy_equals_masked_greedy(dtype, cpu_kernels):
     allowed[torch.arange(4, 8), top[4:8]] = False  # the argmax is masked out
     allowed[torch.arange(8, 12), top[8:12]] = True  # the argmax is allowed but not the draft
     allowed[torch.arange(bs), expected] = True  # a draft is always allowed
-    mask = xgr.allocate_token_bitmask(bs, VOCAB)
-    for r in range(bs):
-        bits = torch.zeros(mask.shape[1] * 32, dtype=torch.int64)
-        bits[:VOCAB] = allowed[r].to(torch.int64)
-        words = (bits.view(-1, 32) << torch.arange(32)).sum(dim=1)
-        mask[r] = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    mask = bool_bitmask(allowed)
     info = _info([1.0] * bs, top_ks=[1] * bs)
     info.vocab_mask = mask
     from framework.model.cpu_kernels import pick

@@ -48,7 +48,6 @@ def tune_allocator() -> bool:
     return ok
 
 
-
 def to_float32(x: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
     """`x.float()`, but through `copy_`: on this CPU torch's bf16 -> fp32 `.to` takes a slow path
     (~5x slower than `copy_` into an fp32 buffer, measured on [8192, 576]). An fp32 `x` comes back
