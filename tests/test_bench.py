@@ -393,3 +393,12 @@ def test_offline_extra_sampling_params_need_our_backend(bench_model):
     argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
             "--backend", "both", "--extra-sampling-params", '{"regex": "a+"}']
     assert cli_main(argv) == 2
+
+
+@pytest.mark.parametrize("value, field", [('{"regex": "(abc"}', "regex"), ('{"tempreture": 0}', "tempreture")])
+def test_offline_bad_extra_sampling_params_are_a_usage_error(bench_model, value, field, caplog):
+    """Checked before the model loads: exit status 2 and a message naming the field."""
+    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
+            "--extra-sampling-params", value]
+    assert cli_main(argv) == 2
+    assert "--extra-sampling-params" in caplog.text and field in caplog.text

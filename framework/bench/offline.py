@@ -105,6 +105,14 @@ def main(args) -> int:
         # transformers' generate has no grammars or batchyard's sampling fields: not comparable.
         logger.error("--extra-sampling-params needs --backend batchyard")
         return 2
+    if args.extra_sampling_params:
+        from framework.request import SamplingParams
+
+        try:  # before the model loads: an unknown field or a bad grammar is a usage error
+            SamplingParams.from_dict(args.extra_sampling_params).verify()
+        except ValueError as exc:
+            logger.error("--extra-sampling-params: %s", exc)
+            return 2
     settings = bench_settings(args)
     folder = resolve_model(settings.model.path)
     tokenizer = load_tokenizer(settings.model.tokenizer_path or folder)
