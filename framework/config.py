@@ -176,6 +176,24 @@ class ServerSettings(_Section):
     port: int = Field(30000, gt=0, lt=65536, description="HTTP port.")
     api_key: str | None = Field(None, description="Bearer token required on every path but /health*.")
     max_request_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest accepted request body.")
+    max_json_depth: int = Field(
+        64, gt=0, description="Deepest nesting of arrays and objects in a request body (deeper: 400)."
+    )
+    max_json_number_digits: int = Field(
+        32, gt=0, description="Longest number literal in a request body, in characters (longer: 400)."
+    )
+    max_prompt_bytes: int | None = Field(
+        None, gt=0, description="Largest prompt text in UTF-8 bytes, checked before tokenizing; empty: the "
+        "longest input the context allows times the longest token's bytes (it cannot fit beyond that).",
+    )
+    max_top_logprobs_num: int = Field(
+        20, gt=0, description="Largest top_logprobs_num of /generate (the vocabulary size also bounds it; "
+        "the OpenAI endpoints allow 20).",
+    )
+    max_n: int = Field(64, gt=0, description="Largest sampling_params.n (OpenAI n): parallel samples per prompt.")
+    max_batch_requests: int = Field(
+        1024, gt=0, description="Most requests one call may start: its prompts times n."
+    )
     enable_metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
     log_requests: bool = Field(False, description="Log every finished request.")
     log_level: str = Field("info", description="Log level.")

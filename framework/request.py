@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 TOP_K_ALL = 1 << 30
+# The largest integer sampling parameter (top_k, n, max/min_new_tokens, stop_token_ids).
+MAX_PARAM_INT = (1 << 31) - 1
 
 
 class StashKey(Generic[T]):
@@ -156,14 +158,15 @@ class SamplingParams:
                 raise ValueError(f"sampling_params.{name}: must be a number, got {value!r}")
             if math.isnan(value) or math.isinf(value):
                 raise ValueError(f"sampling_params.{name}: must be finite, got {value}")
-        for name in ("top_k", "min_new_tokens", "n"):
+        for name in ("top_k", "min_new_tokens", "n", "max_new_tokens"):
             value = getattr(self, name)
+            if value is None and name == "max_new_tokens":
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"sampling_params.{name}: must be an integer, got {value!r}")
-        if self.max_new_tokens is not None and (
-            isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
-        ):
-            raise ValueError(f"sampling_params.max_new_tokens: must be an integer, got {self.max_new_tokens!r}")
+            # Counts reach int64 tensors (and C kernels' int32 ones): a larger value would crash the batch.
+            if value > MAX_PARAM_INT:
+                raise ValueError(f"sampling_params.{name}: must be <= {MAX_PARAM_INT}, got {value}")
         if self.temperature < 0.0:
             raise ValueError(f"sampling_params.temperature: must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -195,9 +198,12 @@ class SamplingParams:
             raise ValueError("sampling_params: regex and json_schema cannot both be set")
         if self.stop_token_ids is not None and not (
             isinstance(self.stop_token_ids, (list, tuple, set))
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_PARAM_INT
+                    for t in self.stop_token_ids)
         ):
-            raise ValueError("sampling_params.stop_token_ids: must be a list of non-negative integers")
+            raise ValueError(
+                f"sampling_params.stop_token_ids: must be a list of non-negative integers <= {MAX_PARAM_INT}"
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"sampling_params.seed: must be an integer or null, got {self.seed!r}")
         if self.regex is not None or self.json_schema is not None:
@@ -210,7 +216,7 @@ class SamplingParams:
         if self.temperature < 1e-6:
             self.temperature = 1.0
             self.top_k = 1
-        if self.top_k == -1:
+        if self.top_k == -1 or self.top_k > TOP_K_ALL:
             self.top_k = TOP_K_ALL
         stop = self.stop
         if stop is None:

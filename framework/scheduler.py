@@ -186,7 +186,7 @@ class Scheduler(ControlMixin):
         while self.inbox:
             msg = self.inbox.popleft()
             if isinstance(msg, GenerateReqInput):
-                self.handle_generate_request(msg)
+                self.receive_request(msg)
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg.rid)
             elif isinstance(msg, FlushCacheReq):
@@ -241,6 +241,21 @@ class Scheduler(ControlMixin):
             return (f"input_embeds: shape {list(shape)} does not match {len(msg.input_ids)} placeholder "
                     f"ids and the model's hidden size {self.worker.hidden_size}")
         return None
+
+    def receive_request(self, msg: GenerateReqInput) -> None:
+        """`handle_generate_request` as a last line of defence: an error there is this request's
+        alone, so it is logged with its rid and the request fails (aborted, holding nothing);
+        the loop serves on. (The reference lets any scheduler error end the server.)"""
+        try:
+            self.handle_generate_request(msg)
+        except Exception as exc:
+            logger.exception("Request %s failed at intake; it is aborted and the scheduler serves on", msg.rid)
+            self.waiting_queue = [r for r in self.waiting_queue if r.rid != msg.rid]
+            self.grammar_queue = [r for r in self.grammar_queue if r.rid != msg.rid]
+            reason = FinishAbort(f"internal error at intake: {type(exc).__name__}: {exc}")
+            meta = {"id": msg.rid, "prompt_tokens": len(msg.input_ids), "completion_tokens": 0,
+                    "cached_tokens": 0, "finish_reason": reason.to_json()}
+            self.output_sink(BatchTokenOut([ReqOutput(msg.rid, 0, [], reason, meta)]))
 
     def handle_generate_request(self, msg: GenerateReqInput) -> None:
         self.num_received_reqs += 1

@@ -12,6 +12,7 @@ not finished; `release` is synchronous so it can run from a cancelled stream's `
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import time
@@ -38,7 +39,9 @@ from framework.messages import (
 from framework.images import ImageError, ImageProcessor
 from framework.metrics import ServerMetrics
 from framework.request import FinishAbort, request_kind_error
+from framework.config import ServerSettings
 from framework.server.ipc import IpcNames, make_socket
+from framework.server.limits import RequestLimits, max_token_bytes
 from framework.server.protocol import ApiError, GenerateBatch, ReqSpec
 
 logger = logging.getLogger(__name__)
@@ -103,8 +106,16 @@ def is_rejected(out: StrOutput) -> bool:
 
 class TokenizerManager:
     def __init__(self, ipc: IpcNames, ready: SchedulerReady, tokenizer: Any, metrics: ServerMetrics,
-                 log_requests: bool = False, image_processor: ImageProcessor | None = None):
+                 log_requests: bool = False, image_processor: ImageProcessor | None = None,
+                 limits: RequestLimits | None = None):
         self.ready = ready
+        if limits is None:
+            limits = RequestLimits.from_settings(ServerSettings(), ready.vocab_size, ready.max_req_input_len,
+                                                 max_token_bytes(tokenizer) if tokenizer is not None else 1)
+        self.limits = limits
+        # Tokenizing (and the parsing around it) runs here, off the event loop. One thread: a Hugging
+        # Face tokenizer is not safe to call from two threads at once.
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.image_processor = image_processor
         self.log_requests = log_requests
         self.tokenizer = tokenizer
@@ -120,6 +131,7 @@ class TokenizerManager:
         self._async_context = zmq.asyncio.Context()
         self.recv_sock = make_socket(self._async_context, zmq.PULL, ipc.tokenizer)
         self._loop_task: asyncio.Task | None = None
+        self.is_closed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -130,6 +142,8 @@ class TokenizerManager:
         if self._loop_task is not None:
             self._loop_task.cancel()
         # Sockets and contexts go now, not whenever the interpreter gets to them at exit.
+        self.is_closed = True
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._async_context.destroy(linger=0)
         self._sync_context.destroy(linger=0)
 
@@ -142,6 +156,13 @@ class TokenizerManager:
             if not fut.done():
                 fut.set_exception(ApiError(reason, status=503, err_type="server_error"))
         self.pending.clear()
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping: every request in flight ends now (a stream with a last error
+        event, a waiting request with a 503) and new ones are answered 503. Nothing more is sent
+        to the scheduler, which is stopped next."""
+        if self.dead_reason is None:
+            self.mark_dead("The server is shutting down.")
 
     def check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -190,8 +211,17 @@ class TokenizerManager:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; its size is checked first. Call it through `offload`."""
+        self.limits.check_prompt_bytes(text)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as exc:  # what the tokenizer refuses is the request's fault
+            raise ApiError(f"text: the tokenizer cannot encode it: {exc}") from None
+
+    async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the tokenizer thread: parsing that tokenizes never blocks the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, functools.partial(fn, *args))
 
     @functools.lru_cache(maxsize=1 << 16)
     def decode_token(self, token_id: int) -> str:
@@ -246,7 +276,7 @@ class TokenizerManager:
                 meta.get("prompt_tokens", len(state.spec.input_ids)), meta.get("completion_tokens", 0),
                 time.monotonic() - state.created, "abort",
             )
-        if self.dead_reason is None:
+        if self.dead_reason is None and not self.is_closed:
             self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
     def stop_watching(self, rid: str) -> None:
