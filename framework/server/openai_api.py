@@ -104,7 +104,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
         req = _validate(CompletionRequest, await read_json(request, tm.limits))
         if req.suffix:
             raise ApiError("suffix: not supported")
-        prompts = await tm.offload(_prompts, tm, req.prompt)
+        prompts = await tm.offload(_prompts, tm, req.prompt, "prompt")
         # logprobs = 0 asks for the chosen tokens' logprobs only, as in the OpenAI API.
         top = tm.limits.check_top_logprobs_num(req.logprobs or 0, "logprobs")
         batch = await tm.offload(_batch, tm, req, prompts, req.sampling_dict(req.max_tokens, req.temperature),
@@ -263,7 +263,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
             raise ApiError(f"dimensions: this model's embeddings have {tm.ready.hidden_size} dimensions")
         if req.input == [] or req.input == "":
             raise ApiError("input: must not be empty")
-        prompts = await tm.offload(_prompts, tm, req.input)
+        prompts = await tm.offload(_prompts, tm, req.input, "input")
         specs = embedding_specs([new_rid() for _ in prompts], [ids for ids, _ in prompts], [t for _, t in prompts])
         outs = await tm.run_all(specs, request)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(o.embedding, req.encoding_format)}
@@ -289,17 +289,17 @@ def _validate(model, body: Any):
         raise ApiError(validation_message(exc)) from None
 
 
-def _prompts(tm: TokenizerManager, prompt: Any) -> list[tuple[list[int], str | None]]:
-    """(input ids, text or None) per prompt of a completion request. Tokenizes: run it offloaded."""
+def _prompts(tm: TokenizerManager, prompt: Any, name: str) -> list[tuple[list[int], str | None]]:
+    """(input ids, text or None) per prompt of the request field `name`. Tokenizes: run it offloaded."""
     if isinstance(prompt, str):
-        return [(tm.tokenize(prompt), prompt)]
+        return [(tm.tokenize(prompt, name=name), prompt)]
     if not prompt:
         raise ApiError("prompt: must not be empty")
     if all(is_int(t) for t in prompt):
         return [(list(prompt), None)]
     tm.limits.check_counts(len(prompt), 1)  # before tokenizing any
     if all(isinstance(p, str) for p in prompt):
-        return [(tm.tokenize(p), p) for p in prompt]
+        return [(tm.tokenize(p, name=name), p) for p in prompt]
     return [(list(p), None) for p in prompt]
 
 
@@ -349,4 +349,4 @@ def _chat_input_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> list[in
     except Exception as exc:  # the template itself raises on what it does not accept
         raise ApiError(f"messages: the chat template rejected them: {exc}") from None
     # The template already wrote the special tokens as text.
-    return tm.tokenize(prompt, add_special_tokens=False)
+    return tm.tokenize(prompt, add_special_tokens=False, name="messages")

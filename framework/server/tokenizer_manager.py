@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 import zmq
 import zmq.asyncio
 
+from framework.config import ServerSettings
 from framework.messages import (
     AbortReq,
     BatchStrOut,
@@ -39,7 +40,6 @@ from framework.messages import (
 from framework.images import ImageError, ImageProcessor
 from framework.metrics import ServerMetrics
 from framework.request import FinishAbort, request_kind_error
-from framework.config import ServerSettings
 from framework.server.ipc import IpcNames, make_socket
 from framework.server.limits import RequestLimits, max_token_bytes
 from framework.server.protocol import ApiError, GenerateBatch, ReqSpec
@@ -211,13 +211,14 @@ class TokenizerManager:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt; its size is checked first. Call it through `offload`."""
-        self.limits.check_prompt_bytes(text)
+    def tokenize(self, text: str, add_special_tokens: bool = True, name: str = "text") -> list[int]:
+        """Token ids of a prompt (the request field `name`); its size is checked first. Call it
+        through `offload`."""
+        self.limits.check_prompt_bytes(text, name)
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except (TypeError, ValueError) as exc:  # what the tokenizer refuses is the request's fault
-            raise ApiError(f"text: the tokenizer cannot encode it: {exc}") from None
+            raise ApiError(f"{name}: the tokenizer cannot encode it: {exc}") from None
 
     async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the tokenizer thread: parsing that tokenizes never blocks the event loop."""
