@@ -194,12 +194,22 @@ class ServerSettings(_Section):
     max_batch_requests: int = Field(
         1024, gt=0, description="Most requests one call may start: its prompts times n."
     )
+    max_client_id_chars: int = Field(
+        256, gt=0, description="Longest client id (native client_id, OpenAI user) in characters (longer: 400)."
+    )
     enable_metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
     log_requests: bool = Field(False, description="Log every finished request.")
     log_level: str = Field("info", description="Log level.")
     profile_dir: str | None = Field(
         None, description="Directory for the torch profiler traces of /start_profile and /stop_profile; "
         "empty: <tempdir>/batchyard-profiles.",
+    )
+
+
+class MetricsSettings(_Section):
+    max_client_labels: int = Field(
+        16, ge=0, description="Clients with their own label in the per-client metrics and /get_server_info: "
+        "the ones with the most served tokens; the rest are counted as \"other\".",
     )
 
 
@@ -233,6 +243,7 @@ class Settings(BaseSettings):
     worker: WorkerSettings = Field(default_factory=WorkerSettings, description="Model execution.")
     parallel: ParallelSettings = Field(default_factory=ParallelSettings, description="Tensor and data parallelism.")
     server: ServerSettings = Field(default_factory=ServerSettings, description="HTTP server.")
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings, description="Prometheus metrics.")
     plugins: PluginSelection = Field(default_factory=PluginSelection, description="Which plugins are active.")
     plugin: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Plugin-declared sections, [plugin.<name>]."

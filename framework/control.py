@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+from framework.clients import client_stats
 from framework.messages import (
     CloseSessionReq,
     CloseSessionReqOutput,
@@ -132,6 +133,7 @@ class ControlMixin:
             num_sessions=len(self.sessions),
             forward_ct=self.forward_ct,
             num_received_reqs=self.num_received_reqs,
+            clients=client_stats(self, self.settings.metrics.max_client_labels),
             dp_rank=self.dp_rank,
         )
 

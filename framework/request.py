@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -12,7 +13,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 TOP_K_ALL = 1 << 30
-# The largest integer sampling parameter (top_k, n, max/min_new_tokens, stop_token_ids).
+# The largest integer sampling parameter (top_k, n, max/min_new_tokens, stop_token_ids), and the
+# largest |priority|.
 MAX_PARAM_INT = (1 << 31) - 1
 
 
@@ -240,6 +242,55 @@ class SamplingParams:
 
 
 # ---------------------------------------------------------------------------------------------
+# Request identity: who sent a request, how important it is, its first-token deadline
+
+
+def check_client_id(value: Any, max_chars: int, name: str = "client_id") -> str | None:
+    """A client id as given (None: anonymous); ValueError naming `name` otherwise. Control
+    characters are refused: the id becomes a Prometheus label value and a log field."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: must be a string or null, got {value!r}")
+    if len(value) > max_chars:
+        raise ValueError(f"{name}: must be at most {max_chars} characters (server.max_client_id_chars), "
+                         f"got {len(value)}")
+    bad = next((c for c in value if not c.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"{name}: must not contain control or unprintable characters, got {bad!r}")
+    return value
+
+
+def check_priority(value: Any, name: str = "priority") -> int | None:
+    """An integer priority (larger is more important) with |value| <= MAX_PARAM_INT, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer or null, got {value!r}")
+    if abs(value) > MAX_PARAM_INT:
+        raise ValueError(f"{name}: must be between -{MAX_PARAM_INT} and {MAX_PARAM_INT}, got {value}")
+    return value
+
+
+def check_slo_ttft_ms(value: Any, name: str = "slo_ttft_ms") -> float | None:
+    """A time-to-first-token deadline in milliseconds after arrival (finite, >= 0), or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: must be a number of milliseconds or null, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
+    return float(value)
+
+
+def check_identity(client_id: Any, priority: Any, slo_ttft_ms: Any, max_client_id_chars: int,
+                   client_id_name: str = "client_id") -> tuple[str | None, int | None, float | None]:
+    """The three identity fields of one request, checked (ValueError naming the first bad one)."""
+    return (check_client_id(client_id, max_client_id_chars, client_id_name), check_priority(priority),
+            check_slo_ttft_ms(slo_ttft_ms))
+
+
+# ---------------------------------------------------------------------------------------------
 # Request kinds and input_embeds
 
 
@@ -310,14 +361,24 @@ class Req:
         stream: bool = False,
         eos_token_ids: set[int] | None = None,
         session_id: str | None = None,
-        priority: int = 0,
+        priority: int | None = None,
         is_embedding: bool = False,
         input_embeds: Any = None,
         lora_path: str | None = None,
+        client_id: str | None = None,
+        slo_ttft_ms: float | None = None,
     ):
         self.rid = rid
-        # Larger is more important; read by the priority-aware radix eviction order.
+        # Who sent it (the OpenAI `user`); None: anonymous. Read by fairness policies and the
+        # per-client accounting.
+        self.client_id = client_id
+        # Larger is more important; None: not given. Read by the priority-aware radix eviction
+        # order (as 0) and priority policies.
         self.priority = priority
+        # The first token is due this many milliseconds after `arrival_time`; None: no deadline.
+        self.slo_ttft_ms = slo_ttft_ms
+        # When the scheduler took the request in (time.monotonic()).
+        self.arrival_time = time.monotonic()
         # The LoRA adapter's name, None for the base model (reference AB2).
         self.lora_path = lora_path
         self.origin_input_text = origin_input_text

@@ -272,6 +272,7 @@ class Scheduler(ControlMixin):
             top_logprobs_num=msg.top_logprobs_num, stream=msg.stream,
             eos_token_ids=self.worker.eos_token_ids, session_id=msg.session_id,
             priority=msg.priority, is_embedding=msg.is_embedding, input_embeds=msg.input_embeds, lora_path=msg.lora_path,
+            client_id=msg.client_id, slo_ttft_ms=msg.slo_ttft_ms,
         )
         req.tokenizer = self.tokenizer
         image_error = self.attach_images(req, msg.image_inputs) if msg.image_inputs is not None else None

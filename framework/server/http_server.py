@@ -136,6 +136,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
             dumped["server"]["api_key"] = "<redacted>"
         stats_dict = asdict(stats)
         stats_dict.pop("request_id")
+        clients = stats_dict.pop("clients")
         return {
             **dumped,
             "served_model_name": info.model_name,
@@ -147,6 +148,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
             "process_ids": info.process_ids,
             "num_inflight_requests": len(tm.states),
             "scheduler_stats": stats_dict,
+            "clients": clients,
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -291,7 +291,8 @@ class Launcher:
                                              max_token_bytes(tokenizer))
         tm = TokenizerManager(ipc, ready, tokenizer, ServerMetrics(info.model_name),
                               log_requests=settings.server.log_requests,
-                              image_processor=ImageProcessor.from_model_folder(info.model_folder), limits=limits)
+                              image_processor=ImageProcessor.from_model_folder(info.model_folder), limits=limits,
+                              max_client_labels=settings.metrics.max_client_labels)
         tm.start()
         config = uvicorn.Config(
             build_app(tm, settings, info), host=settings.server.host, port=settings.server.port,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from framework.config import ServerSettings
+from framework.request import check_identity
 from framework.server.protocol import ApiError, check_int
 
 
@@ -26,6 +27,7 @@ class RequestLimits:
     max_top_logprobs_num: int
     max_n: int
     max_batch_requests: int
+    max_client_id_chars: int = 256
 
     @classmethod
     def from_settings(cls, server: ServerSettings, vocab_size: int, max_req_input_len: int,
@@ -36,7 +38,7 @@ class RequestLimits:
             max_request_bytes=server.max_request_bytes, max_json_depth=server.max_json_depth,
             max_json_number_digits=server.max_json_number_digits, max_prompt_bytes=prompt_bytes,
             max_top_logprobs_num=min(server.max_top_logprobs_num, vocab_size), max_n=server.max_n,
-            max_batch_requests=server.max_batch_requests,
+            max_batch_requests=server.max_batch_requests, max_client_id_chars=server.max_client_id_chars,
         )
 
     # -- JSON ------------------------------------------------------------------------------------
@@ -84,6 +86,15 @@ class RequestLimits:
             raise ApiError(f"{name}: must be <= {self.max_top_logprobs_num} (server.max_top_logprobs_num "
                            f"and the vocabulary size), got {value}")
         return value
+
+    def check_identity(self, client_id: Any, priority: Any, slo_ttft_ms: Any,
+                       client_id_name: str = "client_id") -> tuple[str | None, int | None, float | None]:
+        """A request's client id (at most `max_client_id_chars`, no control characters), priority
+        (an integer, |p| <= 2^31 - 1) and slo_ttft_ms (a finite number >= 0); each may be null."""
+        try:
+            return check_identity(client_id, priority, slo_ttft_ms, self.max_client_id_chars, client_id_name)
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
 
     def check_counts(self, num_prompts: int, n: int, name: str = "sampling_params.n") -> None:
         """`n` samples of `num_prompts` prompts: n <= max_n, and at most max_batch_requests in all."""

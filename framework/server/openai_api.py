@@ -102,13 +102,15 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = _validate(CompletionRequest, await read_json(request, tm.limits))
+        identity = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
         if req.suffix:
             raise ApiError("suffix: not supported")
         prompts = await tm.offload(_prompts, tm, req.prompt, "prompt")
         # logprobs = 0 asks for the chosen tokens' logprobs only, as in the OpenAI API.
         top = tm.limits.check_top_logprobs_num(req.logprobs or 0, "logprobs")
         batch = await tm.offload(_batch, tm, req, prompts, req.sampling_dict(req.max_tokens, req.temperature),
-                                 req.logprobs is not None, top, 0 if (req.echo and req.logprobs is not None) else -1)
+                                 req.logprobs is not None, top, 0 if (req.echo and req.logprobs is not None) else -1,
+                                 identity)
         specs = await tm.expand_parallel(batch, request)
         rid, created = f"cmpl-{batch.specs[0].rid}", int(time.time())
         echo_texts = [(p[1] if p[1] is not None else tm.tokenizer.decode(p[0])) if req.echo else ""
@@ -187,11 +189,12 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = _validate(ChatCompletionRequest, await read_json(request, tm.limits))
+        identity = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
         ids = await tm.offload(_chat_input_ids, tm, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = tm.limits.check_top_logprobs_num(req.top_logprobs or 0, "top_logprobs")
         batch = await tm.offload(_batch, tm, req, [(ids, None)], req.sampling_dict(max_tokens, req.temperature),
-                                 req.logprobs, top, -1)
+                                 req.logprobs, top, -1, identity)
         specs = await tm.expand_parallel(batch, request)
         rid, created = f"chatcmpl-{batch.specs[0].rid}", int(time.time())
 
@@ -259,12 +262,15 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         req = _validate(EmbeddingRequest, await read_json(request, tm.limits))
+        client_id, priority, slo_ttft_ms = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
         if req.dimensions is not None and req.dimensions != tm.ready.hidden_size:
             raise ApiError(f"dimensions: this model's embeddings have {tm.ready.hidden_size} dimensions")
         if req.input == [] or req.input == "":
             raise ApiError("input: must not be empty")
         prompts = await tm.offload(_prompts, tm, req.input, "input")
         specs = embedding_specs([new_rid() for _ in prompts], [ids for ids, _ in prompts], [t for _, t in prompts])
+        for spec in specs:
+            spec.client_id, spec.priority, spec.slo_ttft_ms = client_id, priority, slo_ttft_ms
         outs = await tm.run_all(specs, request)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(o.embedding, req.encoding_format)}
                 for i, o in enumerate(outs)]
@@ -304,7 +310,8 @@ def _prompts(tm: TokenizerManager, prompt: Any, name: str) -> list[tuple[list[in
 
 
 def _batch(tm: TokenizerManager, req, prompts, sampling: dict, return_logprob: bool,
-           top_logprobs_num: int, logprob_start_len: int) -> GenerateBatch:
+           top_logprobs_num: int, logprob_start_len: int,
+           identity: tuple[str | None, int | None, float | None]) -> GenerateBatch:
     """The ReqSpecs of an OpenAI request (stop strings are tokenized: run it offloaded)."""
     specs = []
     for ids, text in prompts:
@@ -318,6 +325,7 @@ def _batch(tm: TokenizerManager, req, prompts, sampling: dict, return_logprob: b
             rid=new_rid(), input_ids=ids, sampling_params=params, input_text=text,
             return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, stream=req.stream,
+            client_id=identity[0], priority=identity[1], slo_ttft_ms=identity[2],
         ))
     n = specs[0].sampling_params.n
     tm.limits.check_counts(len(specs), n, name="n")

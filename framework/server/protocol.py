@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 GENERATE_FIELDS = {
     "text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob",
     "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "session", "image_data",
-    "lora_path",
+    "lora_path", "client_id", "priority", "slo_ttft_ms",
 }
 # /encode (reference EmbeddingReqInput); its sampling_params are accepted and ignored.
-ENCODE_FIELDS = {"text", "input_ids", "rid", "sampling_params"}
+ENCODE_FIELDS = {"text", "input_ids", "rid", "sampling_params", "client_id", "priority", "slo_ttft_ms"}
 # Fields of the reference this build does not serve: a clear 400 instead of silently ignoring them.
 UNSUPPORTED_FIELDS = {"modalities"}
 
@@ -227,7 +227,10 @@ def parse_encode(body: Any, tokenize: Callable[[str], list[int]],
     if not isinstance(body.get("sampling_params") or {}, (dict, list)):
         raise ApiError("sampling_params: must be an object (it is ignored by /encode)")
     rids = parse_rids(body.get("rid"), len(prompts.id_lists), prompts.is_batch)
-    return embedding_specs(rids, prompts.id_lists, prompts.texts), prompts.is_batch
+    specs = embedding_specs(rids, prompts.id_lists, prompts.texts)
+    for spec, identity in zip(specs, parse_identities(body, len(specs), prompts.is_batch, limits)):
+        spec.client_id, spec.priority, spec.slo_ttft_ms = identity
+    return specs, prompts.is_batch
 
 
 def embedding_specs(rids: list[str], id_lists: list[list[int]], texts: list[str | None]) -> list[ReqSpec]:
@@ -238,6 +241,14 @@ def embedding_specs(rids: list[str], id_lists: list[list[int]], texts: list[str 
         ReqSpec(rid=rid, input_ids=ids, sampling_params=replace(params), input_text=text, is_embedding=True)
         for rid, ids, text in zip(rids, id_lists, texts)
     ]
+
+
+def parse_identities(body: dict, count: int, is_batch: bool,
+                     limits: "RequestLimits") -> list[tuple[str | None, int | None, float | None]]:
+    """(client_id, priority, slo_ttft_ms) per prompt: each field one value for all prompts, or
+    in a batch one per prompt."""
+    per_prompt = [_per_item(name, body.get(name), count, is_batch) for name in ("client_id", "priority", "slo_ttft_ms")]
+    return [limits.check_identity(*values) for values in zip(*per_prompt)]
 
 
 def num_prompts(body: dict) -> int:
@@ -271,6 +282,7 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
     top_nums = _per_item("top_logprobs_num", body.get("top_logprobs_num", 0), count, is_batch)
     lora_paths = _per_item("lora_path", body.get("lora_path"), count, is_batch)
     with_text = check_bool("return_text_in_logprobs", body.get("return_text_in_logprobs", False))
+    identities = parse_identities(body, count, is_batch, limits)
 
     session_id = session_rid = None
     if body.get("session") is not None:
@@ -307,6 +319,7 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
                 session_id=session_id, session_rid=session_rid, image_data=images[i],
                 input_embeds=prompts.embeds[i],
                 lora_path=check_optional_str("lora_path", lora_paths[i]),
+                client_id=identities[i][0], priority=identities[i][1], slo_ttft_ms=identities[i][2],
             )
         )
     ns = {s.sampling_params.n for s in specs}

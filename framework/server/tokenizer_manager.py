@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 import zmq
 import zmq.asyncio
 
+from framework.clients import bound_clients
 from framework.config import ServerSettings
 from framework.messages import (
     AbortReq,
@@ -107,8 +108,9 @@ def is_rejected(out: StrOutput) -> bool:
 class TokenizerManager:
     def __init__(self, ipc: IpcNames, ready: SchedulerReady, tokenizer: Any, metrics: ServerMetrics,
                  log_requests: bool = False, image_processor: ImageProcessor | None = None,
-                 limits: RequestLimits | None = None):
+                 limits: RequestLimits | None = None, max_client_labels: int = 16):
         self.ready = ready
+        self.max_client_labels = max_client_labels
         if limits is None:
             limits = RequestLimits.from_settings(ServerSettings(), ready.vocab_size, ready.max_req_input_len,
                                                  max_token_bytes(tokenizer) if tokenizer is not None else 1)
@@ -396,6 +398,8 @@ class TokenizerManager:
 
     async def get_stats(self) -> SchedulerStats:
         stats = await self.control(lambda rid: GetStatsReq(request_id=rid))
+        # Each scheduler bounds its clients; data-parallel replicas' sum needs it again.
+        stats.clients = bound_clients(stats.clients, self.max_client_labels)
         self.metrics.set_scheduler_stats(stats)
         return stats
 

@@ -51,7 +51,7 @@ def _common_prefix_len(node_key: list[int], key: Sequence[int], start: int) -> i
 
 
 def _req_priority(req: "Req") -> int:
-    return req.priority
+    return req.priority if req.priority is not None else 0
 
 
 class TreeNode:
