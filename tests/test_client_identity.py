@@ -160,6 +160,17 @@ def test_bound_clients_keeps_the_top_n_and_sums_the_rest():
     assert merged == {"a": ClientStats(served_tokens=3), OTHER: ClientStats(served_tokens=4)}
 
 
+def test_data_parallel_stats_sum_the_replicas_clients():
+    from framework.server.dp_controller import combine_stats
+    from tests.test_dp_routing import stats
+
+    parts = [stats(0, clients={"a": ClientStats(served_tokens=3, num_running_reqs=1)}),
+             stats(1, clients={"a": ClientStats(served_tokens=4), "b": ClientStats(served_tokens=1)})]
+    total = combine_stats(parts)
+    assert total.clients == {"a": ClientStats(served_tokens=7, num_running_reqs=1), "b": ClientStats(served_tokens=1)}
+    assert [r.clients for r in total.replicas] == [p.clients for p in parts]
+
+
 def test_ledger_folds_idle_clients_past_its_limit():
     ledger = ClientLedger(max_tracked=4)
     for i in range(5):
