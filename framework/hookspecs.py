@@ -112,7 +112,8 @@ def select_prefill(view: "SchedulerView", adder: "AdderView") -> "list[Req] | No
     batch is below `max_running_requests`, and a continuing chunked request (if any) already took
     its share of the budget. Stops at first non-None result.
 
-    :param view: read-only view: ``view.waiting_queue`` (a tuple, arrival order), running counts,
+    :param view: read-only view: ``view.waiting_queue`` (a tuple in queue order: the order returned
+        last round, then new arrivals and retracted requests), running counts,
         ``view.match_prefix(req)`` (does not change the request), settings, ``view.stash``.
     :param adder: read-only view of this round's token budgets (`framework.budget.AdderView`).
     :return: the requests to admit, in order, each from ``view.waiting_queue`` at most once; or
