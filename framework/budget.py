@@ -6,6 +6,8 @@ import enum
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterable
 
+from framework.views import ReadOnlyView
+
 if TYPE_CHECKING:
     from framework.batch import ScheduleBatch
     from framework.cache import BasePrefixCache
@@ -238,45 +240,40 @@ class PrefillAdder:
         return False
 
 
-class AdderView:
-    """What a policy may read of this round's `PrefillAdder`: the budgets left (read only)."""
+class AdderView(ReadOnlyView):
+    """What a policy may read of this round's `PrefillAdder`: the budgets left (read only; a
+    policy returns the requests to admit and the core admits them)."""
 
-    __slots__ = ("_adder",)
-
-    def __init__(self, adder: PrefillAdder):
-        object.__setattr__(self, "_adder", adder)
-
-    def __setattr__(self, name: str, value) -> None:
-        raise AttributeError("the adder is read-only for policies: return the requests to admit instead")
+    __slots__ = ()
 
     @property
     def rem_total_tokens(self) -> float:
         """Free + evictable KV minus the running requests' expected decode tokens."""
-        return self._adder.rem_total_tokens
+        return self._target.rem_total_tokens
 
     @property
     def cur_rem_tokens(self) -> int:
         """Free + evictable KV, no decode reservation."""
-        return self._adder.cur_rem_tokens
+        return self._target.cur_rem_tokens
 
     @property
     def rem_input_tokens(self) -> int:
         """What is left of ``max_prefill_tokens`` for this batch."""
-        return self._adder.rem_input_tokens
+        return self._target.rem_input_tokens
 
     @property
     def rem_chunk_tokens(self) -> int | None:
         """What is left of ``chunked_prefill_size`` for this batch (None: chunking off)."""
-        return self._adder.rem_chunk_tokens
+        return self._target.rem_chunk_tokens
 
     @property
     def new_token_ratio(self) -> float:
-        return self._adder.new_token_ratio
+        return self._target.new_token_ratio
 
     @property
     def num_admitted(self) -> int:
         """Requests already in the batch (a continuing chunked request)."""
-        return len(self._adder.can_run_list)
+        return len(self._target.can_run_list)
 
 
 def _needs_whole_prompt(req: "Req") -> bool:

@@ -21,7 +21,9 @@ class ReadOnlyError(AttributeError):
     """A plugin tried to change the core's state through a view."""
 
 
-class _ReadOnly:
+class ReadOnlyView:
+    """Base of the views: reads go through properties; setting or deleting an attribute raises."""
+
     __slots__ = ("_target",)
 
     def __init__(self, target: Any):
@@ -45,7 +47,7 @@ class PrefixMatch:
     node: Any
 
 
-class SchedulerView(_ReadOnly):
+class SchedulerView(ReadOnlyView):
     """What a hook may read of the scheduler."""
 
     __slots__ = ()
@@ -127,7 +129,7 @@ class SchedulerView(_ReadOnly):
         return self._target.new_idle_batch()
 
 
-class BatchView(_ReadOnly):
+class BatchView(ReadOnlyView):
     """What an observer or a retraction policy may read of a batch."""
 
     __slots__ = ()
@@ -179,4 +181,4 @@ class BatchView(_ReadOnly):
         return self._target.batch_size()
 
 
-__all__ = ["BatchView", "PrefixMatch", "ReadOnlyError", "SchedulerView"]
+__all__ = ["BatchView", "PrefixMatch", "ReadOnlyError", "ReadOnlyView", "SchedulerView"]
