@@ -74,21 +74,6 @@ def label_of(client_id: str | None) -> str:
     return ANONYMOUS if client_id is None else client_id
 
 
-def live_requests(scheduler: "Scheduler") -> tuple[list["Req"], list["Req"]]:
-    """(waiting, running) requests now. Waiting: the waiting and grammar queues and the request
-    being chunked (as SchedulerStats counts it); running: the unfinished requests of the running
-    batch and of the last batch (a prefill batch joins the running one at the next iteration)."""
-    chunked = scheduler.being_chunked_req
-    waiting = [*scheduler.waiting_queue, *scheduler.grammar_queue, *([chunked] if chunked is not None else [])]
-    running, seen = [], set()
-    for batch in (scheduler.running_batch, scheduler.last_batch):
-        for req in batch.reqs if batch is not None else ():
-            if req is not chunked and not req.finished() and id(req) not in seen:
-                seen.add(id(req))
-                running.append(req)
-    return waiting, running
-
-
 def client_stats(scheduler: "Scheduler", max_labels: int) -> dict[str, ClientStats]:
     """The scheduler's per-client stats, bounded to `max_labels` named clients; empty when the
     ledger is not kept (the `clients` observer disabled)."""
@@ -104,7 +89,7 @@ def client_stats(scheduler: "Scheduler", max_labels: int) -> dict[str, ClientSta
         _add_tokens(entry(label_of(client_id)), tokens.prompt_tokens, tokens.output_tokens)
     if ledger.folded.served_tokens:
         _add_tokens(entry(OTHER), ledger.folded.prompt_tokens, ledger.folded.output_tokens)
-    waiting, running = live_requests(scheduler)
+    waiting, running = scheduler.live_requests()
     for req in waiting:
         entry(label_of(req.client_id)).num_waiting_reqs += 1
     for req in running:

@@ -480,7 +480,11 @@ class Req:
     def adjust_max_prefix_ids(self) -> list[int]:
         """The longest prefix that may come from the cache: at least one token is recomputed (U1)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
-        input_len = len(self.fill_ids)
+        return self.fill_ids[: self.max_prefix_len()]
+
+    def max_prefix_len(self) -> int:
+        """How many leading tokens of the next input may come from the cache (U1)."""
+        input_len = len(self.origin_input_ids) + len(self.output_ids)
         max_prefix_len = input_len - 1
         if self.input_embeds is not None:
             max_prefix_len = 0  # placeholder ids: a cached prefix under them is not this prompt's KV
@@ -488,8 +492,7 @@ class Req:
             if self.normalized_prompt_logprob is None:
                 max_prefix_len = min(max_prefix_len, input_len - 2)
             max_prefix_len = min(max_prefix_len, self.logprob_start_len)
-        max_prefix_len = max(max_prefix_len, 0)
-        return self.fill_ids[:max_prefix_len]
+        return max(max_prefix_len, 0)
 
     def check_finished(self) -> None:
         """Stop conditions in the reference's order (section V)."""

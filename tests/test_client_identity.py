@@ -37,7 +37,7 @@ class Received:
         self.seen: list[tuple[str | None, int | None, float | None]] = []
 
     @hookimpl
-    def on_request_received(self, req, scheduler):
+    def on_request_received(self, req, view):
         self.seen.append((req.client_id, req.priority, req.slo_ttft_ms))
 
 

@@ -54,7 +54,7 @@ def test_chunked_request_is_chunked(make_engine):
 
     class Extends:
         @hookimpl
-        def on_batch_result(self, batch, result, scheduler):
+        def on_batch_result(self, batch, result):
             if batch.forward_mode.is_extend():
                 sizes.append(sum(batch.extend_lens))
 

@@ -191,7 +191,7 @@ def test_scheduler_intake_error_fails_only_that_request(tiny_model_folder):
 
     class Boom:
         @hookimpl
-        def on_request_received(self, req, scheduler):
+        def on_request_received(self, req, view):
             if req.rid == "boom":
                 raise RuntimeError("a plugin failed")
 

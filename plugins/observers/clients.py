@@ -8,18 +8,17 @@ drafts only once the model kept them). Disable it with ``plugins.disable = ["cli
 """
 
 from framework import hookimpl
-from framework.clients import CLIENT_LEDGER_KEY, ClientLedger, live_requests
+from framework.clients import CLIENT_LEDGER_KEY, ClientLedger
 from framework.request import StashKey
 
 PLUGIN_KIND = "observer"
-PLUGIN_NAME = "clients"
 
 # Output tokens of the request already counted.
 COUNTED_OUTPUT_KEY: StashKey[int] = StashKey("clients_counted_output")
 
 
-def ledger_of(scheduler) -> ClientLedger:
-    return scheduler.stash.setdefault(CLIENT_LEDGER_KEY, ClientLedger())
+def ledger_of(view) -> ClientLedger:
+    return view.stash.setdefault(CLIENT_LEDGER_KEY, ClientLedger())
 
 
 def count_output(ledger: ClientLedger, req) -> None:
@@ -31,15 +30,15 @@ def count_output(ledger: ClientLedger, req) -> None:
 
 
 @hookimpl
-def on_request_received(req, scheduler):
-    ledger_of(scheduler)
+def on_request_received(view):
+    ledger_of(view)
 
 
 @hookimpl
-def on_batch_result(batch, result, scheduler):
+def on_batch_result(batch, view):
     if batch.forward_mode.is_idle():
         return
-    ledger = ledger_of(scheduler)
+    ledger = ledger_of(view)
     if batch.forward_mode.is_extend():
         # Requests decoding inside this pass (mixed chunks, drafts) compute output tokens, not prompt.
         decoding = {id(r) for r in batch.decoding_reqs or ()}
@@ -51,9 +50,9 @@ def on_batch_result(batch, result, scheduler):
 
 
 @hookimpl
-def on_request_finished(req, scheduler):
-    ledger = ledger_of(scheduler)
+def on_request_finished(req, view):
+    ledger = ledger_of(view)
     count_output(ledger, req)
     if len(ledger.tokens) > ledger.max_tracked:
-        waiting, running = live_requests(scheduler)
+        waiting, running = view.live_requests()
         ledger.fold_idle({r.client_id for r in waiting + running})
