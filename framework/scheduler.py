@@ -10,11 +10,11 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 import warnings
 from typing import Any, Callable
 
 from framework.batch import ModelWorkerBatch, ScheduleBatch
+from framework.clock import clock_of
 from framework.budget import NewTokenRatio, PrefillAdder
 from framework.config import Settings
 from framework.model.lora import parse_lora_paths
@@ -72,6 +72,8 @@ class Scheduler(ControlMixin):
         self.hooks = self.plugins.hooks
 
         self.worker = self.hooks.create_worker(settings, tp_rank)
+        # The wall clock, or the worker's own (the sim worker's virtual clock).
+        self.clock = clock_of(self.worker)
         self.req_to_token_pool = self.worker.req_to_token_pool
         self.token_to_kv_pool = self.worker.token_to_kv_pool
         self.tree_cache = self.hooks.create_cache(settings, self.req_to_token_pool, self.token_to_kv_pool)
@@ -130,7 +132,7 @@ class Scheduler(ControlMixin):
         self.forward_ct = 0
         self.forward_ct_decode = 0
         self.num_generated_tokens = 0
-        self.last_decode_stats_tic = time.time()
+        self.last_decode_stats_tic = self.clock.now()
         self.cache_hit_tokens = 0
         self.cache_total_tokens = 0
         self.num_retractions = 0
@@ -760,7 +762,7 @@ class Scheduler(ControlMixin):
         )
 
     def log_decode_stats(self) -> None:
-        now = time.time()
+        now = self.clock.now()
         throughput = self.num_generated_tokens / max(now - self.last_decode_stats_tic, 1e-9)
         self.num_generated_tokens = 0
         self.last_decode_stats_tic = now
