@@ -47,6 +47,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("tp", "plugins.workers.tp"),
     ("overlap", "plugins.workers.overlap"),
     ("dp-attention", "plugins.workers.dp_attention"),
+    ("sim", "plugins.workers.sim"),
 )
 
 
