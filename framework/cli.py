@@ -4,6 +4,7 @@
     batchyard generate "The capital of France is" --max-new-tokens 16
     batchyard plugins
     batchyard config --defaults
+    batchyard experiment run exp.toml
 
 Every setting is also a flag, named after its dotted path: ``--scheduler.max-prefill-tokens 4096``.
 """
@@ -138,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from framework.bench.cli import add_bench_parser  # imported here: bench.cli uses this module
     add_bench_parser(sub)
+    from framework.experiment.cli import add_experiment_parser
+    add_experiment_parser(sub)
     return parser
 
 

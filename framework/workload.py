@@ -270,8 +270,12 @@ def _dataset_requests(spec: WorkloadSpec, tokenizer) -> list[datasets.BenchReque
     return datasets.cap_output_len(reqs, spec.max_output_len)
 
 
-def build_workload(spec: WorkloadSpec, tokenizer) -> list[TimedRequest]:
-    """The timed requests of `spec`, in arrival order. Raises WorkloadError for bad input."""
+def build_workload(spec: WorkloadSpec, tokenizer, samples: dict | None = None) -> list[TimedRequest]:
+    """The timed requests of `spec`, in arrival order. Raises WorkloadError for bad input.
+
+    `samples`, when given, caches dataset samples across calls: specs that differ only in their
+    arrival process or rate reuse one sample (and its tokenization).
+    """
     if spec.dataset == "trace":
         if not spec.trace:
             raise WorkloadError("dataset = trace needs trace = <path of a JSONL file>")
@@ -282,12 +286,17 @@ def build_workload(spec: WorkloadSpec, tokenizer) -> list[TimedRequest]:
             for r in out:
                 r.output_len = min(r.output_len, spec.max_output_len)
     else:
-        try:
-            reqs = _dataset_requests(spec, tokenizer)
-        except (ValueError, FileNotFoundError) as exc:
-            raise WorkloadError(f"{spec.dataset}: {exc}") from None
-        if not reqs:
-            raise WorkloadError(f"the {spec.dataset} dataset gave no requests")
+        key = spec.model_dump_json(exclude={"name", "arrival", "rate", "cv", "clients"})
+        reqs = None if samples is None else samples.get(key)
+        if reqs is None:
+            try:
+                reqs = _dataset_requests(spec, tokenizer)
+            except (ValueError, FileNotFoundError) as exc:
+                raise WorkloadError(f"{spec.dataset}: {exc}") from None
+            if not reqs:
+                raise WorkloadError(f"the {spec.dataset} dataset gave no requests")
+            if samples is not None:
+                samples[key] = reqs
         if spec.arrival == "poisson":
             times = poisson_arrivals(len(reqs), spec.rate, spec.seed)
         else:
