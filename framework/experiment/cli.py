@@ -1,7 +1,7 @@
 """`batchyard experiment ...`:
 
     batchyard experiment run exp.toml [--jobs N] [--ray ADDRESS] [--out DIR] [--dry-run]
-    batchyard experiment report DIR          # redraw table.md and the plots from DIR/results.jsonl
+    batchyard experiment report DIR [--no-plots]   # redraw table.md and the plots from DIR/results.jsonl
 
 A bad experiment file stops `run` before any cell runs, with one line
 ``batchyard experiment: <problem>`` and exit status 2.
@@ -37,6 +37,7 @@ def add_experiment_parser(sub) -> None:
 
     p = cmds.add_parser("report", help="redraw table.md and the plots from a results folder")
     p.add_argument("dir", help="folder holding results.jsonl")
+    p.add_argument("--no-plots", action="store_true", help="redraw table.md only")
     p.set_defaults(func=cmd_report)
 
 
@@ -105,8 +106,8 @@ def cmd_report(args) -> int:
     except OSError as exc:
         return _fail(f"{out_dir}: cannot read {report.RESULTS_FILE} ({exc.strerror or exc})")
     report.write_table(records, out_dir)
-    paths = plot_experiment(records, out_dir)
+    paths = [] if args.no_plots else plot_experiment(records, out_dir)
     print(report.render_table(records))
-    print(f"wrote {report.TABLE_FILE}, {', '.join(p.name for p in paths)} to {out_dir}", file=sys.stderr)
+    print(f"wrote {', '.join([report.TABLE_FILE] + [p.name for p in paths])} to {out_dir}", file=sys.stderr)
     return 0
 

@@ -15,6 +15,7 @@ an `ExperimentError` with a one-line message.
 from __future__ import annotations
 
 import copy
+import functools
 import difflib
 import itertools
 import tomllib
@@ -297,9 +298,14 @@ def load_experiment(path: str | Path, build_workloads: bool = True) -> Experimen
 
 def _tokenizer(settings: Settings):
     """The model's tokenizer, which turns dataset text into the ids every cell's requests carry."""
-    from framework.bench.common import load_bench_tokenizer
-
     try:
-        return load_bench_tokenizer(settings.model.tokenizer_path or settings.model.path)
+        return _load_tokenizer(settings.model.tokenizer_path or settings.model.path)
     except (OSError, ValueError) as exc:
         raise ExperimentError(f"model: cannot load the tokenizer ({exc})") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str | None):
+    from framework.bench.common import load_bench_tokenizer
+
+    return load_bench_tokenizer(path)  # seconds: loaded once per process and path
