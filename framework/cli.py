@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from framework.bench.cli import add_bench_parser  # imported here: bench.cli uses this module
     add_bench_parser(sub)
+    from framework.sim.cli import add_sim_parser
+    add_sim_parser(sub)
     from framework.experiment.cli import add_experiment_parser
     add_experiment_parser(sub)
     return parser
