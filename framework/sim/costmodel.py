@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,22 +40,35 @@ class BatchShape:
     """Per request of one pass: tokens computed and sequence length after the pass."""
 
     extend_lens: Sequence[int]
-    seq_lens: Sequence[int]
+    seq_lens: Sequence[int] | None
+    # (prefill tokens, prefill attention, decode requests, decode context, prefill context,
+    # requests): computed once, from the lists or (decode batches) from the tensors directly.
+    _stats: tuple[float, ...] | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, worker_batch) -> "BatchShape":
+        if worker_batch.forward_mode.is_decode():
+            bs = len(worker_batch.extend_lens)
+            return cls(worker_batch.extend_lens, None, (0.0, 0.0, bs, float(worker_batch.seq_lens.sum()), 0.0, bs))
         return cls(list(worker_batch.extend_lens), worker_batch.seq_lens.tolist())
 
+    def stats(self) -> tuple[float, ...]:
+        if self._stats is None:
+            prefill = attention = decode_reqs = decode_ctx = prefill_ctx = 0.0
+            for ext, seq in zip(self.extend_lens, self.seq_lens):
+                if ext == 1:
+                    decode_reqs += 1
+                    decode_ctx += seq
+                else:
+                    prefill += ext
+                    attention += ext * (seq - ext + (ext + 1) / 2)
+                    prefill_ctx += seq
+            self._stats = (prefill, attention, decode_reqs, decode_ctx, prefill_ctx, len(self.extend_lens))
+        return self._stats
+
     def features(self) -> list[float]:
-        prefill = attention = decode_reqs = decode_ctx = 0.0
-        for ext, seq in zip(self.extend_lens, self.seq_lens):
-            if ext == 1:
-                decode_reqs += 1
-                decode_ctx += seq
-            else:
-                prefill += ext
-                attention += ext * (seq - ext + (ext + 1) / 2)
-        return [prefill, attention, decode_reqs, decode_ctx, 1.0]
+        """The profile model's features, in `FEATURES` order."""
+        return [*self.stats()[:4], 1.0]
 
 
 # -- fitting ---------------------------------------------------------------------------------------
@@ -165,12 +178,11 @@ class RooflineCostModel:
         self.step_overhead_s = step_overhead_s
 
     def predict(self, shape: BatchShape) -> float:
-        num_tokens = sum(shape.extend_lens)
-        num_reqs = len(shape.extend_lens)
-        pairs = context = 0.0
-        for ext, seq in zip(shape.extend_lens, shape.seq_lens):
-            pairs += ext * (seq - ext + (ext + 1) / 2)
-            context += seq
+        prefill, prefill_pairs, decode_reqs, decode_ctx, prefill_ctx, num_reqs = shape.stats()
+        num_tokens = prefill + decode_reqs
+        # A decode token attends to its whole context: one (query, key) pair per context token.
+        pairs = prefill_pairs + decode_ctx
+        context = prefill_ctx + decode_ctx
         flops = (2 * num_tokens * self.num_layers * self.layer_params
                  + 2 * num_reqs * self.lm_head_params + self.attn_flops_per_pair * pairs)
         moved = self.weight_bytes + context * self.kv_bytes_per_token

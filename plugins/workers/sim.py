@@ -117,12 +117,14 @@ class SimWorker:
                     cfg.architecture, self.max_total_num_tokens, self.max_running_requests,
                     type(self.cost_model).__name__)
 
-    def _plain_ids(self) -> list[int]:
+    def _plain_ids(self) -> torch.Tensor:
         special = set(getattr(self.tokenizer, "all_special_ids", None) or []) | self.eos_token_ids
-        return [i for i in range(self.vocab_size) if i not in special]
+        return torch.tensor([i for i in range(self.vocab_size) if i not in special], dtype=torch.int64)
 
-    def next_token(self, last_id: int, position: int) -> int:
-        return self.plain_ids[((last_id * 1_000_003) ^ (position * 7919)) % len(self.plain_ids)]
+    def next_tokens(self, last_ids: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Per request, a plain id hashed from its last token and its length."""
+        mixed = torch.bitwise_xor(last_ids * 1_000_003, seq_lens * 7919)
+        return self.plain_ids[mixed % len(self.plain_ids)]
 
     def launch(self, batch) -> ResolvedHandle:
         if batch.forward_mode.is_idle():
@@ -135,11 +137,12 @@ class SimWorker:
         if batch.is_embedding:
             unit = [1.0] + [0.0] * (self.hidden_size - 1)
             return ResolvedHandle(BatchResult(next_token_ids=[], embeddings=[unit] * batch.batch_size))
-        input_ids = batch.input_ids.tolist()
-        ids, end = [], 0
-        for ext, seq in zip(shape.extend_lens, shape.seq_lens):
-            end += ext
-            ids.append(self.next_token(input_ids[end - 1], seq))
+        if batch.forward_mode.is_decode():
+            last_ids = batch.input_ids
+        else:
+            ends = torch.tensor(shape.extend_lens, dtype=torch.int64).cumsum(0) - 1
+            last_ids = batch.input_ids[ends]
+        ids = self.next_tokens(last_ids, batch.seq_lens).tolist()
         # Jump-forward drafts (if any) are all kept: the scheduler's default for a worker that
         # leaves `kept_draft_tokens` empty.
         return ResolvedHandle(BatchResult(next_token_ids=ids))
