@@ -298,3 +298,12 @@ def test_quick_calibration_fits_a_usable_profile(tiny_model_folder, tmp_path):
                  "plugin": {"sim": {"cost_model": "roofline", "hardware": "profile", "profile": str(path)}}}
     result = run_workload(overrides, [TimedRequest("x", 0.0, list(range(100, 150)), 4)])
     assert result.records[0].finish_s > 0
+
+
+def test_validate_cli_rejects_an_unreadable_profile_before_running(tmp_path, capsys):
+    from framework.cli import main
+
+    missing = tmp_path / "none.json"
+    assert main(["sim", "validate", "--profile", str(missing), "--num-prompts", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"batchyard: plugin.sim.profile: cannot read {missing}: No such file or directory"

@@ -57,14 +57,14 @@ class RunRecorder:
 
     @hookimpl
     def on_batch_result(self, batch, result, scheduler):
-        now = None
+        now = self.now()
+        token_times = self.token_times
         for req in batch.reqs:
-            times = self.token_times.get(req.rid)
-            if times is None:
-                continue
-            while len(times) < len(req.output_ids):
-                now = self.now() if now is None else now
-                times.append(now)
+            times = token_times.get(req.rid)
+            if times is not None:
+                new = len(req.output_ids) - len(times)
+                if new > 0:
+                    times.extend([now] * new)
 
     @hookimpl
     def on_request_finished(self, req, scheduler):
