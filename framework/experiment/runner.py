@@ -19,6 +19,15 @@ from framework.experiment.metrics import cell_metrics
 from framework.experiment.spec import Cell, Slo
 from framework.workload import TimedRequest, describe
 
+POOL_PRELOAD = (
+    "framework.experiment.runner",
+    "framework.sim.driver",
+    "framework.engine",
+    "plugins.workers.sim",
+    "transformers.models.auto.configuration_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.llama.configuration_llama",
+)
 RAY_MISSING = "--ray needs the ray package: pip install 'batchyard[cluster]'"
 
 
@@ -76,9 +85,12 @@ def _report(record: dict, bar, on_record) -> None:
 
 
 def _run_pool(cells, workloads, slo, jobs, progress, on_record) -> list[dict]:
-    # spawn, not fork: the parent has torch and a tokenizer loaded, whose thread pools a fork copies
-    # in an unusable state.
-    ctx = multiprocessing.get_context("spawn")
+    # Not fork: the parent has torch and a tokenizer loaded, whose thread pools a fork copies in an
+    # unusable state. A fork server imports the engine once (before any thread pool starts) and
+    # forks the workers from it, so they do not each pay the seconds of importing torch and the
+    # transformers modules a worker's start-up reads the model config and tokenizer with.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(POOL_PRELOAD))
     done = []
     with ProcessPoolExecutor(max_workers=min(jobs, len(cells)), mp_context=ctx) as pool, \
             _progress(len(cells), progress) as bar:
