@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import textwrap
 
 import pytest
@@ -201,3 +202,12 @@ def test_jain_index():
     assert jain_index([5, 5, 5]) == pytest.approx(1.0)
     assert jain_index([9, 0, 0]) == pytest.approx(1 / 3)
     assert jain_index([]) == 1.0
+
+
+def test_ray_missing_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    out = tmp_path / "out"
+    assert run_experiment(write_experiment(tmp_path), out, "--ray", "local") == 2
+    assert capsys.readouterr().err.strip() == (
+        "batchyard experiment: --ray needs the ray package: pip install 'batchyard[cluster]'")
+    assert not out.exists()
