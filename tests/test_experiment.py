@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,14 @@ def test_ray_missing_is_one_line(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == (
         "batchyard experiment: --ray needs the ray package: pip install 'batchyard[cluster]'")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name, needs", [("experiment-prefix.toml", None), ("experiment-spf.toml", "my_policies")])
+def test_docs_example_files_check(name, needs, capsys):
+    """The example files of docs/research.md pass every check (spf: once docs/examples/my-policies
+    is installed, as the worked example says)."""
+    if needs:
+        pytest.importorskip(needs)
+    path = Path(__file__).parent.parent / "docs" / "examples" / name
+    assert main(["experiment", "run", str(path), "--dry-run"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) in (12, 9)
