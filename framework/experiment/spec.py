@@ -10,6 +10,9 @@ A cell is one point of grid × workload × rate × seed. `load_experiment` check
 settings (pydantic), plugin names (against the installed plugins) and plugin options, and builds
 every workload (so a bad trace line is found) before anything runs; the first problem is raised as
 an `ExperimentError` with a one-line message.
+
+Workloads are sampled and tokenized once, in this process, with the tokenizer of the first grid
+point's model; cells with the same workload, rate and seed get the very same requests.
 """
 
 from __future__ import annotations
