@@ -117,7 +117,8 @@ def test_two_cells_on_local_ray(tmp_path):
 
 
 def test_dry_run_lists_cells(tmp_path, capsys):
-    path = write_experiment(tmp_path, extra="""
+    grid = 'plugins.policy = ["lpm", "fcfs", "dfs-weight"]'  # unquoted: a nested table to TOML
+    path = write_experiment(tmp_path, grid=grid, extra="""
         [[workload]]
         name = "random"
         dataset = "random"
@@ -160,6 +161,9 @@ BAD_EXPERIMENTS = [
         "be greater than 0 (got -1)", id="grid-value-invalid"),
     pytest.param(
         '"plugins.policy" = []', "", "grid key 'plugins.policy': expected a non-empty list", id="empty-grid-list"),
+    pytest.param(
+        'plugins.policy = ["lpm"]\nplugins.polcy = ["fcfs"]', "",
+        "grid key 'plugins.polcy' is no setting (did you mean plugins.policy?)", id="unquoted-key-no-setting"),
     pytest.param(
         "", '[[workload]]\ndataset = "trace"\ntrace = "trace.jsonl"\nname = "t"\n',
         "workload t: trace {dir}/trace.jsonl line 2: output_len: missing field", id="trace-missing-field"),

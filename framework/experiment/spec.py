@@ -179,6 +179,18 @@ def _check_plugin_options(overrides: dict[str, Any], sections: dict[str, type[Ba
             raise ExperimentError(_one_line(exc, f"plugin.{name}")) from None
 
 
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"plugins": {"policy": [...]}} -> {"plugins.policy": [...]}: unquoted dotted keys in [grid]
+    are nested tables to TOML."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _set_path(tree: dict[str, Any], key: str, value: Any) -> None:
     node = tree
     *parents, leaf = key.split(".")
@@ -230,10 +242,8 @@ def parse_experiment(path: str | Path) -> tuple[Experiment, dict[str, Any], list
     except ValidationError as exc:
         raise ExperimentError(_one_line(exc, "slo")) from None
 
-    grid = data.get("grid", {})
+    grid = _flatten(data.get("grid", {}))
     for key, values in grid.items():
-        if isinstance(values, dict):
-            raise ExperimentError(f"grid key {key!r}: quote dotted keys, e.g. \"{key}.<field>\" = [...]")
         if not isinstance(values, list) or not values:
             raise ExperimentError(f"grid key {key!r}: expected a non-empty list of values, got {values!r}")
 
