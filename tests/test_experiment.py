@@ -176,6 +176,9 @@ BAD_EXPERIMENTS = [
         "", '[[workload]]\nname = "r"\nrates = [0]\n', "workload r: rates: every rate must be > 0",
         id="zero-rate"),
     pytest.param("", "[sceduler]\nx = 1\n", "unknown section [sceduler]", id="unknown-section"),
+    pytest.param(
+        '"plugins.worker" = ["tp"]', "", "grid plugins.worker='tp': plugins.worker: backend sim runs the sim worker",
+        id="model-worker-on-sim"),
     pytest.param("", "[experiment.x]\n", "experiment.x: Extra inputs are not permitted", id="bad-experiment-key"),
     pytest.param("", "[slo]\nttft_ms = -5\n", "slo.ttft_ms: Input should be greater than 0", id="bad-slo"),
 ]

@@ -199,18 +199,20 @@ def _set_path(tree: dict[str, Any], key: str, value: Any) -> None:
     node[leaf] = value
 
 
-def check_settings(overrides: dict[str, Any], where: str) -> Settings:
-    """Build the Settings of `overrides` and activate its plugins, as a run would at start-up."""
+def check_settings(overrides: dict[str, Any], backend: str, where: str) -> Settings:
+    """Build the Settings a run of `overrides` on `backend` gets and activate its plugins, as the
+    run would at start-up."""
     from framework.plugins import PluginError, PluginManager
+    from framework.sim.driver import driver_settings
 
     try:
-        settings = Settings.load(**copy.deepcopy(overrides))
+        settings = driver_settings(overrides, backend)
         PluginManager(settings)
     except SettingsError as exc:
         lines = str(exc).splitlines()
         problem = "; ".join(lines[1:] if lines[0].endswith(":") else lines)
         raise ExperimentError(f"{where}invalid settings: {problem}") from None
-    except PluginError as exc:
+    except (PluginError, ValueError) as exc:  # ValueError: a worker the backend cannot run
         raise ExperimentError(f"{where}{exc}") from None
     return settings
 
@@ -287,7 +289,7 @@ def load_experiment(path: str | Path, build_workloads: bool = True) -> Experimen
             _set_path(overrides, key, value)
         where = "grid " + ", ".join(f"{k}={v!r}" for k, v in point.items()) + ": " if point else ""
         _check_plugin_options(overrides, sections)
-        settings = check_settings(overrides, where)
+        settings = check_settings(overrides, exp.options.backend, where)
         tokenizer_settings = tokenizer_settings or settings
         settings_per_point.append((point, overrides))
 
