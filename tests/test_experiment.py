@@ -85,7 +85,10 @@ def check_outputs(out, policies) -> dict[str, dict]:
     assert [c.strip() for c in header.strip("|").split("|")] == (
         ["workload", "rate", "policy"] + [c[0] for c in COLUMNS])
     rows = [line for line in table if line.startswith("| gsp")]
-    assert [row.split("|")[3].strip() for row in rows] == list(policies)
+    assert [row.split("|")[3].strip() for row in rows[:len(policies)]] == list(policies)
+    clients = [row.split("|")[4:6] for row in rows[len(policies):]]  # the per-client table
+    assert [(c.strip(), int(n)) for c, n in clients] == [
+        (client, rec["clients"][client]["num_requests"]) for rec in records for client in ("a", "b")]
     for name in PLOTS:
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name

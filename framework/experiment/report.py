@@ -83,7 +83,8 @@ def _cell_text(value: Any, fmt: str) -> str:
 
 
 def render_table(records: list[dict]) -> str:
-    """A markdown table, one row per cell, grouped by workload then rate (latencies in ms)."""
+    """A markdown table, one row per cell, grouped by workload then rate (latencies in ms); when
+    requests carry client ids, a second table of per-client service."""
     if not records:
         return "(no results)\n"
     grid_keys = list(records[0]["grid"])
@@ -109,7 +110,28 @@ def render_table(records: list[dict]) -> str:
         row += [str(rec["grid"].get(k)) for k in grid_keys]
         row += [_cell_text(rec["metrics"].get(key), fmt) for _, key, fmt in columns]
         lines.append("| " + " | ".join(row) + " |")
+    if has_clients:
+        lines += ["", *_client_table(ordered, show_seed)]
     return "\n".join(lines) + "\n"
+
+
+def _client_table(ordered: list[dict], show_seed: bool) -> list[str]:
+    """Per-client service of every cell whose workload has client ids."""
+    headers = ["workload", "rate"] + (["seed"] if show_seed else []) + [
+        "cell", "client", "requests", "served tokens", "tok/s", "TTFT mean"]
+    lines = ["Per client (served tokens: prompt + output of completed requests):", "",
+             "| " + " | ".join(headers) + " |",
+             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|"]
+    for rec in ordered:
+        rate = _rate(rec)
+        for client, c in (rec.get("clients") or {}).items():
+            row = [rec["workload"]["name"] or rec["workload"]["dataset"], "inf" if math.isinf(rate) else f"{rate:g}"]
+            if show_seed:
+                row.append(str(rec["seed"]))
+            row += [rec["label"], client, str(c["num_requests"]), str(c["served_tokens"]),
+                    f"{c['token_throughput']:.0f}", _cell_text(c["mean_ttft_ms"], "ms")]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def _slo_text(slo: dict) -> str:
