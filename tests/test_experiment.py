@@ -233,3 +233,12 @@ def test_docs_example_files_check(name, needs, capsys):
     path = Path(__file__).parent.parent / "docs" / "examples" / name
     assert main(["experiment", "run", str(path), "--dry-run"]) == 0
     assert len(capsys.readouterr().out.splitlines()) in (12, 9)
+
+
+def test_ray_without_a_cluster_is_one_line(tmp_path, capsys):
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    assert run_experiment(write_experiment(tmp_path), out, "--ray", "auto") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("batchyard experiment: --ray auto: Could not find any running Ray instance")
+    assert not out.exists()

@@ -71,18 +71,26 @@ def cmd_run(args) -> int:
         return 0
 
     shared = report.experiment_fields(exp)
-    out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / report.RESULTS_FILE
-    partial.write_text("")
+    num_kept = 0
 
     def keep(record: dict) -> None:  # a crash late in a sweep keeps the finished cells
+        nonlocal num_kept
         record.update(shared)
+        if num_kept == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            partial.write_text("")
         report.append_result(partial, record)
+        num_kept += 1
 
     start = time.perf_counter()
-    records = run_cells(exp.cells, exp.workloads, exp.slo,
-                        jobs=args.jobs or default_jobs(exp.options.backend), ray_address=args.ray,
-                        progress=not args.disable_tqdm, on_record=keep)
+    try:
+        records = run_cells(exp.cells, exp.workloads, exp.slo,
+                            jobs=args.jobs or default_jobs(exp.options.backend), ray_address=args.ray,
+                            progress=not args.disable_tqdm, on_record=keep)
+    except ValueError as exc:  # a cell's run refused its input, or --ray could not connect
+        kept = f" ({num_kept} finished cells kept in {partial})" if num_kept else ""
+        return _fail(f"{exc}{kept}")
     wall = time.perf_counter() - start
     report.write_results(records, out_dir)
     table = report.write_table(records, out_dir)

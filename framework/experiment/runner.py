@@ -124,10 +124,13 @@ def _run_ray(cells: Iterable[Cell], workloads, slo, address: str, progress, on_r
     cells = list(cells)
     started_here = not ray.is_initialized()
     if started_here:
-        if address == "local":
-            ray.init(include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
+        try:
+            if address == "local":
+                ray.init(include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(address=address, log_to_driver=False)
+        except ConnectionError as exc:
+            raise ValueError(f"--ray {address}: {exc}") from None
     try:
         task = ray.remote(num_cpus=1)(run_cell)
         slo_ref = ray.put(slo)
