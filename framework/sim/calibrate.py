@@ -41,9 +41,9 @@ class CalibrationPlan:
     prefill_lens: tuple[int, ...] = (16, 64, 256, 512, 1024, 2048)
     # (cached prefix, new tokens) prefills.
     prefix_extends: tuple[tuple[int, int], ...] = ((512, 64), (1024, 256), (256, 512))
-    decode_batch_sizes: tuple[int, ...] = (1, 4, 16, 48, 96)
-    decode_contexts: tuple[int, ...] = (64, 512, 1024)
-    decode_steps: int = 12
+    decode_batch_sizes: tuple[int, ...] = (1, 8, 32, 64)
+    decode_contexts: tuple[int, ...] = (64, 512, 1280)
+    decode_steps: int = 8
     repeats: int = 2
 
     @classmethod
