@@ -242,3 +242,22 @@ def test_ray_without_a_cluster_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("batchyard experiment: --ray auto: Could not find any running Ray instance")
     assert not out.exists()
+
+
+def test_trace_workload_runs_in_process(tmp_path):
+    """A replayed trace (relative to the experiment file) with clients and priorities, one job."""
+    lines = [{"arrival_s": 0.01 * i, "prompt_len": 40 + i, "output_len": 3 + i % 4,
+              "client_id": "ab"[i % 2], "priority": i % 3} for i in range(12)]
+    lines.append({"arrival_s": 0.2, "prompt": "The capital of France is", "output_len": 5, "client_id": "a"})
+    (tmp_path / "trace.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    path = tmp_path / "exp.toml"
+    path.write_text('[grid]\n"plugins.policy" = ["fcfs"]\n'
+                    '[[workload]]\nname = "replay"\ndataset = "trace"\ntrace = "trace.jsonl"\n')
+    out = tmp_path / "out"
+    assert run_experiment(str(path), out, "--jobs", "1", "--no-plots") == 0
+    (rec,) = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert rec["workload"]["num_requests"] == 13 and rec["workload"]["last_arrival_s"] == 0.2
+    assert rec["metrics"]["completed"] == 13
+    assert rec["metrics"]["total_output_tokens"] == sum(x["output_len"] for x in lines)
+    assert {c: v["num_requests"] for c, v in rec["clients"].items()} == {"a": 7, "b": 6}
+    assert 0 < rec["metrics"]["jain_fairness"] <= 1
