@@ -40,8 +40,10 @@ class RunRecorder:
     """Observer plugin: per tracked request, the clock time of each output token and of its finish."""
 
     def __init__(self):
+        # Nothing is tracked before `start` (the real backend's warm-up runs before it).
         self.tracked: set[str] = set()
         self.token_times: dict[str, list[float]] = {}
+        self.finished: dict[str, tuple[float, int, str | None]] = {}
 
     def start(self, clock, tracked: set[str], pbar=None) -> None:
         """Track `tracked` from now on `clock` (the scheduler's, known once the engine is built)."""
@@ -57,8 +59,10 @@ class RunRecorder:
 
     @hookimpl
     def on_batch_result(self, batch, result, scheduler):
-        now = self.now()
         token_times = self.token_times
+        if not token_times:
+            return
+        now = self.now()
         for req in batch.reqs:
             times = token_times.get(req.rid)
             if times is not None:
