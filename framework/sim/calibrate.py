@@ -189,6 +189,13 @@ def calibrate(settings, plan: CalibrationPlan | None = None, seed: int = 0, prog
     }
 
 
+def refit(profile: dict) -> dict:
+    """The profile fitted again from its stored steps (after a change to the fit)."""
+    samples = [(BatchShape(ext, seq), t) for ext, seq, t in profile["samples"]]
+    coef, fit = fit_profile(samples)
+    return {**profile, "coef": coef, "fit": fit}
+
+
 def write_profile(profile: dict, path: str | Path) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

@@ -24,6 +24,7 @@ def add_sim_parser(sub) -> None:
     p.add_argument("-o", "--output", default="sim-profile.json", help="profile JSON to write")
     p.add_argument("--quick", action="store_true", help="a few probes only (tiny models, smoke tests)")
     p.add_argument("--seed", type=int, default=0, help="seed of the probe prompts")
+    p.add_argument("--refit", metavar="PROFILE", help="fit the steps stored in PROFILE again; runs no engine")
     p.add_argument("--disable-tqdm", action="store_true")
     add_settings_flags(p)
     p.set_defaults(func=cmd_calibrate)
@@ -57,9 +58,15 @@ def cmd_calibrate(args) -> int:
     from framework.sim.calibrate import CalibrationPlan, calibrate, write_profile
     from framework.sim.costmodel import FEATURES
 
-    settings = plain_worker_settings(args)
-    plan = CalibrationPlan.quick() if args.quick else CalibrationPlan()
-    profile = calibrate(settings, plan, seed=args.seed, progress=not args.disable_tqdm)
+    if args.refit:
+        from framework.sim.calibrate import refit
+        from framework.sim.costmodel import load_profile
+
+        profile = refit(load_profile(args.refit))
+    else:
+        settings = plain_worker_settings(args)
+        plan = CalibrationPlan.quick() if args.quick else CalibrationPlan()
+        profile = calibrate(settings, plan, seed=args.seed, progress=not args.disable_tqdm)
     write_profile(profile, args.output)
     fit = profile["fit"]
     print(f"profile: {args.output} ({profile['cpu']}, {profile['dtype']}, worker {profile['worker']}, "
@@ -67,7 +74,8 @@ def cmd_calibrate(args) -> int:
     for name in FEATURES:
         print(f"  {name:<20}{profile['coef'][name]:.4g} s")
     print(f"  fit over {fit['num_steps']} steps: mean |error| {100 * fit['mean_abs_rel_error']:.1f} %, "
-          f"p90 {100 * fit['p90_abs_rel_error']:.1f} %, total time {100 * fit['total_time_rel_error']:+.1f} %")
+          f"p90 {100 * fit['p90_abs_rel_error']:.1f} %, median {100 * fit['median_rel_error']:+.1f} %, "
+          f"total time {100 * fit['total_time_rel_error']:+.1f} %")
     return 0
 
 
