@@ -261,3 +261,18 @@ def test_trace_workload_runs_in_process(tmp_path):
     assert rec["metrics"]["total_output_tokens"] == sum(x["output_len"] for x in lines)
     assert {c: v["num_requests"] for c, v in rec["clients"].items()} == {"a": 7, "b": 6}
     assert 0 < rec["metrics"]["jain_fairness"] <= 1
+
+
+@pytest.mark.e2e
+def test_a_cell_on_the_real_engine(tmp_path):
+    """backend = "real": the same experiment path on the default model, wall clock, one job."""
+    path = tmp_path / "exp.toml"
+    path.write_text('[experiment]\nbackend = "real"\n[worker]\nnum_threads = 1\n'
+                    '[[workload]]\ndataset = "random"\nrandom_source = "ids"\nnum_requests = 2\n'
+                    'random_input_len = 16\nrandom_output_len = 3\nrandom_range_ratio = 1.0\nrates = [inf]\n')
+    out = tmp_path / "out"
+    assert run_experiment(str(path), out, "--no-plots") == 0
+    (rec,) = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert rec["backend"] == "real" and "plugins" not in rec["settings"] and rec["label"] == "base"
+    assert rec["metrics"]["completed"] == 2 and rec["metrics"]["total_output_tokens"] == 6
+    assert 0 < rec["metrics"]["median_ttft_ms"] <= rec["metrics"]["median_e2e_latency_ms"]
