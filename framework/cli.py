@@ -5,6 +5,7 @@
     batchyard plugins
     batchyard plugins new shortest --kind policy
     batchyard config --defaults
+    batchyard experiment run exp.toml
 
 Every setting is also a flag, named after its dotted path: ``--scheduler.max-prefill-tokens 4096``.
 """
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from framework.bench.cli import add_bench_parser  # imported here: bench.cli uses this module
     add_bench_parser(sub)
+    from framework.sim.cli import add_sim_parser
+    add_sim_parser(sub)
+    from framework.experiment.cli import add_experiment_parser
+    add_experiment_parser(sub)
     return parser
 
 

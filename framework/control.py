@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 
 from framework.clients import client_stats
@@ -119,7 +118,7 @@ class ControlMixin:
     def get_stats(self, request_id: str | None = None) -> SchedulerStats:
         """The SchedulerStats gauges now, plus the pools' free counts."""
         running = self.running_batch.batch_size() if self.running_batch is not None else 0
-        elapsed = time.time() - self.last_decode_stats_tic
+        elapsed = self.clock.now() - self.last_decode_stats_tic
         return SchedulerStats(
             request_id=request_id,
             num_running_reqs=running,

@@ -129,6 +129,7 @@ class IntakeMixin:
             client_id=msg.client_id, slo_ttft_ms=msg.slo_ttft_ms,
         )
         req.tokenizer = self.tokenizer
+        req.arrival_time = self.clock.now()
         image_error = self.attach_images(req, msg.image_inputs) if msg.image_inputs is not None else None
         if req.logprob_start_len == -1:
             # Over the whole input, session history included (the reference counts only the new

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 from framework.budget import PrefillAdder
 from framework.messages import BatchTokenOut, ReqOutput
@@ -100,7 +99,7 @@ class OutputMixin:
         )
 
     def log_decode_stats(self) -> None:
-        now = time.time()
+        now = self.clock.now()
         throughput = self.num_generated_tokens / max(now - self.last_decode_stats_tic, 1e-9)
         self.num_generated_tokens = 0
         self.last_decode_stats_tic = now

@@ -51,6 +51,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("overlap", "plugins.workers.overlap"),
     ("dp-attention", "plugins.workers.dp_attention"),
     ("clients", "plugins.observers.clients"),
+    ("sim", "plugins.workers.sim"),
 )
 
 

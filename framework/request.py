@@ -377,8 +377,9 @@ class Req:
         self.priority = priority
         # The first token is due this many milliseconds after `arrival_time`; None: no deadline.
         self.slo_ttft_ms = slo_ttft_ms
-        # When the scheduler took the request in (time.monotonic()).
-        self.arrival_time = time.monotonic()
+        # When the scheduler took the request in, on the scheduler's clock (set at intake; the wall
+        # clock, or the sim worker's virtual one).
+        self.arrival_time = time.perf_counter()
         # The LoRA adapter's name, None for the base model (reference AB2).
         self.lora_path = lora_path
         self.origin_input_text = origin_input_text

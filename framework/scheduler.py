@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from typing import Any, Callable
 
 from framework.batch import ScheduleBatch
+from framework.clock import clock_of
 from framework.budget import AdderView, NewTokenRatio, PrefillAdder
 from framework.config import Settings
 from framework.model.lora import parse_lora_paths
@@ -54,6 +54,8 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin):
         self.view = SchedulerView(self)
 
         self.worker = self.hooks.create_worker(settings, tp_rank)
+        # The wall clock, or the worker's own (the sim worker's virtual clock).
+        self.clock = clock_of(self.worker)
         self.req_to_token_pool = self.worker.req_to_token_pool
         self.token_to_kv_pool = self.worker.token_to_kv_pool
         self.tree_cache = self.hooks.create_cache(settings, self.req_to_token_pool, self.token_to_kv_pool)
@@ -98,7 +100,7 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin):
         self.forward_ct = 0
         self.forward_ct_decode = 0
         self.num_generated_tokens = 0
-        self.last_decode_stats_tic = time.time()
+        self.last_decode_stats_tic = self.clock.now()
         self.cache_hit_tokens = 0
         self.cache_total_tokens = 0
         self.num_retractions = 0
