@@ -291,8 +291,12 @@ def test_quick_calibration_fits_a_usable_profile(tiny_model_folder, tmp_path):
     loaded = load_profile(path)
     assert loaded["worker"] == "tp" and loaded["dtype"] == "float32" and loaded["cpu"]
     assert set(loaded["coef"]) == set(FEATURES) and all(v >= 0 for v in loaded["coef"].values())
-    assert loaded["coef"]["step"] > 0
     assert len(loaded["samples"]) == loaded["fit"]["num_steps"] >= 20
+    assert loaded["fit"]["total_time_rel_error"] == pytest.approx(0, abs=1e-9)
+    measured = sum(t for _, _, t in loaded["samples"])
+    predicted = sum(ProfileCostModel(loaded).predict(BatchShape(e, s)) for e, s, _ in loaded["samples"])
+    assert predicted == pytest.approx(measured)
+    assert ProfileCostModel(loaded).predict(BatchShape([1], [20])) > 0
     assert loaded["hardware"]["peak_flops"] > 0 and loaded["hardware"]["mem_bandwidth"] > 0
     overrides = {"model": {"path": tiny_model_folder},
                  "plugin": {"sim": {"cost_model": "roofline", "hardware": "profile", "profile": str(path)}}}
