@@ -243,17 +243,25 @@ BAD_PROFILES = [
 
 @pytest.mark.parametrize("content, message", BAD_PROFILES)
 def test_unreadable_profile_is_one_clear_error(tiny_model_folder, tmp_path, content, message):
+    from framework.config import SettingsError
     from framework.engine import Engine
+    from framework.sim.costmodel import load_profile
 
     path = tmp_path / "profile.json"
     if content is not None:
         path.write_text(content)
+    with pytest.raises(CostModelError) as info:
+        load_profile(path)
+    text = str(info.value)
+    assert text.startswith("plugin.sim.profile: ") and message in text and str(path) in text and "\n" not in text
+    # The settings check reads it too: at start-up, and in an experiment's grid check.
     settings = tiny_settings(tiny_model_folder, plugins={"worker": "sim"},
                              plugin={"sim": {"cost_model": "profile", "profile": str(path)}})
-    with pytest.raises(CostModelError) as info:
+    with pytest.raises(SettingsError) as info:
         Engine(settings)
-    text = str(info.value)
-    assert message in text and str(path) in text and "\n" not in text
+    header, line = str(info.value).splitlines()
+    assert header == "invalid settings:"
+    assert line.startswith("plugin.sim.profile: ") and message in line and str(path) in line
 
 
 @pytest.mark.parametrize("sim, message", [
