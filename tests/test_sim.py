@@ -242,17 +242,25 @@ BAD_PROFILES = [
 
 @pytest.mark.parametrize("content, message", BAD_PROFILES)
 def test_unreadable_profile_is_one_clear_error(tiny_model_folder, tmp_path, content, message):
+    from framework.config import SettingsError
     from framework.engine import Engine
+    from framework.sim.costmodel import load_profile
 
     path = tmp_path / "profile.json"
     if content is not None:
         path.write_text(content)
+    with pytest.raises(CostModelError) as info:
+        load_profile(path)
+    text = str(info.value)
+    assert text.startswith("plugin.sim.profile: ") and message in text and str(path) in text and "\n" not in text
+    # The settings check reads it too: at start-up, and in an experiment's grid check.
     settings = tiny_settings(tiny_model_folder, plugins={"worker": "sim"},
                              plugin={"sim": {"cost_model": "profile", "profile": str(path)}})
-    with pytest.raises(CostModelError) as info:
+    with pytest.raises(SettingsError) as info:
         Engine(settings)
-    text = str(info.value)
-    assert message in text and str(path) in text and "\n" not in text
+    header, line = str(info.value).splitlines()
+    assert header == "invalid settings:"
+    assert line.startswith("plugin.sim.profile: ") and message in line and str(path) in line
 
 
 @pytest.mark.parametrize("sim, message", [
@@ -290,8 +298,12 @@ def test_quick_calibration_fits_a_usable_profile(tiny_model_folder, tmp_path):
     loaded = load_profile(path)
     assert loaded["worker"] == "tp" and loaded["dtype"] == "float32" and loaded["cpu"]
     assert set(loaded["coef"]) == set(FEATURES) and all(v >= 0 for v in loaded["coef"].values())
-    assert loaded["coef"]["step"] > 0
     assert len(loaded["samples"]) == loaded["fit"]["num_steps"] >= 20
+    assert loaded["fit"]["total_time_rel_error"] == pytest.approx(0, abs=1e-9)
+    measured = sum(t for _, _, t in loaded["samples"])
+    predicted = sum(ProfileCostModel(loaded).predict(BatchShape(e, s)) for e, s, _ in loaded["samples"])
+    assert predicted == pytest.approx(measured)
+    assert ProfileCostModel(loaded).predict(BatchShape([1], [20])) > 0
     assert loaded["hardware"]["peak_flops"] > 0 and loaded["hardware"]["mem_bandwidth"] > 0
     overrides = {"model": {"path": tiny_model_folder},
                  "plugin": {"sim": {"cost_model": "roofline", "hardware": "profile", "profile": str(path)}}}

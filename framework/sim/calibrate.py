@@ -198,4 +198,10 @@ def refit(profile: dict) -> dict:
 def write_profile(profile: dict, path: str | Path) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    Path(path).write_text(json.dumps(profile, indent=1) + "\n")
+    rest = {k: v for k, v in profile.items() if k != "samples"}
+    text = json.dumps(rest, indent=1)
+    if "samples" in profile:
+        # One measured step a line: readable, and a few hundred lines rather than thousands.
+        steps = ",\n  ".join(json.dumps(s) for s in profile["samples"])
+        text = text[:-2] + f',\n "samples": [\n  {steps}\n ]\n}}'
+    Path(path).write_text(text + "\n")

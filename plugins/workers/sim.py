@@ -19,7 +19,8 @@ import logging
 from typing import Any, Callable, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from framework import hookimpl
 from framework.clock import VirtualClock
@@ -27,7 +28,8 @@ from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.config import ModelConfig
 from framework.model.loader import load_hf_config, load_tokenizer, resolve_model
 from framework.model.runner import DEFAULT_KV_CACHE_MEMORY_BYTES, MAX_REQ_TO_TOKEN_BYTES
-from framework.sim.costmodel import BatchShape, build_cost_model
+from framework.sim.costmodel import BatchShape, CostModelError, build_cost_model, load_profile
+from framework.sim.hardware import FROM_PROFILE
 from framework.worker import BatchResult, ResolvedHandle
 from plugins.workers.tp import resolve_dtype
 
@@ -45,17 +47,29 @@ class SimSettings(BaseModel):
         description="How a batch's duration is predicted: roofline (model config + a hardware entry; an "
         "estimate) or profile (fitted on this machine by `batchyard sim calibrate`).",
     )
-    profile: str | None = Field(
-        None, description="Profile JSON written by `batchyard sim calibrate` (cost_model = profile, or hardware = profile)."
-    )
     hardware: str = Field(
         "h100", description="Roofline hardware: a100, h100, h200, or profile (the CPU entry measured by calibrate)."
+    )
+    profile: str | None = Field(
+        None, description="Profile JSON written by `batchyard sim calibrate` (cost_model = profile, or hardware = profile)."
     )
     flops_efficiency: float = Field(0.5, gt=0, le=1, description="Roofline: share of the peak FLOP/s kernels reach.")
     bandwidth_efficiency: float = Field(
         0.8, gt=0, le=1, description="Roofline: share of the peak memory bandwidth kernels reach."
     )
     step_overhead_s: float = Field(0.0, ge=0, description="Roofline: fixed seconds added to every step (scheduler, launch).")
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_readable(cls, value, info: ValidationInfo):
+        # Read when the settings are checked (start-up, an experiment's grid check), not when the
+        # first cell builds its worker.
+        if value and FROM_PROFILE in (info.data.get("cost_model"), info.data.get("hardware")):
+            try:
+                load_profile(value)
+            except CostModelError as exc:
+                raise PydanticCustomError("sim_profile", str(exc).removeprefix("plugin.sim.profile: ")) from None
+        return value
 
 
 @hookimpl
