@@ -21,7 +21,6 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from framework import hookimpl
-from plugins.policies.lpm import fcfs_when_no_sharing
 
 PLUGIN_KIND = "policy"
 
@@ -57,7 +56,7 @@ def select_prefill(view):
     options = view.settings.plugin_section("priority")
     now = view.now()
     queue = view.waiting_queue
-    use_prefix = options.prefix_tie_break and not fcfs_when_no_sharing(view, "priority")
+    use_prefix = options.prefix_tie_break and view.cache_shares_prefixes
     prefix_len = {id(r): view.match_prefix(r).length if use_prefix else 0 for r in queue}
     return sorted(queue, key=lambda r: (-effective_priority(r, now, options), -prefix_len[id(r)], r.arrival_time))
 
