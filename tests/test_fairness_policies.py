@@ -116,20 +116,33 @@ def test_vtc_heavy_client_cannot_starve_a_light_one():
         h.run()
 
 
-def test_vtc_counter_lift_for_a_client_returning_from_idleness():
+def test_vtc_lifts_a_newly_backlogged_client_to_the_least_served_backlogged_one():
     with SchedulerHarness(policy="vtc", scheduler={"max_running_requests": 2}) as h:
-        for _ in range(6):
+        for _ in range(8):
             h.add(prompt(16), max_new_tokens=2, client_id="a")
-        for _ in range(6):
+        for _ in range(4):
             h.step()
         counters = vtc.counters(h.scheduler.view)
-        assert counters["a"] > 0 and "b" not in counters
+        assert counters["a"] > 0 and "b" not in counters and "a" in waiting_clients(h)
+        a_before = counters["a"]
         h.add(prompt(16), max_new_tokens=2, client_id="b")
         h.step()
-        # b was lifted to a's counter (a was the only backlogged client), not left at 0.
-        assert counters["b"] >= min(counters["a"] - 16 - 2 * 2, counters["a"]) > 0
+        # b starts where the backlogged a stands, not at 0: it cannot claim the service it did not ask for.
+        assert counters["b"] >= a_before
         h.run()
         h.check_no_leak()
+
+
+def test_vtc_lifts_a_client_arriving_at_an_empty_queue_to_the_last_served():
+    with SchedulerHarness(policy="vtc") as h:
+        h.add(prompt(64), max_new_tokens=2, client_id="a")
+        h.run()
+        assert vtc.counters(h.scheduler.view)["a"] == 64 + 2 * 2
+        assert vtc.state_of(h.scheduler.view).last_served == 64  # a's prefill; its outputs came after
+        h.add(prompt(8), max_new_tokens=2, client_id="b")
+        h.step()
+        assert vtc.counters(h.scheduler.view)["b"] >= 64  # lifted to 64, then its own 8 prompt tokens
+        h.run()
 
 
 def test_vtc_interleaves_clients_within_one_round():

@@ -10,7 +10,8 @@ the waiting queue.
 Admission: the backlogged client with the smallest counter goes first with its oldest request.
 One round may admit several requests, so the order is built by simulating the counters: after
 picking a request its client's simulated counter grows by the request's prompt cost
-(``input_weight`` × its tokens to compute), and the next pick is again the smallest. Ties go to
+(``input_weight`` × its prompt and output so far; cache hits are left out of this estimate, not
+of the real charge), and the next pick is again the smallest. Ties go to
 the client whose oldest request arrived first.
 
 Counter lift (the paper's rule): when a client becomes backlogged, its counter is raised to the
