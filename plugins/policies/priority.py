@@ -14,6 +14,9 @@ reads it); ``[plugin.priority] lower_is_higher = true`` flips it for clients tha
 
 Decode OOM: the lowest (static, not aged) priority is retracted first; on ties, the reference's
 order (fewest output tokens, longest prompt).
+
+The prefix tie-break matches every waiting request against the cache, so, as lpm does, it is
+skipped in rounds with more than 128 waiting requests (ties then keep arrival order).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from framework import hookimpl
+from plugins.policies.lpm import FCFS_FALLBACK_QUEUE_LEN
 
 PLUGIN_KIND = "policy"
 
@@ -56,7 +60,8 @@ def select_prefill(view):
     options = view.settings.plugin_section("priority")
     now = view.now()
     queue = view.waiting_queue
-    use_prefix = options.prefix_tie_break and view.cache_shares_prefixes
+    # As lpm: past this many waiting requests, matching each one costs more than the tie-break gains.
+    use_prefix = options.prefix_tie_break and view.cache_shares_prefixes and len(queue) <= FCFS_FALLBACK_QUEUE_LEN
     prefix_len = {id(r): view.match_prefix(r).length if use_prefix else 0 for r in queue}
     return sorted(queue, key=lambda r: (-effective_priority(r, now, options), -prefix_len[id(r)], r.arrival_time))
 
