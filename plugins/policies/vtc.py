@@ -140,4 +140,5 @@ def select_prefill(view):
 @hookimpl
 def on_decode_oom(batch, view):
     served = state_of(view).counters
-    return sorted(batch.reqs, key=lambda r: (-served.get(r.client_id, 0.0), len(r.output_ids), -len(r.origin_input_ids)))
+    return sorted(batch.reqs,
+                  key=lambda r: (-served.get(r.client_id, 0.0), len(r.output_ids), -len(r.origin_input_ids)))
