@@ -47,7 +47,10 @@ class FakeWorker:
     tokenizer = None
     hidden_size = 1
 
-    def __init__(self, max_total_num_tokens: int = 4096, max_running_requests: int = 64):
+    def __init__(self, max_total_num_tokens: int = 4096, max_running_requests: int = 64, clock: Any = None):
+        if clock is not None:
+            # The scheduler reads a worker's own clock (framework.clock.clock_of).
+            self.clock = clock
         self.vocab_size = TINY_MODEL["vocab_size"]
         self.context_len = TINY_MODEL["context_len"]
         self.eos_token_ids = {FAKE_EOS_TOKEN_ID}
@@ -87,12 +90,16 @@ class FakeWorkerPlugin:
 
     PLUGIN_KIND = "worker"
 
+    def __init__(self, clock: Any = None):
+        self.clock = clock
+
     @hookimpl
     def create_worker(self, settings: Settings, tp_rank: int) -> FakeWorker:
         sched = settings.scheduler
         return FakeWorker(
             max_total_num_tokens=settings.cache.max_total_tokens or 4096,
             max_running_requests=sched.max_running_requests or 64,
+            clock=self.clock,
         )
 
 
@@ -111,11 +118,14 @@ class SchedulerHarness:
     :param plugins: plugin modules or objects to register. One with ``PLUGIN_KIND = "policy"`` (or
         ``"cache"``) takes the place of the one named in the settings.
     :param policy, cache_plugin: bundled or installed plugins by name.
+    :param clock: a clock for the scheduler (e.g. `framework.clock.VirtualClock`, which the test
+        advances itself between steps, for policies that read waiting times); default: wall clock.
     :param sections: settings overrides by section, e.g. ``scheduler={"chunked_prefill_size": 64}``
         or ``cache={"max_total_tokens": 512}``.
     """
 
-    def __init__(self, *plugins: Any, policy: str = "fcfs", cache_plugin: str = "radix", **sections: Any):
+    def __init__(self, *plugins: Any, policy: str = "fcfs", cache_plugin: str = "radix", clock: Any = None,
+                 **sections: Any):
         base: dict[str, dict] = {
             "plugins": {"policy": policy, "cache": cache_plugin, "worker": "tp"},
             "cache": {"max_total_tokens": 4096},
@@ -130,7 +140,7 @@ class SchedulerHarness:
         self.finished: dict[str, Any] = {}
         self.scheduler = Scheduler(
             Settings.load(None, **base), output_sink=self._collect,
-            extra_plugins=(FakeWorkerPlugin(), self.recorder, *plugins),
+            extra_plugins=(FakeWorkerPlugin(clock), self.recorder, *plugins),
         )
         self._rids = (f"r{i}" for i in itertools.count())
 
@@ -140,13 +150,20 @@ class SchedulerHarness:
             if o.finished_reason is not None:
                 self.finished[o.rid] = o.finished_reason
 
-    def add(self, input_ids: list[int], max_new_tokens: int = 4, rid: str | None = None, **params: Any) -> str:
-        """Queue a request (delivered at the next step); returns its rid (``r0``, ``r1``, ...)."""
+    def add(self, input_ids: list[int], max_new_tokens: int = 4, rid: str | None = None, *,
+            client_id: str | None = None, priority: int | None = None, slo_ttft_ms: float | None = None,
+            **params: Any) -> str:
+        """Queue a request (delivered at the next step); returns its rid (``r0``, ``r1``, ...).
+        `client_id`, `priority` and `slo_ttft_ms` are the request's identity fields; `params` are
+        sampling parameters."""
         rid = rid or next(self._rids)
         sampling = SamplingParams(max_new_tokens=max_new_tokens, **params)
         sampling.verify()
         sampling.normalize(None)
-        self.scheduler.send(GenerateReqInput(rid=rid, input_ids=list(input_ids), sampling_params=sampling))
+        self.scheduler.send(GenerateReqInput(
+            rid=rid, input_ids=list(input_ids), sampling_params=sampling, client_id=client_id, priority=priority,
+            slo_ttft_ms=slo_ttft_ms,
+        ))
         return rid
 
     def step(self) -> tuple[str, list[str]] | None:

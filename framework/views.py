@@ -79,6 +79,11 @@ class SchedulerView(ReadOnlyView):
     def tp_rank(self) -> int:
         return self._target.tp_rank
 
+    def now(self) -> float:
+        """Seconds on the scheduler's clock (the wall clock, or the sim worker's virtual one): the
+        clock ``req.arrival_time`` was read from, so ``view.now() - req.arrival_time`` is the wait."""
+        return self._target.clock.now()
+
     @property
     def new_token_ratio(self) -> float:
         return self._target.new_token_ratio.value

@@ -224,7 +224,8 @@ def test_ray_missing_is_one_line(tmp_path, capsys, monkeypatch):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("name, needs", [("experiment-prefix.toml", None), ("experiment-spf.toml", "my_policies")])
+@pytest.mark.parametrize("name, needs", [("experiment-prefix.toml", None), ("experiment-spf.toml", "my_policies"),
+                                         ("experiment-fairness.toml", None)])
 def test_docs_example_files_check(name, needs, capsys):
     """The example files of docs/research.md pass every check (spf: once docs/examples/my-policies
     is installed, as the worked example says)."""

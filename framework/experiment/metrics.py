@@ -11,6 +11,11 @@ quantities under the same names (``median_*`` is p50). Added here:
 * per client (when requests carry client ids): requests, tokens served (prompt + output), token
   throughput and mean TTFT; and Jain's fairness index over the clients' served tokens,
   (Σx)² / (n·Σx²): 1 when every client got the same service, 1/n when one got all of it;
+* the same while every client had work left (``jain_fairness_all_busy``): tokens served up to the
+  moment the first client's last request finished (a prompt counts once its first token came,
+  an output token at its time). Over a whole run that completes every request, served tokens
+  are each client's demand whatever the policy; only while all clients still want service does
+  the scheduler's choice of whom to serve show;
 * distributions for plots: 101 quantiles of TTFT and ITL, and the queue samples thinned to at
   most `MAX_QUEUE_POINTS`.
 """
@@ -64,12 +69,33 @@ def jain_index(values: list[float]) -> float:
     return float(x.sum() ** 2 / denom) if denom > 0 else 1.0
 
 
+def served_by(rec: RequestRecord, t: float) -> int:
+    """Tokens `rec` was served by time `t`: its prompt once the first token came, and its outputs."""
+    if rec.first_token_s is None or rec.first_token_s > t:
+        return 0
+    return rec.input_len + sum(1 for s in rec.token_times if s <= t)
+
+
+def all_busy_until(by_client: dict[str, list[RequestRecord]]) -> float | None:
+    """When the first client's last request finished (None: some client never finished them all)."""
+    ends = []
+    for recs in by_client.values():
+        if any(r.finish_s is None for r in recs):
+            return None
+        ends.append(max(r.finish_s for r in recs))
+    return min(ends) if ends else None
+
+
 def client_service(records: list[RequestRecord], duration: float) -> dict[str, dict[str, float]]:
-    """Per client id: requests, tokens served (prompt + output), tokens/s and mean TTFT (ms)."""
+    """Per client id: requests, tokens served (prompt + output), tokens/s and mean TTFT (ms); and
+    tokens served and tokens/s while every client had work left (``all_busy_*``)."""
     by_client: dict[str, list[RequestRecord]] = defaultdict(list)
     for rec in records:
         if rec.client_id is not None:
             by_client[rec.client_id].append(rec)
+    busy_end = all_busy_until(by_client)
+    if busy_end is None:
+        busy_end = duration
     out = {}
     for client, recs in sorted(by_client.items()):
         done = [r for r in recs if r.finish_s is not None]
@@ -81,7 +107,10 @@ def client_service(records: list[RequestRecord], duration: float) -> dict[str, d
             "served_tokens": tokens,
             "token_throughput": tokens / max(duration, 1e-9),
             "mean_ttft_ms": 1000 * float(np.mean(ttfts)) if ttfts else 0.0,
+            "all_busy_s": busy_end,
+            "all_busy_tokens": sum(served_by(r, busy_end) for r in recs),
         }
+        out[client]["all_busy_throughput"] = out[client]["all_busy_tokens"] / max(busy_end, 1e-9)
     return out
 
 
@@ -113,6 +142,7 @@ def cell_metrics(result: RunResult, slo) -> tuple[dict[str, Any], dict[str, Any]
     clients = client_service(result.records, duration)
     if clients:
         m["jain_fairness"] = jain_index([c["served_tokens"] for c in clients.values()])
+        m["jain_fairness_all_busy"] = jain_index([c["all_busy_tokens"] for c in clients.values()])
     ok = [r for r in results if r.success]
     dists = {
         "ttft_ms_quantiles": _quantiles([r.ttft for r in ok]),

@@ -4,7 +4,9 @@
 * throughput.png: output tokens/s and goodput against rate;
 * cache_hit_rate.png: prefix cache hit rate against rate;
 * ttft_cdf.png, itl_cdf.png: the distributions, one panel per rate;
-* queue.png: waiting requests over run time (virtual time on sim), one panel per rate.
+* queue.png: waiting requests over run time (virtual time on sim), one panel per rate;
+* fairness.png (when requests carry client ids): each client's token throughput while every
+  client had work left, a group of bars per grid point, its Jain index above it; one panel per rate.
 
 Metrics against rate are averaged over seeds; distributions and queues show the first seed.
 Rates sit on a categorical axis so that inf (all at once) can be drawn, at the right end.
@@ -133,6 +135,40 @@ def _queue(ax, rec):
     ax.set_ylabel("requests waiting")
 
 
+def _fairness(records, path: Path) -> Path:
+    """Grouped bars: per grid point, each client's all-busy token throughput; Jain's index on top."""
+    groups = {w: _first_seed(recs) for w, recs in _by_workload(records).items()}
+    cols = max(min(len(_rates(recs)), MAX_RATE_PANELS) for recs in groups.values())
+    plt, fig, axes = _figure(len(groups), cols)
+    for row, (workload, recs) in enumerate(groups.items()):
+        rates = _rates(recs)[-MAX_RATE_PANELS:]
+        for col in range(cols):
+            ax = axes[row][col]
+            if col >= len(rates):
+                ax.axis("off")
+                continue
+            cells = sorted((r for r in recs if float(r["rate"]) == rates[col]), key=lambda r: r["cell"])
+            clients = sorted({c for r in cells for c in (r.get("clients") or {})})
+            width = 0.8 / max(len(clients), 1)
+            for j, client in enumerate(clients):
+                ys = [(r.get("clients") or {}).get(client, {}).get("all_busy_throughput", 0.0) for r in cells]
+                ax.bar([i + (j - (len(clients) - 1) / 2) * width for i in range(len(cells))], ys, width,
+                       label=client)
+            for i, r in enumerate(cells):
+                jain = r["metrics"].get("jain_fairness_all_busy")
+                if jain is not None:
+                    top = max((c.get("all_busy_throughput", 0.0) for c in (r.get("clients") or {}).values()),
+                              default=0.0)
+                    ax.annotate(f"Jain {jain:.3f}", (i, top), ha="center", va="bottom", fontsize=8)
+            ax.set_xticks(range(len(cells)), [r["label"] for r in cells], fontsize=8)
+            ax.set_ylabel("tokens/s while all clients busy")
+            ax.set_title(f"Per-client service — {workload} @ {_rate_text(rates[col])} req/s", fontsize=10)
+            ax.margins(y=0.15)
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
 def plot_experiment(records: list[dict], out_dir: Path) -> list[Path]:
     """Write every plot of the module docstring into `out_dir`; returns their paths."""
     out_dir = Path(out_dir)
@@ -149,4 +185,4 @@ def plot_experiment(records: list[dict], out_dir: Path) -> list[Path]:
         _per_rate(records, _cdf("ttft_ms_quantiles", "TTFT (ms)"), "TTFT CDF", out_dir / "ttft_cdf.png"),
         _per_rate(records, _cdf("itl_ms_quantiles", "ITL (ms)"), "ITL CDF", out_dir / "itl_cdf.png"),
         _per_rate(records, _queue, "Queue", out_dir / "queue.png"),
-    ]
+    ] + ([_fairness(records, out_dir / "fairness.png")] if any(r.get("clients") for r in records) else [])

@@ -35,6 +35,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("hit rate", "cache_hit_rate", "{:.1%}"),
     ("retract", "num_retractions", "{:d}"),
     ("Jain", "jain_fairness", "{:.3f}"),
+    ("Jain all-busy", "jain_fairness_all_busy", "{:.3f}"),
 )
 
 
@@ -90,7 +91,7 @@ def render_table(records: list[dict]) -> str:
     grid_keys = list(records[0]["grid"])
     show_seed = len({r["seed"] for r in records}) > 1
     has_clients = any("jain_fairness" in r["metrics"] for r in records)
-    columns = [c for c in COLUMNS if c[1] != "jain_fairness" or has_clients]
+    columns = [c for c in COLUMNS if not c[1].startswith("jain_fairness") or has_clients]
     headers = ["workload", "rate"] + (["seed"] if show_seed else [])
     headers += [k.rsplit(".", 1)[-1] for k in grid_keys] + [c[0] for c in columns]
     lines = [
@@ -118,8 +119,9 @@ def render_table(records: list[dict]) -> str:
 def _client_table(ordered: list[dict], show_seed: bool) -> list[str]:
     """Per-client service of every cell whose workload has client ids."""
     headers = ["workload", "rate"] + (["seed"] if show_seed else []) + [
-        "cell", "client", "requests", "served tokens", "tok/s", "TTFT mean"]
-    lines = ["Per client (served tokens: prompt + output of completed requests):", "",
+        "cell", "client", "requests", "served tokens", "tok/s", "TTFT mean", "all-busy tokens", "all-busy tok/s"]
+    lines = ["Per client (served tokens: prompt + output of completed requests; all-busy: served while "
+             "every client had work left, until the first one's last request finished):", "",
              "| " + " | ".join(headers) + " |",
              "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|"]
     for rec in ordered:
@@ -129,7 +131,8 @@ def _client_table(ordered: list[dict], show_seed: bool) -> list[str]:
             if show_seed:
                 row.append(str(rec["seed"]))
             row += [rec["label"], client, str(c["num_requests"]), str(c["served_tokens"]),
-                    f"{c['token_throughput']:.0f}", _cell_text(c["mean_ttft_ms"], "ms")]
+                    f"{c['token_throughput']:.0f}", _cell_text(c["mean_ttft_ms"], "ms"),
+                    str(c.get("all_busy_tokens", "–")), _cell_text(c.get("all_busy_throughput"), "{:.0f}")]
             lines.append("| " + " | ".join(row) + " |")
     return lines
 
