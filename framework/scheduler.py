@@ -165,7 +165,12 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin):
             else:
                 # Requests finished by their prefill (all of an embedding batch) do not join the
                 # running batch, where they would count as running until its next filter.
+                num_reqs = last.batch_size()
                 last.filter_batch()
+                if last.batch_size() < num_reqs:
+                    # Their running slots are free again. (The reference keeps batch_is_full set
+                    # here, and a queue that filled max_running_requests this way never moves.)
+                    self.batch_is_full = False
             if not last.is_empty():
                 if self.running_batch is None:
                     self.running_batch = last

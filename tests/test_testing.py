@@ -77,3 +77,15 @@ def test_every_bundled_policy_runs_on_the_harness(policy):
         h.run()
         assert len(h.finished) == 5
         h.check_no_leak()
+
+
+def test_requests_finished_by_their_prefill_free_a_full_batch():
+    """max_running_requests reached by a prefill whose requests all finish in it (one output token):
+    the next waiting request must still be admitted (the reference's batch_is_full stays set and the
+    queue hangs)."""
+    with SchedulerHarness(policy="fcfs", scheduler={"max_running_requests": 1}) as h:
+        rids = [h.add([5, 6, 7], max_new_tokens=1) for _ in range(3)]
+        h.run(max_steps=50)
+        assert h.prefill_batches() == [[rid] for rid in rids]
+        assert all(len(h.outputs[rid]) == 1 for rid in rids)
+        h.check_no_leak()
