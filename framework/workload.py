@@ -313,15 +313,7 @@ def build_workload(spec: WorkloadSpec, tokenizer, samples: dict | None = None) -
 
 def describe(requests: list[TimedRequest]) -> dict[str, float]:
     """Size and span of a timed workload, stored with every result."""
-    n = len(requests)
-    total_in = sum(len(r.input_ids) for r in requests)
-    total_out = sum(r.output_len for r in requests)
-    return {
-        "num_requests": n,
-        "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
-        "mean_input_len": total_in / n if n else 0.0,
-        "mean_output_len": total_out / n if n else 0.0,
-        "last_arrival_s": max((r.arrival_s for r in requests), default=0.0),
-        "num_clients": len({r.client_id for r in requests if r.client_id is not None}),
-    }
+    stats = datasets.size_stats(len(requests), sum(len(r.input_ids) for r in requests), sum(r.output_len for r in requests))
+    stats["last_arrival_s"] = max((r.arrival_s for r in requests), default=0.0)
+    stats["num_clients"] = len({r.client_id for r in requests if r.client_id is not None})
+    return stats

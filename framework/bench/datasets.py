@@ -234,11 +234,8 @@ def cap_output_len(requests: list[BenchRequest], cap: int | None) -> list[BenchR
     return requests
 
 
-def describe(requests: list[BenchRequest]) -> dict[str, float]:
-    """Size of a workload, stored with every result so runs are comparable."""
-    n = len(requests)
-    total_in = sum(r.prompt_len for r in requests)
-    total_out = sum(r.output_len for r in requests)
+def size_stats(n: int, total_in: int, total_out: int) -> dict[str, float]:
+    """Request count, token totals and mean lengths of a workload."""
     return {
         "num_requests": n,
         "total_input_tokens": total_in,
@@ -246,3 +243,8 @@ def describe(requests: list[BenchRequest]) -> dict[str, float]:
         "mean_input_len": total_in / n if n else 0.0,
         "mean_output_len": total_out / n if n else 0.0,
     }
+
+
+def describe(requests: list[BenchRequest]) -> dict[str, float]:
+    """Size of a workload, stored with every result so runs are comparable."""
+    return size_stats(len(requests), sum(r.prompt_len for r in requests), sum(r.output_len for r in requests))

@@ -95,8 +95,9 @@ def _first_seed(recs):
     return [r for r in recs if r["seed"] == seed]
 
 
-def _per_rate(records, draw, title: str, path: Path) -> Path:
-    """Rows: workloads; columns: rates (the highest MAX_RATE_PANELS); `draw(ax, record)` per grid point."""
+def _rate_panels(records, draw_panel, path: Path) -> Path:
+    """Rows: workloads; columns: rates (the highest MAX_RATE_PANELS); `draw_panel(ax, workload,
+    rate, cells)` per grid point, with that point's cells in cell order."""
     groups = {w: _first_seed(recs) for w, recs in _by_workload(records).items()}
     cols = max(min(len(_rates(recs)), MAX_RATE_PANELS) for recs in groups.values())
     plt, fig, axes = _figure(len(groups), cols)
@@ -107,12 +108,21 @@ def _per_rate(records, draw, title: str, path: Path) -> Path:
             if col >= len(rates):
                 ax.axis("off")
                 continue
-            for rec in sorted((r for r in recs if float(r["rate"]) == rates[col]), key=lambda r: r["cell"]):
-                draw(ax, rec)
-            ax.set_title(f"{title} — {workload} @ {_rate_text(rates[col])} req/s", fontsize=10)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            cells = sorted((r for r in recs if float(r["rate"]) == rates[col]), key=lambda r: r["cell"])
+            draw_panel(ax, workload, rates[col], cells)
     return _save(plt, fig, path)
+
+
+def _per_rate(records, draw, title: str, path: Path) -> Path:
+    """`draw(ax, record)` for every cell of a grid point, one panel per point."""
+    def draw_panel(ax, workload, rate, cells):
+        for rec in cells:
+            draw(ax, rec)
+        ax.set_title(f"{title} — {workload} @ {_rate_text(rate)} req/s", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+
+    return _rate_panels(records, draw_panel, path)
 
 
 def _cdf(key: str, xlabel: str):
@@ -137,36 +147,27 @@ def _queue(ax, rec):
 
 def _fairness(records, path: Path) -> Path:
     """Grouped bars: per grid point, each client's all-busy token throughput; Jain's index on top."""
-    groups = {w: _first_seed(recs) for w, recs in _by_workload(records).items()}
-    cols = max(min(len(_rates(recs)), MAX_RATE_PANELS) for recs in groups.values())
-    plt, fig, axes = _figure(len(groups), cols)
-    for row, (workload, recs) in enumerate(groups.items()):
-        rates = _rates(recs)[-MAX_RATE_PANELS:]
-        for col in range(cols):
-            ax = axes[row][col]
-            if col >= len(rates):
-                ax.axis("off")
-                continue
-            cells = sorted((r for r in recs if float(r["rate"]) == rates[col]), key=lambda r: r["cell"])
-            clients = sorted({c for r in cells for c in (r.get("clients") or {})})
-            width = 0.8 / max(len(clients), 1)
-            for j, client in enumerate(clients):
-                ys = [(r.get("clients") or {}).get(client, {}).get("all_busy_throughput", 0.0) for r in cells]
-                ax.bar([i + (j - (len(clients) - 1) / 2) * width for i in range(len(cells))], ys, width,
-                       label=client)
-            for i, r in enumerate(cells):
-                jain = r["metrics"].get("jain_fairness_all_busy")
-                if jain is not None:
-                    top = max((c.get("all_busy_throughput", 0.0) for c in (r.get("clients") or {}).values()),
-                              default=0.0)
-                    ax.annotate(f"Jain {jain:.3f}", (i, top), ha="center", va="bottom", fontsize=8)
-            ax.set_xticks(range(len(cells)), [r["label"] for r in cells], fontsize=8)
-            ax.set_ylabel("tokens/s while all clients busy")
-            ax.set_title(f"Per-client service — {workload} @ {_rate_text(rates[col])} req/s", fontsize=10)
-            ax.margins(y=0.15)
-            ax.grid(alpha=0.3, axis="y")
-            ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    def draw_panel(ax, workload, rate, cells):
+        clients = sorted({c for r in cells for c in (r.get("clients") or {})})
+        width = 0.8 / max(len(clients), 1)
+        for j, client in enumerate(clients):
+            ys = [(r.get("clients") or {}).get(client, {}).get("all_busy_throughput", 0.0) for r in cells]
+            ax.bar([i + (j - (len(clients) - 1) / 2) * width for i in range(len(cells))], ys, width,
+                   label=client)
+        for i, r in enumerate(cells):
+            jain = r["metrics"].get("jain_fairness_all_busy")
+            if jain is not None:
+                top = max((c.get("all_busy_throughput", 0.0) for c in (r.get("clients") or {}).values()),
+                          default=0.0)
+                ax.annotate(f"Jain {jain:.3f}", (i, top), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(cells)), [r["label"] for r in cells], fontsize=8)
+        ax.set_ylabel("tokens/s while all clients busy")
+        ax.set_title(f"Per-client service — {workload} @ {_rate_text(rate)} req/s", fontsize=10)
+        ax.margins(y=0.15)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+
+    return _rate_panels(records, draw_panel, path)
 
 
 def plot_experiment(records: list[dict], out_dir: Path) -> list[Path]:
