@@ -9,6 +9,7 @@ before sampling; after sampling each matcher accepts its request's token.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -106,20 +107,27 @@ class Grammar:
         return masks
 
 
+# Compiled grammars kept, least recently used dropped first: every distinct schema or regex a client
+# sends would otherwise stay in the scheduler's memory for good.
+MAX_CACHED_GRAMMARS = 512
+
+
 class GrammarBackend:
-    """Compiles grammars on a thread pool and caches them by key; hands out fresh matchers.
+    """Compiles grammars on a thread pool and caches them by key (the `max_cached` most recently
+    used); hands out fresh matchers.
 
     `compile_fn(key)` returns a compiled grammar or raises; the default builds an xgrammar
     `GrammarCompiler` on first use (its tokenizer scan takes about a second, off the loop too).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, num_threads: int = 1,
-                 compile_fn: Callable[[GrammarKey], Any] | None = None):
+                 compile_fn: Callable[[GrammarKey], Any] | None = None, max_cached: int = MAX_CACHED_GRAMMARS):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.compile_fn = compile_fn or self._compile
         self.executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar")
-        self.cache: dict[GrammarKey, Future] = {}
+        self.max_cached = max_cached
+        self.cache: collections.OrderedDict[GrammarKey, Future] = collections.OrderedDict()
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()
 
@@ -151,6 +159,11 @@ class GrammarBackend:
         if future is None:
             future = self.executor.submit(self.compile_fn, key)
             self.cache[key] = future
+            if len(self.cache) > self.max_cached:
+                # A request waiting on the dropped compilation holds its own reference to it.
+                self.cache.popitem(last=False)
+        else:
+            self.cache.move_to_end(key)
         return future
 
     def make_grammar(self, future: Future) -> Grammar:

@@ -348,3 +348,20 @@ def test_draft_length_follows_what_the_model_keeps(make_engine):
                 assert n1 <= k0 + 1, mine
                 after_refusal += 1
     assert after_refusal > 0
+
+
+def test_grammar_cache_keeps_the_most_recently_used():
+    """Every distinct schema would otherwise stay compiled in the scheduler for good."""
+    from framework.grammar import GrammarBackend
+
+    backend = GrammarBackend(None, 10, compile_fn=lambda key: key[1], max_cached=3)
+    try:
+        first = backend.submit(("regex", "a"))
+        for text in ("b", "c"):
+            backend.submit(("regex", text))
+        assert backend.submit(("regex", "a")) is first  # a hit moves "a" to the recent end
+        backend.submit(("regex", "d"))  # drops "b", the least recently used
+        assert list(backend.cache) == [("regex", "c"), ("regex", "a"), ("regex", "d")]
+        assert backend.submit(("regex", "a")).result() == "a"
+    finally:
+        backend.shutdown()
