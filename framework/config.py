@@ -174,8 +174,17 @@ class ParallelSettings(_Section):
 class ServerSettings(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(30000, gt=0, lt=65536, description="HTTP port.")
-    api_key: str | None = Field(None, description="Bearer token required on every path but /health*.")
-    max_request_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest accepted request body.")
+    api_key: str | None = Field(
+        None, description="Bearer token required on every path but /health (401 without it); empty: no key."
+    )
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="Largest accepted request body in bytes; a larger one gets 413."
+    )
+    request_timeout: float | None = Field(
+        600.0, gt=0, description="Seconds a request may take from arrival to its last output; past it the "
+        "request is aborted (its memory freed) and answered 504, or ends its stream with an error event. "
+        "Empty: no limit.",
+    )
     enable_metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
     log_requests: bool = Field(False, description="Log every finished request.")
     log_level: str = Field("info", description="Log level.")

@@ -189,6 +189,7 @@ class SchedulerStats:
     num_sessions: int
     forward_ct: int
     num_received_reqs: int = 0
+    num_grammar_queue_reqs: int = 0  # requests whose grammar is still compiling
     # The replica this scheduler is (None without data parallelism); a data-parallel
     # controller's aggregate has None here and the replicas' own stats in `replicas`.
     dp_rank: int | None = None

@@ -54,6 +54,33 @@ class PluginError(ValueError):
     """A plugin could not be found, loaded or selected."""
 
 
+class PluginHookError(RuntimeError):
+    """A plugin raised inside a request-time hook. The message names the plugin and the hook, so
+    the scheduler can fail the request or batch concerned with it and keep serving."""
+
+    def __init__(self, hook: str, plugin: str, exc: BaseException):
+        self.hook = hook
+        self.plugin = plugin
+        super().__init__(f"plugin {plugin!r} failed in hook {hook}: {type(exc).__name__}: {exc}")
+
+
+def _plugin_name(impl) -> str:
+    # An object registered without a name is known to pluggy by its id; its class names it better.
+    return type(impl.plugin).__name__ if impl.plugin_name.isdigit() else impl.plugin_name
+
+
+def _raising_plugin(impls, exc: BaseException) -> str:
+    """The name of the plugin whose hook implementation raised `exc` (its frame in the traceback)."""
+    by_code = {impl.function.__code__: _plugin_name(impl) for impl in impls}
+    tb = exc.__traceback__
+    while tb is not None:
+        name = by_code.get(tb.tb_frame.f_code)
+        if name is not None:
+            return name
+        tb = tb.tb_next
+    return "?"
+
+
 @dataclass
 class PluginInfo:
     name: str
@@ -94,10 +121,21 @@ def discover_plugins() -> dict[str, PluginInfo]:
 
 
 class Hooks:
-    """The typed facade the core calls hooks through (keyword arguments only)."""
+    """The typed facade the core calls hooks through (keyword arguments only).
+
+    Start-up hooks raise as they are (start-up fails). Request-time hooks raise `PluginHookError`,
+    which names the plugin; the scheduler fails the request or batch concerned and keeps serving.
+    """
 
     def __init__(self, pm: pluggy.PluginManager):
         self._hook = pm.hook
+
+    def _call(self, name: str, **kwargs):
+        caller = getattr(self._hook, name)
+        try:
+            return caller(**kwargs)
+        except Exception as exc:
+            raise PluginHookError(name, _raising_plugin(caller.get_hookimpls(), exc), exc) from exc
 
     def register_settings(self, register) -> None:
         self._hook.register_settings(register=register)
@@ -111,28 +149,31 @@ class Hooks:
         )
 
     def on_request_received(self, req, scheduler) -> None:
-        self._hook.on_request_received(req=req, scheduler=scheduler)
+        self._call("on_request_received", req=req, scheduler=scheduler)
 
     def select_prefill(self, scheduler, adder):
-        return self._hook.select_prefill(scheduler=scheduler, adder=adder)
+        return self._call("select_prefill", scheduler=scheduler, adder=adder)
 
     def on_decode_oom(self, batch, scheduler):
-        return self._hook.on_decode_oom(batch=batch, scheduler=scheduler)
+        return self._call("on_decode_oom", batch=batch, scheduler=scheduler)
 
     def prepare_batch(self, batch, scheduler):
         # Chained: pluggy calls implementations last-registered first; each gets the previous result.
         for impl in reversed(self._hook.prepare_batch.get_hookimpls()):
-            batch = impl.function(batch=batch, scheduler=scheduler)
+            try:
+                batch = impl.function(batch=batch, scheduler=scheduler)
+            except Exception as exc:
+                raise PluginHookError("prepare_batch", _plugin_name(impl), exc) from exc
         return batch
 
     def on_batch_result(self, batch, result, scheduler) -> None:
-        self._hook.on_batch_result(batch=batch, result=result, scheduler=scheduler)
+        self._call("on_batch_result", batch=batch, result=result, scheduler=scheduler)
 
     def on_request_finished(self, req, scheduler) -> None:
-        self._hook.on_request_finished(req=req, scheduler=scheduler)
+        self._call("on_request_finished", req=req, scheduler=scheduler)
 
     def on_idle(self, scheduler) -> None:
-        self._hook.on_idle(scheduler=scheduler)
+        self._call("on_idle", scheduler=scheduler)
 
 
 class PluginManager:

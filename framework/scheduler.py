@@ -38,7 +38,7 @@ from framework.grammar import (
     grammar_of, jump_forward_drafts, MAX_DRAFT_TOKENS,
 )
 from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
-from framework.plugins import PluginManager
+from framework.plugins import PluginHookError, PluginManager
 from framework.profiling import TorchProfiler
 from framework.request import FinishAbort, FinishLength, FinishMatchedToken, Req, Stash, StashKey, request_kind_error
 from framework.control import ControlMixin
@@ -153,7 +153,7 @@ class Scheduler(ControlMixin):
         """One iteration of the event loop; returns False when there was nothing to do."""
         self.process_input_requests()
         batch = self.get_next_batch_to_run()
-        batch = self.hooks.prepare_batch(batch, self)
+        batch = self.prepare_batch(batch)
         self.cur_batch = batch
         if batch is not None:
             handle = self.run_batch(batch)
@@ -297,7 +297,12 @@ class Scheduler(ControlMixin):
 
     def enqueue(self, req: Req) -> None:
         self.waiting_queue.append(req)
-        self.hooks.on_request_received(req, self)
+        try:
+            self.hooks.on_request_received(req, self)
+        except PluginHookError as exc:
+            logger.error("Request %s fails: %s", req.rid, exc)
+            self.waiting_queue = [r for r in self.waiting_queue if r is not req]
+            self.reject(req, str(exc))
 
     def attach_images(self, req: Req, images: ImageInputs) -> str | None:
         """Expand the prompt's image tokens into hash-derived pad ids (AA3); why not, or None."""
@@ -393,7 +398,10 @@ class Scheduler(ControlMixin):
             self.being_chunked_req.init_next_round_input()
             self.being_chunked_req = adder.add_inflight_req(self.being_chunked_req)
         if self.waiting_queue:
-            self.hooks.select_prefill(self, adder)
+            try:
+                self.hooks.select_prefill(self, adder)
+            except PluginHookError as exc:
+                self.fail_waiting(adder.can_run_list, str(exc))
         can_run_list = adder.can_run_list
         if not can_run_list:
             return None
@@ -432,7 +440,13 @@ class Scheduler(ControlMixin):
             self.batch_is_full = False
             return None
         if not batch.check_decode_mem() or (self.force_retract and batch.batch_size() > 10):
-            decision = self.hooks.on_decode_oom(batch, self)
+            try:
+                decision = self.hooks.on_decode_oom(batch, self)
+            except PluginHookError as exc:
+                self.fail_batch_reqs(batch, str(exc))
+                batch.filter_batch()
+                self.batch_is_full = False
+                return None
             if decision is not None:
                 retracted, new_ratio = decision
                 self.new_token_ratio.value = new_ratio
@@ -541,15 +555,18 @@ class Scheduler(ControlMixin):
     def process_batch_result(self, batch: ScheduleBatch, handle: ResultHandle) -> None:
         result = handle.result()
         if batch.forward_mode.is_idle():
-            self.hooks.on_batch_result(batch, result, self)
-            return
-        if batch.forward_mode.is_decode():
+            pass
+        elif batch.forward_mode.is_decode():
             self.process_batch_result_decode(batch, result, handle.next_token_ids)
         elif batch.is_embedding:
             self.process_batch_result_embedding(batch, result)
         else:
             self.process_batch_result_prefill(batch, result, handle.next_token_ids)
-        self.hooks.on_batch_result(batch, result, self)
+        try:
+            self.hooks.on_batch_result(batch, result, self)
+        except PluginHookError as exc:
+            self.fail_batch_reqs(batch, str(exc))
+        self.fail_batch_reqs(batch)  # those a failed prepare_batch marked
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: BatchResult, launched: list[int]) -> None:
         decoding = {id(r) for r in batch.decoding_reqs} if batch.decoding_reqs else set()
@@ -649,7 +666,60 @@ class Scheduler(ControlMixin):
                 # No output token: the whole prompt has KV (the reference appends a dummy 0 instead).
                 token_ids = req.origin_input_ids
             self.tree_cache.cache_finished_req(req, token_ids)
-        self.hooks.on_request_finished(req, self)
+        self.notify_finished(req)
+
+    def notify_finished(self, req: Req) -> None:
+        """on_request_finished; a plugin failing there turns the request's finish into that error
+        (its memory is already released)."""
+        try:
+            self.hooks.on_request_finished(req, self)
+        except PluginHookError as exc:
+            logger.error("Request %s fails: %s", req.rid, exc)
+            req.finished_reason = FinishAbort(str(exc))
+
+    # -- plugin failures --------------------------------------------------------------------------
+
+    def prepare_batch(self, batch: ScheduleBatch | None) -> ScheduleBatch | None:
+        """The prepare_batch chain. If a plugin fails there, the batch still runs as built (its KV
+        must be computed before it can be released like a client abort's) and its requests fail
+        with the error once the result is in."""
+        try:
+            return self.hooks.prepare_batch(batch, self)
+        except PluginHookError as exc:
+            logger.error("%s; the batch's requests fail", exc)
+            for req in batch.reqs if batch is not None else []:
+                req.stash[PLUGIN_ERROR_KEY] = str(exc)
+            return batch
+
+    def fail_batch_reqs(self, batch: ScheduleBatch, message: str | None = None) -> None:
+        """Fail the batch's unfinished requests with `message` (or those marked by a failed
+        prepare_batch) the way a client abort does: their KV is computed, so it goes to the cache."""
+        for req in batch.reqs:
+            marked = req.stash.get(PLUGIN_ERROR_KEY)
+            if marked is not None:
+                del req.stash[PLUGIN_ERROR_KEY]
+            error = message or marked
+            if error is None or req.finished() or req.is_retracted:
+                continue
+            logger.error("Request %s fails: %s", req.rid, error)
+            req.finished_reason = FinishAbort(error)
+            if req is self.being_chunked_req:
+                continue  # released when the next round takes it out of the last batch (D1)
+            self.finish_req(req)
+            self.stream_output([req])
+
+    def fail_waiting(self, admitted: list[Req], message: str) -> None:
+        """select_prefill failed: the waiting requests it did not admit fail (they hold no memory);
+        the ones admitted so far run."""
+        logger.error("%s; %d waiting requests fail", message, len(self.waiting_queue) - len(admitted))
+        keep = {id(r) for r in admitted}
+        failed = [r for r in self.waiting_queue if id(r) not in keep]
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) in keep]
+        for req in failed:
+            req.is_retracted = False
+            req.finished_reason = FinishAbort(message)
+            self.notify_finished(req)
+            self.stream_output([req])
 
     def add_logprobs(self, req: Req, i: int, result: BatchResult, is_prefill: bool) -> None:
         if not req.return_logprob or result.next_token_logprobs is None:
@@ -714,7 +784,10 @@ class Scheduler(ControlMixin):
     def on_idle(self) -> None:
         self.check_memory()
         self.new_token_ratio.reset()
-        self.hooks.on_idle(self)
+        try:
+            self.hooks.on_idle(self)
+        except PluginHookError as exc:
+            logger.error("%s", exc)
 
     def check_memory(self) -> None:
         """Every KV and request slot must be free or held by the cache when nothing runs (Q1)."""
@@ -786,4 +859,6 @@ class Scheduler(ControlMixin):
 DRAFT_LIMIT_KEY: StashKey[int] = StashKey("draft_limit")
 # Output tokens appended by jump-forward (and kept) rather than sampled one pass each.
 JUMPED_TOKENS_KEY = StashKey("jumped_tokens")
+# The error of a failed prepare_batch: the request fails once its batch's result is in.
+PLUGIN_ERROR_KEY: StashKey[str] = StashKey("plugin_error")
 

@@ -7,6 +7,7 @@ size limit, malformed JSON and field errors all get the same treatment.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator
@@ -49,7 +50,8 @@ class ServerInfo:
 
 
 class GuardMiddleware:
-    """Plain ASGI middleware: 503 once a child died, then the API key (reference section 3)."""
+    """Plain ASGI middleware: 503 once a child died, then the API key on every path but /health
+    (the reference also exempts /health_generate, which runs the model: here it needs the key)."""
 
     def __init__(self, app, tm: TokenizerManager, api_key: str | None):
         self.app = app
@@ -63,9 +65,10 @@ class GuardMiddleware:
             err = ApiError(self.tm.dead_reason, status=503, err_type="server_error")
             return await JSONResponse(err.to_json(), status_code=503)(scope, receive, send)
         path = scope.get("path", "")
-        if self.api_key and not path.startswith("/health") and scope.get("method") != "OPTIONS":
+        if self.api_key and path != "/health" and scope.get("method") != "OPTIONS":
             headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode("latin-1")):
                 err = ApiError("Unauthorized", status=401, err_type="authentication_error")
                 return await JSONResponse(err.to_json(), status_code=401)(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -217,6 +220,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
                 await tm.get_stats()  # refreshes the scheduler gauges
             except ApiError:
                 pass  # still serve the request metrics
+            tm.metrics.set_inflight_requests(len(tm.states))
             return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     register_openai_routes(app, tm, info.model_name, max_bytes)

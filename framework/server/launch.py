@@ -284,6 +284,7 @@ class Launcher:
         settings = self.settings
         tm = TokenizerManager(ipc, ready, tokenizer, ServerMetrics(info.model_name),
                               log_requests=settings.server.log_requests,
+                              request_timeout=settings.server.request_timeout,
                               image_processor=ImageProcessor.from_model_folder(info.model_folder))
         tm.start()
         config = uvicorn.Config(
