@@ -156,7 +156,10 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
         success, message = await tm.update_weights_from_disk(model_path)
         if success:
             info.model_path = model_path
-        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+        if success:
+            return JSONResponse({"success": True, "message": message})
+        # The reference's fields, and the error body every other 4xx has.
+        return JSONResponse({"success": False, "message": message, **ApiError(message).to_json()}, status_code=400)
 
     @app.api_route("/start_profile", methods=["GET", "POST"])
     async def start_profile():

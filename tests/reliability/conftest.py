@@ -112,6 +112,32 @@ def process_tree(pid: int) -> list[psutil.Process]:
     return [main, *main.children(recursive=True)]
 
 
+def assert_no_orphans_or_zombies(pids: dict[str, int], timeout: float = 3.0) -> None:
+    """None of the server's processes is left, running or as a zombie (named by role)."""
+    deadline = time.monotonic() + timeout
+    left = dict(pids)
+    while left and time.monotonic() < deadline:
+        left = {name: pid for name, pid in left.items() if _exists(pid)}
+        time.sleep(0.05)
+    assert not left, f"left behind: {', '.join(f'{n} ({p}, {_status(p)})' for n, p in left.items())}"
+
+
+def _exists(pid: int) -> bool:
+    """Running or a zombie: a zombie is a process its parent never reaped."""
+    try:
+        psutil.Process(pid).status()
+        return True
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _status(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
 def rss_mib(pids) -> dict[int, float]:
     return {pid: psutil.Process(pid).memory_info().rss / 2**20 for pid in pids}
 
@@ -125,3 +151,33 @@ def error_body_ok(resp: httpx.Response) -> str:
     assert error["code"] == resp.status_code and isinstance(error["type"], str), body
     assert "Traceback" not in resp.text and 'File "' not in resp.text, resp.text
     return error["message"]
+
+
+API_KEY = "reliability-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# The guarded server's per-request limit: short, so a stuck request is seen to end.
+REQUEST_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="session")
+def guarded_server(tiny_model_folder, tmp_path_factory):
+    """One tiny-model server for the bad-input, security and plugin-fault tests: an API key, a
+    short request timeout, the fault-injecting test plugin on, the leak check on."""
+    from tests.conftest_server import running_server, tiny_server_args
+
+    folder = tmp_path_factory.mktemp("reliability-guarded")
+    config = folder / "serve.toml"
+    config.write_text("[plugin.faults]\nenabled = true\n")
+    args = tiny_server_args(tiny_model_folder) + [
+        "--config", str(config), "--server.api-key", API_KEY, "--server.request-timeout", str(REQUEST_TIMEOUT_S),
+        "--model.served-model-name", "tiny-model", "--server.log-level", "warning",
+    ]
+    with running_server(args, folder / "server.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def guarded(guarded_server):
+    """An authenticated client of the guarded server."""
+    with httpx.Client(base_url=guarded_server.url, headers=AUTH, timeout=30.0) as client:
+        yield client
