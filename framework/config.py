@@ -169,6 +169,11 @@ class ParallelSettings(_Section):
         None, description="host:port of the torch.distributed rendezvous on node 0 (required when nnodes > 1); "
         "empty: a free local port."
     )
+    dist_secret: str | None = Field(
+        None, description="Shared secret authenticating the pickled messages rank 0 broadcasts to the other "
+        "ranks over TCP (HMAC-SHA256; a message that fails the check stops the rank before it is unpickled). "
+        "Required when nnodes > 1, the same on every node; empty on one node: a random one per start.",
+    )
 
 
 class ServerSettings(_Section):

@@ -122,6 +122,8 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
         dumped = settings.model_dump(mode="json")
         if dumped["server"].get("api_key"):
             dumped["server"]["api_key"] = "<redacted>"
+        if dumped["parallel"].get("dist_secret"):
+            dumped["parallel"]["dist_secret"] = "<redacted>"
         stats_dict = asdict(stats)
         stats_dict.pop("request_id")
         return {

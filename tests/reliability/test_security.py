@@ -73,3 +73,31 @@ def test_error_bodies_carry_no_stack_trace(guarded):
         resp = guarded.post(path, content=body, headers={"content-type": "application/json"})
         assert 400 <= resp.status_code < 500, resp.text
         error_body_ok(resp)
+
+
+def test_rank_broadcasts_are_authenticated():
+    """Tensor-parallel ranks get rank 0's input as pickles over TCP (gloo): each carries an HMAC
+    under parallel.dist_secret and one that fails the check is never unpickled."""
+    from framework.distributed import UnauthenticatedMessage, seal, unseal
+
+    sealed = seal(b"secret", b"payload")
+    assert unseal(b"secret", sealed) == b"payload"
+    with pytest.raises(UnauthenticatedMessage):
+        unseal(b"other secret", sealed)
+    with pytest.raises(UnauthenticatedMessage):
+        unseal(b"secret", sealed[:-1] + b"!")
+
+
+def test_several_nodes_need_a_shared_secret(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest_server import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "framework.cli", "serve", "--parallel.tp-size", "2", "--parallel.nnodes", "2",
+         "--parallel.dist-init-addr", "127.0.0.1:1", "--server.port", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "parallel.dist_secret" in proc.stderr
