@@ -226,7 +226,10 @@ def main(args) -> int:
     tokenizer = load_bench_tokenizer(args.tokenizer)
     prompts = sample_sharegpt(tokenizer, args.num_prompts, seed=args.seed, path=args.dataset_path)
     log_path = args.server_log or os.path.join(tempfile.mkdtemp(prefix="batchyard-soak-"), "server.log")
-    server = SoakServer(list(args.server_args or []), log_path)
+    serve_args = list(args.server_args or [])
+    if serve_args[:1] == ["--"]:
+        serve_args = serve_args[1:]
+    server = SoakServer(serve_args, log_path)
     try:
         server.wait_ready()
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
