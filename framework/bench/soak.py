@@ -223,6 +223,7 @@ def main(args) -> int:
     from framework.bench.datasets import sample_sharegpt
     from framework.bench.results import ContentionMeter, append_jsonl, bench_args, hardware_info, make_record
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     tokenizer = load_bench_tokenizer(args.tokenizer)
     prompts = sample_sharegpt(tokenizer, args.num_prompts, seed=args.seed, path=args.dataset_path)
     log_path = args.server_log or os.path.join(tempfile.mkdtemp(prefix="batchyard-soak-"), "server.log")
