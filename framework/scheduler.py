@@ -555,7 +555,7 @@ class Scheduler(ControlMixin):
     def process_batch_result(self, batch: ScheduleBatch, handle: ResultHandle) -> None:
         result = handle.result()
         if batch.forward_mode.is_idle():
-            pass
+            pass  # a DP-attention rank without requests: only the hooks see the batch
         elif batch.forward_mode.is_decode():
             self.process_batch_result_decode(batch, result, handle.next_token_ids)
         elif batch.is_embedding:
