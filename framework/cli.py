@@ -3,7 +3,9 @@
     batchyard serve --config serve.toml [--server.port 8000 ...]
     batchyard generate "The capital of France is" --max-new-tokens 16
     batchyard plugins
+    batchyard plugins new shortest --kind policy
     batchyard config --defaults
+    batchyard experiment run exp.toml
 
 Every setting is also a flag, named after its dotted path: ``--scheduler.max-prefill-tokens 4096``.
 """
@@ -69,6 +71,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def cmd_plugins(args) -> int:
     from framework.plugins import PluginManager
 
+    if args.action == "new":
+        from framework.scaffold import write_skeleton
+
+        if not args.name:
+            raise ValueError("plugins new: give the plugin's name, e.g. `batchyard plugins new shortest`")
+        root = write_skeleton(args.name, args.kind, args.dir)
+        print(f"wrote {root}; next: pip install -e {root} && pytest {root}")
+        return 0
     settings = settings_from_args(args)
     manager = PluginManager(settings)
     print(f"{'kind':<10}{'name':<16}{'active':<8}source")
@@ -127,7 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("plugins", help="list installed plugins and mark the active ones")
+    p = sub.add_parser(
+        "plugins", help="list installed plugins and mark the active ones; `plugins new NAME` writes a skeleton"
+    )
+    p.add_argument("action", nargs="?", choices=["new"], help="new: write a plugin package skeleton")
+    p.add_argument("name", nargs="?", help="the new plugin's name (its entry point)")
+    p.add_argument("--kind", default="policy", help="the new plugin's kind: policy or observer")
+    p.add_argument("--dir", default=".", help="where to write the package folder")
     add_settings_flags(p)
     p.set_defaults(func=cmd_plugins)
 
@@ -138,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from framework.bench.cli import add_bench_parser  # imported here: bench.cli uses this module
     add_bench_parser(sub)
+    from framework.sim.cli import add_sim_parser
+    add_sim_parser(sub)
+    from framework.experiment.cli import add_experiment_parser
+    add_experiment_parser(sub)
     return parser
 
 

@@ -190,12 +190,40 @@ class ServerSettings(_Section):
         "request is aborted (its memory freed) and answered 504, or ends its stream with an error event. "
         "Empty: no limit.",
     )
+    max_json_depth: int = Field(
+        64, gt=0, description="Deepest nesting of arrays and objects in a request body (deeper: 400)."
+    )
+    max_json_number_digits: int = Field(
+        32, gt=0, description="Longest number literal in a request body, in characters (longer: 400)."
+    )
+    max_prompt_bytes: int | None = Field(
+        None, gt=0, description="Largest prompt text in UTF-8 bytes, checked before tokenizing; empty: the "
+        "longest input the context allows times the longest token's bytes (it cannot fit beyond that).",
+    )
+    max_top_logprobs_num: int = Field(
+        20, gt=0, description="Largest top_logprobs_num of /generate (the vocabulary size also bounds it; "
+        "the OpenAI endpoints allow 20).",
+    )
+    max_n: int = Field(64, gt=0, description="Largest sampling_params.n (OpenAI n): parallel samples per prompt.")
+    max_batch_requests: int = Field(
+        1024, gt=0, description="Most requests one call may start: its prompts times n."
+    )
+    max_client_id_chars: int = Field(
+        256, gt=0, description="Longest client id (native client_id, OpenAI user) in characters (longer: 400)."
+    )
     enable_metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
     log_requests: bool = Field(False, description="Log every finished request.")
     log_level: str = Field("info", description="Log level.")
     profile_dir: str | None = Field(
         None, description="Directory for the torch profiler traces of /start_profile and /stop_profile; "
         "empty: <tempdir>/batchyard-profiles.",
+    )
+
+
+class MetricsSettings(_Section):
+    max_client_labels: int = Field(
+        16, ge=0, description="Clients with their own label in the per-client metrics and /get_server_info: "
+        "the ones with the most served tokens; the rest are counted as \"other\".",
     )
 
 
@@ -229,6 +257,7 @@ class Settings(BaseSettings):
     worker: WorkerSettings = Field(default_factory=WorkerSettings, description="Model execution.")
     parallel: ParallelSettings = Field(default_factory=ParallelSettings, description="Tensor and data parallelism.")
     server: ServerSettings = Field(default_factory=ServerSettings, description="HTTP server.")
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings, description="Prometheus metrics.")
     plugins: PluginSelection = Field(default_factory=PluginSelection, description="Which plugins are active.")
     plugin: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Plugin-declared sections, [plugin.<name>]."

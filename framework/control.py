@@ -6,8 +6,9 @@
 from __future__ import annotations
 
 import logging
-import time
+import warnings
 
+from framework.clients import client_stats
 from framework.messages import (
     CloseSessionReq,
     CloseSessionReqOutput,
@@ -20,22 +21,25 @@ from framework.request import FinishAbort
 logger = logging.getLogger("framework.scheduler")
 
 
+class MemoryLeakError(RuntimeError):
+    """The idle check found KV or request slots that nobody holds."""
+
+
 class ControlMixin:
     # -- control --------------------------------------------------------------------------------
 
     def abort_request(self, rid: str) -> None:
         """Abort wherever the request is; it is reported as aborted (the reference is silent for
         waiting requests and misses the chunked one and the grammar queue, QUIRK 4)."""
-        for queue in (self.waiting_queue, self.grammar_queue):
-            for i, req in enumerate(queue):
-                if req.rid == rid:
-                    del queue[i]
-                    # A retracted request waits too; it must still be reported.
-                    req.is_retracted = False
-                    req.finished_reason = FinishAbort("Aborted by the client.")
-                    self.notify_finished(req)
-                    self.stream_output([req])
-                    return
+        waiting = next((i for i, r in enumerate(self.waiting_queue) if r.rid == rid), None)
+        req = self.waiting_queue.pop(waiting) if waiting is not None else self.structured.remove(rid)
+        if req is not None:
+            # A retracted request waits too; it must still be reported.
+            req.is_retracted = False
+            req.finished_reason = FinishAbort("Aborted by the client.")
+            self.notify_finished(req)
+            self.stream_output([req])
+            return
         if self.being_chunked_req is not None and self.being_chunked_req.rid == rid:
             # Released when the next round takes it out of the last batch (D1).
             self.being_chunked_req.finished_reason = FinishAbort("Aborted by the client.")
@@ -67,7 +71,7 @@ class ControlMixin:
             self.process_batch_result(*self.result_queue.popleft())
         self.running_batch = self.last_batch = None
         self.tree_cache.reset()
-        self.grammar_backend.reset()
+        self.structured.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool.clear()
         self.cache_hit_tokens = self.cache_total_tokens = 0
@@ -114,7 +118,7 @@ class ControlMixin:
     def get_stats(self, request_id: str | None = None) -> SchedulerStats:
         """The SchedulerStats gauges now, plus the pools' free counts."""
         running = self.running_batch.batch_size() if self.running_batch is not None else 0
-        elapsed = time.time() - self.last_decode_stats_tic
+        elapsed = self.clock.now() - self.last_decode_stats_tic
         return SchedulerStats(
             request_id=request_id,
             num_running_reqs=running,
@@ -132,7 +136,8 @@ class ControlMixin:
             num_sessions=len(self.sessions),
             forward_ct=self.forward_ct,
             num_received_reqs=self.num_received_reqs,
-            num_grammar_queue_reqs=len(self.grammar_queue),
+            num_grammar_queue_reqs=len(self.structured.queue),
+            clients=client_stats(self, self.settings.metrics.max_client_labels),
             dp_rank=self.dp_rank,
         )
 
@@ -141,3 +146,23 @@ class ControlMixin:
         Engine calls the control methods directly and reads their return values)."""
         if self.reply_sink is not None:
             self.reply_sink(reply)
+
+    def check_memory(self) -> None:
+        """Every KV and request slot must be free or held by the cache when nothing runs (Q1)."""
+        problems = []
+        kv_held = self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size()
+        if kv_held != self.max_total_num_tokens:
+            problems.append(
+                f"KV cache pool leak detected: available={self.token_to_kv_pool.available_size()}, "
+                f"evictable={self.tree_cache.evictable_size()}, total={self.max_total_num_tokens}"
+            )
+        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
+            problems.append(
+                f"Request pool leak detected: free={self.req_to_token_pool.available_size()}, "
+                f"size={self.req_to_token_pool.size}"
+            )
+        if problems:
+            msg = "; ".join(problems)
+            if self.settings.scheduler.check_leaks:
+                raise MemoryLeakError(msg)
+            warnings.warn(msg)

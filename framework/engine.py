@@ -27,6 +27,7 @@ from framework.request import (
     FinishMatchedStr,
     FinishMatchedToken,
     SamplingParams,
+    check_identity,
     input_embeds_tensor,
     split_input_embeds,
 )
@@ -104,18 +105,23 @@ class Engine:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
-        priority: int = 0,
+        priority: int | list[int | None] | None = None,
         image_data: Any = None,
         input_embeds: Any = None,
         lora_path: str | list[str | None] | None = None,
+        client_id: str | list[str | None] | None = None,
+        slo_ttft_ms: float | list[float | None] | None = None,
     ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
 
         Give exactly one of `prompt` (text), `input_ids` or `input_embeds`: per prompt a
         [num_tokens][hidden_size] list or tensor of vectors that replace the embedding lookup
         (such a prompt shares no prefix cache). `sampling_params` is one dict for all prompts or
-        one per prompt. `priority` (larger is more important) is kept by the radix cache's
-        `priority` eviction order. `lora_path` names a loaded LoRA adapter (model.lora_paths),
+        one per prompt. Request identity, each one value for all prompts or one per prompt:
+        `client_id` (who sent it; None: anonymous; at most `server.max_client_id_chars`
+        characters, no control characters), `priority` (an integer, larger is more important; the
+        radix cache's `priority` eviction order keeps it) and `slo_ttft_ms` (a first-token
+        deadline in milliseconds after arrival, >= 0). `lora_path` names a loaded LoRA adapter (model.lora_paths),
         one for all prompts or one per prompt; None is the base model. `image_data` (multimodal
         models): for one prompt an image or a list of images, for a batch one entry per prompt; an
         image is a data URL, a file path, base64 text or a PIL image, and each goes where the prompt
@@ -126,11 +132,12 @@ class Engine:
         single, id_lists, texts, embeds = self._prompts(prompt, input_ids, input_embeds)
         param_dicts = _one_per_prompt("sampling_params", sampling_params, len(id_lists))
         lora_paths = _one_per_prompt("lora_path", lora_path, len(id_lists))
+        identities = self._identities(client_id, priority, slo_ttft_ms, len(id_lists))
 
         images = self._image_inputs(images_per_prompt(image_data, len(id_lists), not single))
         messages = []
-        for ids, text, vectors, pd, image_inputs, lora in zip(
-            id_lists, texts, embeds, param_dicts, images, lora_paths
+        for ids, text, vectors, pd, image_inputs, lora, (client, prio, slo) in zip(
+            id_lists, texts, embeds, param_dicts, images, lora_paths, identities
         ):
             params = SamplingParams.from_dict(pd)
             params.verify()
@@ -141,25 +148,29 @@ class Engine:
                 GenerateReqInput(
                     rid=self._new_rid(), input_ids=ids, sampling_params=params, input_text=text,
                     return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num, priority=priority, input_embeds=vectors,
-                    image_inputs=image_inputs, lora_path=lora,
+                    top_logprobs_num=top_logprobs_num, priority=prio, input_embeds=vectors,
+                    image_inputs=image_inputs, lora_path=lora, client_id=client, slo_ttft_ms=slo,
                 )
             )
         return self._run(messages, single)
 
     def encode(
-        self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None
+        self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
+        client_id: str | list[str | None] | None = None, priority: int | list[int | None] | None = None,
+        slo_ttft_ms: float | list[float | None] | None = None,
     ) -> dict | list[dict]:
         """Embed one prompt (returns a dict) or a list of prompts (returns a list) with an
         embedding model: ``{"embedding": [float, ...] (unit length), "meta_info": {...}}``.
-        Raises ValueError for bad input or a generation model."""
+        The identity fields are those of `generate`. Raises ValueError for bad input or a
+        generation model."""
         single, id_lists, texts, _ = self._prompts(prompt, input_ids)
+        identities = self._identities(client_id, priority, slo_ttft_ms, len(id_lists))
         messages = [
             GenerateReqInput(
                 rid=self._new_rid(), input_ids=ids, sampling_params=SamplingParams(max_new_tokens=0),
-                input_text=text, is_embedding=True,
+                input_text=text, is_embedding=True, client_id=client, priority=prio, slo_ttft_ms=slo,
             )
-            for ids, text in zip(id_lists, texts)
+            for ids, text, (client, prio, slo) in zip(id_lists, texts, identities)
         ]
         return self._run(messages, single)
 
@@ -188,6 +199,16 @@ class Engine:
             id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
             texts = [None] * len(id_lists)
         return single, id_lists, texts, [None] * len(id_lists)
+
+    def _identities(self, client_id: Any, priority: Any, slo_ttft_ms: Any,
+                    num_prompts: int) -> list[tuple[str | None, int | None, float | None]]:
+        """(client_id, priority, slo_ttft_ms) per prompt, checked; ValueError naming the field."""
+        per_prompt = [
+            _one_per_prompt(name, value, num_prompts)
+            for name, value in (("client_id", client_id), ("priority", priority), ("slo_ttft_ms", slo_ttft_ms))
+        ]
+        max_chars = self.settings.server.max_client_id_chars
+        return [check_identity(*values, max_chars) for values in zip(*per_prompt)]
 
     def _new_rid(self) -> str:
         return f"engine-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"

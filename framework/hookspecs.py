@@ -6,7 +6,11 @@ Plugins implement hooks with `from framework import hookimpl`. The core calls th
 Exactly one *policy*, one *cache* and one *worker* plugin are active at a time, chosen by name in
 the `[plugins]` settings section; the others are blocked before they can register. *Observer*
 plugins (metrics, tracing, fairness counters, ...) stack: every installed observer is active unless
-listed in `plugins.disable`.
+listed in `plugins.disable`. Each kind may implement only the hooks listed for it in `KIND_HOOKS`;
+a plugin implementing another kind's hook is a start-up error.
+
+Plugin contract v1: the core owns every change to queues, pools and the cache. Hooks get read-only
+views (`framework.views`) and return their decisions; the core applies them.
 """
 
 from __future__ import annotations
@@ -17,12 +21,12 @@ from framework import hookspec
 
 if TYPE_CHECKING:
     from framework.batch import ScheduleBatch
-    from framework.budget import PrefillAdder
+    from framework.budget import AdderView
     from framework.cache import BasePrefixCache
     from framework.config import Settings
     from framework.memory import ReqToTokenPool, TokenToKVPool
     from framework.request import Req
-    from framework.scheduler import Scheduler
+    from framework.views import BatchView, SchedulerView
     from framework.worker import BatchResult, Worker
 
 
@@ -40,8 +44,9 @@ def register_settings(register: Callable[[str, type], None]) -> None:
         read from ``[plugin.<section_name>]`` in the TOML file (or env
         ``BATCHYARD_PLUGIN__<SECTION>__<FIELD>``) and validated with the model; the instance is then
         available as ``settings.plugin_section(section_name)``.
+    :return: nothing. A section registered by two plugins is a start-up error naming both.
 
-    Implemented by any plugin that has options.
+    Any plugin kind may implement it.
     """
 
 
@@ -53,9 +58,9 @@ def create_worker(settings: "Settings", tp_rank: int) -> "Worker":
 
     :param settings: the validated settings tree.
     :param tp_rank: this scheduler process's tensor-parallel rank (0 when not parallel).
-    :return: an object implementing `framework.worker.Worker`.
+    :return: an object implementing `framework.worker.Worker`; the scheduler runs every batch on it.
 
-    Implemented by the active worker plugin (`tp`, `overlap`, `dp_attention`, `sim`).
+    Implemented by worker plugins only (`tp`, `overlap`, `framework.testing.FakeWorkerPlugin`).
     """
 
 
@@ -69,9 +74,12 @@ def create_cache(
 
     Called once at start-up, after `create_worker`. Stops at first non-None result.
 
-    :return: a `framework.cache.BasePrefixCache`.
+    :param settings: the validated settings tree.
+    :param req_to_token_pool: the worker's request-slot pool.
+    :param token_to_kv_pool: the worker's KV pool.
+    :return: a `framework.cache.BasePrefixCache`; the core alone calls its mutating verbs.
 
-    Implemented by the active cache plugin (`radix`, `chunk`).
+    Implemented by cache plugins only (`radix`, `chunk`).
     """
 
 
@@ -80,11 +88,15 @@ def create_cache(
 
 
 @hookspec
-def on_request_received(req: "Req", scheduler: "Scheduler") -> None:
+def on_request_received(req: "Req", view: "SchedulerView") -> None:
     """A request entered the waiting queue (after validation and clamping of max_new_tokens).
 
-    Broadcast to every active plugin; return values are ignored. A plugin may set fields of its own
-    in ``req.stash`` here (e.g. a fairness plugin's client id).
+    :param req: the request. A plugin may keep state of its own in ``req.stash`` (e.g. a fairness
+        plugin's client id); everything else on it is the core's.
+    :param view: read-only view of the scheduler.
+    :return: ignored (broadcast to every active plugin).
+
+    Any plugin kind may implement it.
     """
 
 
@@ -93,51 +105,68 @@ def on_request_received(req: "Req", scheduler: "Scheduler") -> None:
 
 
 @hookspec(firstresult=True)
-def select_prefill(scheduler: "Scheduler", adder: "PrefillAdder") -> "list[Req] | None":
-    """Choose the requests of the next prefill batch.
+def select_prefill(view: "SchedulerView", adder: "AdderView") -> "list[Req] | None":
+    """Choose, in order, the waiting requests to admit into the next prefill batch.
 
     Called when the scheduler may start a prefill: the waiting queue is not empty, the running
-    batch is below `max_running_requests`, and a continuing chunked request (if any) was already
-    added to `adder`. The policy orders ``scheduler.waiting_queue`` and admits requests through the
-    budget, usually with ``adder.admit_waiting(scheduler, ordered, prefix_computed)``, which applies
-    the reference's admission loop. Stops at first non-None result.
+    batch is below `max_running_requests`, and a continuing chunked request (if any) already took
+    its share of the budget. Stops at first non-None result.
 
-    :param adder: the `PrefillAdder` holding this round's token budgets.
-    :return: the newly admitted requests (``adder.can_run_list``), or None to admit nothing.
-        The scheduler removes admitted requests from the waiting queue.
+    :param view: read-only view: ``view.waiting_queue`` (a tuple in queue order: the order returned
+        last round, then new arrivals and retracted requests), running counts,
+        ``view.match_prefix(req)`` (does not change the request), settings, ``view.stash``.
+    :param adder: read-only view of this round's token budgets (`framework.budget.AdderView`).
+    :return: the requests to admit, in order, each from ``view.waiting_queue`` at most once; or
+        None to admit nothing. The core runs the reference's admission loop over them (running-
+        request cap, LoRA cap, the four token budgets; prefixes matched through ``view`` are
+        reused), locks their prefixes and removes the admitted ones from the waiting queue. The
+        returned order becomes the queue's order; requests left out stay behind them.
 
-    Implemented by the active policy plugin (`lpm`, `fcfs`, `dfs-weight`, `lof`, `random`).
+    Implemented by policy plugins only (`lpm`, `fcfs`, `dfs-weight`, `lof`, `random`).
     """
 
 
 @hookspec(firstresult=True)
-def on_decode_oom(batch: "ScheduleBatch", scheduler: "Scheduler") -> "tuple[list[Req], float] | None":
-    """The next decode step would run out of KV slots: retract requests.
+def on_decode_oom(batch: "BatchView", view: "SchedulerView") -> "list[Req] | tuple[list[Req], float] | None":
+    """The next decode step would run out of KV slots: choose the requests to retract.
 
-    Called from the decode scheduling step when `batch.check_decode_mem()` fails (or when
-    `scheduler.force_retract` is set and the batch has more than 10 requests). The implementation
-    picks victims, releases them with ``scheduler.retract_req(req)``, removes them from `batch`
-    (``batch.filter_batch(keep_indices=...)``) and estimates a new token ratio. Stops at first
-    non-None result.
+    Called from the decode scheduling step when the running batch's next step does not fit in the
+    KV pool (or when ``scheduler.force_retract`` is set and the batch has more than 10 requests).
+    Stops at first non-None result.
 
-    :return: ``(retracted_requests, new_token_ratio)``. The retracted requests are appended to the
-        waiting queue and later re-prefilled with their output so far.
+    :param batch: read-only view of the running batch (``batch.reqs``, ``batch.seq_lens``).
+    :param view: read-only view of the scheduler (``view.retract_decode_steps``,
+        ``view.num_free_kv_tokens``).
+    :return: the victims in retraction order, optionally with a new token ratio:
+        ``victims`` or ``(victims, new_token_ratio)``. The core retracts from the front of the
+        list while the free KV does not cover ``retract_decode_steps`` more decode steps of the
+        rest of the batch (at least one victim, never the batch's last request), evicting cache
+        entries as it goes, then filters the batch; retracted requests go to the tail of the
+        waiting queue and are re-prefilled with their output so far. Without a ratio the core
+        estimates it from the remaining requests (reference I3). An empty list retracts nothing.
 
-    The bundled `retract` plugin implements the reference's order (fewest output tokens first,
-    longest prompt on ties) as a fallback (`trylast`); a policy may implement its own.
+    Implemented by policy plugins; the core's `trylast` default (`framework.defaults`) returns
+    the reference's order: fewest output tokens first, longest prompt on ties.
     """
 
 
-@hookspec
-def prepare_batch(batch: "ScheduleBatch | None", scheduler: "Scheduler") -> "ScheduleBatch | None":
+@hookspec(firstresult=True)
+def prepare_batch(batch: "ScheduleBatch | None", view: "SchedulerView") -> "ScheduleBatch | None":
     """Last look at the batch chosen for this iteration, before it runs.
 
-    Chained: each implementation receives the previous one's return value (None means "no batch")
-    and returns the batch to run. It may replace None by an IDLE batch (DP attention does, so the
-    ranks' collectives line up) but must not drop a batch the scheduler built: its KV slots are
-    already allocated. An implementation returning the batch unchanged is a no-op.
+    Called every iteration, with None when the scheduler has nothing to run. Stops at first
+    non-None result; the core's `trylast` default returns ``batch`` unchanged, so an ordinary
+    implementation that returns None only inspects it. A ``wrapper=True`` implementation gets the
+    result of the others from its ``yield`` and returns the batch to run: it may replace None by an
+    IDLE batch (``view.idle_batch()``; DP attention does, so the ranks' collectives line up).
 
-    Implemented by the DP-attention worker; observers may inspect it.
+    :param batch: the batch to run (the core's own object: set worker-facing fields only, such as
+        ``global_num_tokens``), or None.
+    :param view: read-only view of the scheduler.
+    :return: the batch to run, or None for none. Replacing a batch the scheduler built is a
+        run-time error: its KV slots are already allocated.
+
+    Implemented by worker plugins and the stacked `default` plugins (`dp-attention`).
     """
 
 
@@ -146,29 +175,41 @@ def prepare_batch(batch: "ScheduleBatch | None", scheduler: "Scheduler") -> "Sch
 
 
 @hookspec
-def on_batch_result(batch: "ScheduleBatch", result: "BatchResult", scheduler: "Scheduler") -> None:
+def on_batch_result(batch: "BatchView", result: "BatchResult", view: "SchedulerView") -> None:
     """A batch's result was processed: tokens appended, finished requests released.
 
-    Broadcast; return values are ignored. For metrics, fairness counters, tracing.
+    :param batch: read-only view of the batch as it ran (``batch.forward_mode`` tells prefill,
+        decode and mixed passes apart).
+    :param result: the worker's `BatchResult` (next token ids, logprobs); read it only.
+    :param view: read-only view of the scheduler.
+    :return: ignored (broadcast). For metrics, fairness counters, tracing.
 
-    :param batch: the batch as it ran (its ``forward_mode`` tells prefill from decode).
-    :param result: the worker's `BatchResult` (next token ids, logprobs).
+    Any plugin kind may implement it.
     """
 
 
 @hookspec
-def on_request_finished(req: "Req", scheduler: "Scheduler") -> None:
+def on_request_finished(req: "Req", view: "SchedulerView") -> None:
     """A request finished (stop token or string, length, or abort) and its KV was released.
 
-    Broadcast; return values are ignored. ``req.finished_reason`` says why.
+    :param req: the request; ``req.finished_reason`` says why.
+    :param view: read-only view of the scheduler.
+    :return: ignored (broadcast).
+
+    Any plugin kind may implement it.
     """
 
 
 @hookspec
-def on_idle(scheduler: "Scheduler") -> None:
+def on_idle(view: "SchedulerView") -> None:
     """An iteration had nothing to run.
 
-    Broadcast; called after the scheduler's own idle work (leak check, new-token-ratio reset).
+    Called after the scheduler's own idle work (leak check, new-token-ratio reset).
+
+    :param view: read-only view of the scheduler.
+    :return: ignored (broadcast).
+
+    Any plugin kind may implement it.
     """
 
 
@@ -185,4 +226,16 @@ ALL_HOOKS = (
     "on_idle",
 )
 
-__all__ = ["ALL_HOOKS"]
+#: Hooks every kind may implement.
+OBSERVER_HOOKS = ("register_settings", "on_request_received", "on_batch_result", "on_request_finished", "on_idle")
+
+#: The hooks each plugin kind may implement (checked at start-up).
+KIND_HOOKS: dict[str, tuple[str, ...]] = {
+    "policy": OBSERVER_HOOKS + ("select_prefill", "on_decode_oom"),
+    "cache": OBSERVER_HOOKS + ("create_cache",),
+    "worker": OBSERVER_HOOKS + ("create_worker", "prepare_batch"),
+    "observer": OBSERVER_HOOKS,
+    "default": OBSERVER_HOOKS + ("prepare_batch",),
+}
+
+__all__ = ["ALL_HOOKS", "KIND_HOOKS", "OBSERVER_HOOKS"]

@@ -35,7 +35,10 @@ class GenerateReqInput:
     stream: bool = False
     session_id: str | None = None
     session_rid: str | None = None
-    priority: int = 0
+    # Request identity (checked by framework.request.check_identity before it is sent).
+    client_id: str | None = None
+    priority: int | None = None
+    slo_ttft_ms: float | None = None
     image_inputs: ImageInputs | None = None
     is_embedding: bool = False
     # [len(input_ids), hidden] float32 prompt vectors; input_ids are then placeholders (zeros).
@@ -171,6 +174,18 @@ class GetStatsReq:
 
 
 @dataclass
+class ClientStats:
+    """One client's share of the scheduler (framework/clients.py); an element of
+    `SchedulerStats.clients`, keyed by the client's label."""
+
+    served_tokens: int = 0  # prompt_tokens + output_tokens
+    prompt_tokens: int = 0  # computed by prefill passes (prefix-cache hits are not)
+    output_tokens: int = 0
+    num_waiting_reqs: int = 0
+    num_running_reqs: int = 0
+
+
+@dataclass
 class SchedulerStats:
     """The scheduler's gauges (reference S3) plus the pools' free counts, at one moment."""
 
@@ -190,6 +205,9 @@ class SchedulerStats:
     forward_ct: int
     num_received_reqs: int = 0
     num_grammar_queue_reqs: int = 0  # requests whose grammar is still compiling
+    # Per client: the `metrics.max_client_labels` clients with the most served tokens, then
+    # "anonymous" (no client id) and "other" (the rest).
+    clients: dict[str, ClientStats] = field(default_factory=dict)
     # The replica this scheduler is (None without data parallelism); a data-parallel
     # controller's aggregate has None here and the replicas' own stats in `replicas`.
     dp_rank: int | None = None

@@ -6,14 +6,16 @@ scheduler gauges are refreshed from a `SchedulerStats` snapshot taken at scrape 
 the state at that moment rather than at the last decode log.
 
 Metric names follow the reference with a ``batchyard:`` prefix; every series has a ``model_name``
-label.
+label. The per-client series (``client_*``) come from the same snapshot, with a ``client`` label
+bounded by `metrics.max_client_labels` (framework/clients.py).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from framework.messages import SchedulerStats
+from framework.messages import ClientStats, SchedulerStats
 
 # Buckets in seconds, from the reference's collector.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -30,6 +32,8 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
+        self.clients = ClientCollector(model_name)
+        self.registry.register(self.clients)
         self.labels = {"model_name": model_name}
         names = ("model_name",)
         reg = self.registry
@@ -111,9 +115,33 @@ class ServerMetrics:
         self.num_grammar_queue_reqs.labels(**lb).set(stats.num_grammar_queue_reqs)
         self.max_total_num_tokens.labels(**lb).set(stats.max_total_num_tokens)
         self.req_slots_total.labels(**lb).set(stats.req_slots_total)
+        self.clients.snapshot = dict(stats.clients)
 
     def set_inflight_requests(self, num: int) -> None:
         self.num_inflight_requests.labels(**self.labels).set(num)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ClientCollector:
+    """The per-client series of the latest scheduler snapshot (already bounded, so the label set
+    is small). A client that leaves the top N moves its tokens to "other"."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.snapshot: dict[str, ClientStats] = {}
+
+    def collect(self):
+        labels = ("model_name", "client")
+        served = CounterMetricFamily(
+            PREFIX + "client_served_tokens", "Tokens served per client: prompt tokens computed plus output tokens.",
+            labels=labels,
+        )
+        waiting = GaugeMetricFamily(PREFIX + "client_num_waiting_reqs", "Waiting requests per client.", labels=labels)
+        running = GaugeMetricFamily(PREFIX + "client_num_running_reqs", "Running requests per client.", labels=labels)
+        for client, stats in self.snapshot.items():
+            served.add_metric((self.model_name, client), stats.served_tokens)
+            waiting.add_metric((self.model_name, client), stats.num_waiting_reqs)
+            running.add_metric((self.model_name, client), stats.num_running_reqs)
+        return [served, waiting, running]

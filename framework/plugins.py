@@ -2,12 +2,15 @@
 
 Bundled plugins and third-party plugins enter the same way: an entry point in the `batchyard`
 group whose name is the plugin's name and whose value is a module. A module declares what it is
-with ``PLUGIN_KIND`` (``policy``, ``cache``, ``worker``, ``observer`` or ``default``). When the
-distribution is not installed (running from a source tree), `DEFAULT_PLUGINS` is registered through
-the same code path.
+with ``PLUGIN_KIND`` (``policy``, ``cache``, ``worker``, ``observer`` or ``default``); its name is
+the entry point's. When the distribution is not installed (running from a source tree),
+`DEFAULT_PLUGINS` is registered through the same code path.
 
 Exactly one policy, one cache and one worker are active; the others are blocked by name before
-registration. Observers and defaults are all active unless listed in ``plugins.disable``.
+registration. Observers and defaults are all active unless listed in ``plugins.disable``. A plugin
+may implement only its kind's hooks (`framework.hookspecs.KIND_HOOKS`), and a settings section
+belongs to one plugin: both are checked at start-up. The core's own `trylast` fallbacks
+(`framework.defaults`) are always registered.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from framework import PROJECT_NAME, hookspecs
+from framework import PROJECT_NAME, defaults, hookspecs
+from framework.hookspecs import KIND_HOOKS
 
 if TYPE_CHECKING:
     from framework.config import Settings
@@ -41,12 +45,13 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("dfs-weight", "plugins.policies.dfs_weight"),
     ("lof", "plugins.policies.lof"),
     ("random", "plugins.policies.random"),
-    ("retract", "plugins.policies.retract"),
     ("chunk", "plugins.caches.chunk"),
     ("radix", "plugins.caches.radix"),
     ("tp", "plugins.workers.tp"),
     ("overlap", "plugins.workers.overlap"),
     ("dp-attention", "plugins.workers.dp_attention"),
+    ("clients", "plugins.observers.clients"),
+    ("sim", "plugins.workers.sim"),
 )
 
 
@@ -70,15 +75,16 @@ def _plugin_name(impl) -> str:
 
 
 def _raising_plugin(impls, exc: BaseException) -> str:
-    """The name of the plugin whose hook implementation raised `exc` (its frame in the traceback)."""
+    """The name of the plugin whose hook implementation raised `exc`: its frame in the traceback,
+    the innermost one, since an exception passing through a ``wrapper=True`` implementation has
+    that wrapper's frame outside the one that raised."""
     by_code = {impl.function.__code__: _plugin_name(impl) for impl in impls}
+    name = "?"
     tb = exc.__traceback__
     while tb is not None:
-        name = by_code.get(tb.tb_frame.f_code)
-        if name is not None:
-            return name
+        name = by_code.get(tb.tb_frame.f_code, name)
         tb = tb.tb_next
-    return "?"
+    return name
 
 
 @dataclass
@@ -137,9 +143,6 @@ class Hooks:
         except Exception as exc:
             raise PluginHookError(name, _raising_plugin(caller.get_hookimpls(), exc), exc) from exc
 
-    def register_settings(self, register) -> None:
-        self._hook.register_settings(register=register)
-
     def create_worker(self, settings, tp_rank: int):
         return self._hook.create_worker(settings=settings, tp_rank=tp_rank)
 
@@ -148,32 +151,38 @@ class Hooks:
             settings=settings, req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool
         )
 
-    def on_request_received(self, req, scheduler) -> None:
-        self._call("on_request_received", req=req, scheduler=scheduler)
+    def on_request_received(self, req, view) -> None:
+        self._call("on_request_received", req=req, view=view)
 
-    def select_prefill(self, scheduler, adder):
-        return self._call("select_prefill", scheduler=scheduler, adder=adder)
+    def select_prefill(self, view, adder):
+        return self._call("select_prefill", view=view, adder=adder)
 
-    def on_decode_oom(self, batch, scheduler):
-        return self._call("on_decode_oom", batch=batch, scheduler=scheduler)
+    def on_decode_oom(self, batch, view):
+        return self._call("on_decode_oom", batch=batch, view=view)
 
-    def prepare_batch(self, batch, scheduler):
-        # Chained: pluggy calls implementations last-registered first; each gets the previous result.
-        for impl in reversed(self._hook.prepare_batch.get_hookimpls()):
-            try:
-                batch = impl.function(batch=batch, scheduler=scheduler)
-            except Exception as exc:
-                raise PluginHookError("prepare_batch", _plugin_name(impl), exc) from exc
-        return batch
+    def prepare_batch(self, batch, view):
+        return self._call("prepare_batch", batch=batch, view=view)
 
-    def on_batch_result(self, batch, result, scheduler) -> None:
-        self._call("on_batch_result", batch=batch, result=result, scheduler=scheduler)
+    def on_batch_result(self, batch, result, view) -> None:
+        self._call("on_batch_result", batch=batch, result=result, view=view)
 
-    def on_request_finished(self, req, scheduler) -> None:
-        self._call("on_request_finished", req=req, scheduler=scheduler)
+    def on_request_finished(self, req, view) -> None:
+        self._call("on_request_finished", req=req, view=view)
 
-    def on_idle(self, scheduler) -> None:
-        self._call("on_idle", scheduler=scheduler)
+    def on_idle(self, view) -> None:
+        self._call("on_idle", view=view)
+
+
+def check_kind(pm: pluggy.PluginManager, plugin: Any, name: str, kind: str) -> None:
+    """Raise PluginError when `plugin` implements a hook its kind may not."""
+    allowed = KIND_HOOKS[kind]
+    for caller in pm.get_hookcallers(plugin) or ():
+        if caller.name not in allowed:
+            owners = sorted(k for k, hooks in KIND_HOOKS.items() if caller.name in hooks)
+            raise PluginError(
+                f"plugin {name!r} is a {kind} plugin but implements {caller.name!r}, "
+                f"a hook only {' or '.join(owners)} plugins may implement"
+            )
 
 
 class PluginManager:
@@ -185,6 +194,8 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.installed = discover_plugins()
         self.active: dict[str, PluginInfo] = {}
+        #: Settings section -> the plugin that registered it.
+        self.section_owners: dict[str, str] = {}
         self._activate(extra_plugins)
         self.hooks = Hooks(self.pm)
         self._register_plugin_settings()
@@ -193,9 +204,11 @@ class PluginManager:
         selection = self.settings.plugins
         disabled = set(selection.disable)
         chosen = {"policy": selection.policy, "cache": selection.cache, "worker": selection.worker}
+        # An extra plugin object of a selected kind (framework.testing) takes the named one's place.
+        replaced = {getattr(p, "PLUGIN_KIND", None) for p in extra_plugins} & set(SELECTED_KINDS)
         for kind, name in chosen.items():
             info = self.installed.get(name)
-            if info is None or info.kind != kind:
+            if kind not in replaced and (info is None or info.kind != kind):
                 installed = sorted(n for n, i in self.installed.items() if i.kind == kind)
                 hint = f" ({name!r} is a {info.kind} plugin)" if info is not None and info.kind else ""
                 broken = f" (failed to load: {info.error})" if info is not None and info.error else ""
@@ -209,30 +222,51 @@ class PluginManager:
                     raise PluginError(f"plugin {name!r} failed to load: {info.error}")
                 logger.warning("plugin %r not loaded: %s", name, info.error)
                 continue
-            selected = info.kind in SELECTED_KINDS and chosen[info.kind] == name
+            selected = info.kind in SELECTED_KINDS and chosen[info.kind] == name and info.kind not in replaced
             stacked = info.kind in STACKED_KINDS and name not in disabled
             if selected or stacked:
                 self.pm.register(info.module, name=name)
+                check_kind(self.pm, info.module, name, info.kind)
                 self.active[name] = info
             else:
                 self.pm.set_blocked(name)
+        self.pm.register(defaults, name="core-defaults")
         for plugin in extra_plugins:
-            self.pm.register(plugin)
+            self.register(plugin)
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"a plugin implements an unknown hook: {exc}") from exc
 
     def _register_plugin_settings(self) -> None:
-        def register(section: str, model: type) -> None:
-            self.settings.register_plugin_section(section, model)
+        # One call per implementation, so that a section registered twice names both plugins.
+        for impl in self.pm.hook.register_settings.get_hookimpls():
+            owner = impl.plugin_name
 
-        self.hooks.register_settings(register)
+            def register(section: str, model: type, owner: str = owner) -> None:
+                first = self.section_owners.setdefault(section, owner)
+                if first != owner:
+                    raise PluginError(
+                        f"settings section [plugin.{section}] is registered by two plugins: "
+                        f"{first!r} and {owner!r}"
+                    )
+                self.settings.register_plugin_section(section, model)
+
+            impl.function(register=register)
 
     def register(self, plugin: Any, name: str | None = None) -> None:
-        """Register an extra plugin object at run time (tests, scripts)."""
-        self.pm.register(plugin, name=name)
-        self.pm.check_pending()
+        """Register an extra plugin object at run time (tests, scripts). One that declares a
+        ``PLUGIN_KIND`` is held to that kind's hooks; one without may implement any hook."""
+        try:
+            name = self.pm.register(plugin, name=name)
+            self.pm.check_pending()
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            raise PluginError(f"plugin {name or plugin!r} cannot be registered: {exc}") from exc
+        kind = getattr(plugin, "PLUGIN_KIND", None)
+        if kind is not None:
+            if kind not in ALL_KINDS:
+                raise PluginError(f"plugin {name!r} has PLUGIN_KIND={kind!r}; expected one of {ALL_KINDS}")
+            check_kind(self.pm, plugin, name, kind)
 
     def describe(self) -> list[tuple[str, str, bool, str]]:
         """(kind, name, is_active, note) for every installed plugin, sorted by kind then name."""

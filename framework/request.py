@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -12,6 +13,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 TOP_K_ALL = 1 << 30
+# The largest integer sampling parameter (top_k, n, max/min_new_tokens, stop_token_ids), and the
+# largest |priority|.
+MAX_PARAM_INT = (1 << 31) - 1
 
 
 class StashKey(Generic[T]):
@@ -156,14 +160,15 @@ class SamplingParams:
                 raise ValueError(f"sampling_params.{name}: must be a number, got {value!r}")
             if math.isnan(value) or math.isinf(value):
                 raise ValueError(f"sampling_params.{name}: must be finite, got {value}")
-        for name in ("top_k", "min_new_tokens", "n"):
+        for name in ("top_k", "min_new_tokens", "n", "max_new_tokens"):
             value = getattr(self, name)
+            if value is None and name == "max_new_tokens":
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"sampling_params.{name}: must be an integer, got {value!r}")
-        if self.max_new_tokens is not None and (
-            isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
-        ):
-            raise ValueError(f"sampling_params.max_new_tokens: must be an integer, got {self.max_new_tokens!r}")
+            # Counts reach int64 tensors (and C kernels' int32 ones): a larger value would crash the batch.
+            if value > MAX_PARAM_INT:
+                raise ValueError(f"sampling_params.{name}: must be <= {MAX_PARAM_INT}, got {value}")
         if self.temperature < 0.0:
             raise ValueError(f"sampling_params.temperature: must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -195,9 +200,12 @@ class SamplingParams:
             raise ValueError("sampling_params: regex and json_schema cannot both be set")
         if self.stop_token_ids is not None and not (
             isinstance(self.stop_token_ids, (list, tuple, set))
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_PARAM_INT
+                    for t in self.stop_token_ids)
         ):
-            raise ValueError("sampling_params.stop_token_ids: must be a list of non-negative integers")
+            raise ValueError(
+                f"sampling_params.stop_token_ids: must be a list of non-negative integers <= {MAX_PARAM_INT}"
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"sampling_params.seed: must be an integer or null, got {self.seed!r}")
         if self.regex is not None or self.json_schema is not None:
@@ -210,7 +218,7 @@ class SamplingParams:
         if self.temperature < 1e-6:
             self.temperature = 1.0
             self.top_k = 1
-        if self.top_k == -1:
+        if self.top_k == -1 or self.top_k > TOP_K_ALL:
             self.top_k = TOP_K_ALL
         stop = self.stop
         if stop is None:
@@ -231,6 +239,55 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.top_k <= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Request identity: who sent a request, how important it is, its first-token deadline
+
+
+def check_client_id(value: Any, max_chars: int, name: str = "client_id") -> str | None:
+    """A client id as given (None: anonymous); ValueError naming `name` otherwise. Control
+    characters are refused: the id becomes a Prometheus label value and a log field."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: must be a string or null, got {value!r}")
+    if len(value) > max_chars:
+        raise ValueError(f"{name}: must be at most {max_chars} characters (server.max_client_id_chars), "
+                         f"got {len(value)}")
+    bad = next((c for c in value if not c.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"{name}: must not contain control or unprintable characters, got {bad!r}")
+    return value
+
+
+def check_priority(value: Any, name: str = "priority") -> int | None:
+    """An integer priority (larger is more important) with |value| <= MAX_PARAM_INT, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer or null, got {value!r}")
+    if abs(value) > MAX_PARAM_INT:
+        raise ValueError(f"{name}: must be between -{MAX_PARAM_INT} and {MAX_PARAM_INT}, got {value}")
+    return value
+
+
+def check_slo_ttft_ms(value: Any, name: str = "slo_ttft_ms") -> float | None:
+    """A time-to-first-token deadline in milliseconds after arrival (finite, >= 0), or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: must be a number of milliseconds or null, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
+    return float(value)
+
+
+def check_identity(client_id: Any, priority: Any, slo_ttft_ms: Any, max_client_id_chars: int,
+                   client_id_name: str = "client_id") -> tuple[str | None, int | None, float | None]:
+    """The three identity fields of one request, checked (ValueError naming the first bad one)."""
+    return (check_client_id(client_id, max_client_id_chars, client_id_name), check_priority(priority),
+            check_slo_ttft_ms(slo_ttft_ms))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,14 +361,25 @@ class Req:
         stream: bool = False,
         eos_token_ids: set[int] | None = None,
         session_id: str | None = None,
-        priority: int = 0,
+        priority: int | None = None,
         is_embedding: bool = False,
         input_embeds: Any = None,
         lora_path: str | None = None,
+        client_id: str | None = None,
+        slo_ttft_ms: float | None = None,
     ):
         self.rid = rid
-        # Larger is more important; read by the priority-aware radix eviction order.
+        # Who sent it (the OpenAI `user`); None: anonymous. Read by fairness policies and the
+        # per-client accounting.
+        self.client_id = client_id
+        # Larger is more important; None: not given. Read by the priority-aware radix eviction
+        # order (as 0) and priority policies.
         self.priority = priority
+        # The first token is due this many milliseconds after `arrival_time`; None: no deadline.
+        self.slo_ttft_ms = slo_ttft_ms
+        # When the scheduler took the request in, on the scheduler's clock (set at intake; the wall
+        # clock, or the sim worker's virtual one).
+        self.arrival_time = time.perf_counter()
         # The LoRA adapter's name, None for the base model (reference AB2).
         self.lora_path = lora_path
         self.origin_input_text = origin_input_text
@@ -413,7 +481,11 @@ class Req:
     def adjust_max_prefix_ids(self) -> list[int]:
         """The longest prefix that may come from the cache: at least one token is recomputed (U1)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
-        input_len = len(self.fill_ids)
+        return self.fill_ids[: self.max_prefix_len()]
+
+    def max_prefix_len(self) -> int:
+        """How many leading tokens of the next input may come from the cache (U1)."""
+        input_len = len(self.origin_input_ids) + len(self.output_ids)
         max_prefix_len = input_len - 1
         if self.input_embeds is not None:
             max_prefix_len = 0  # placeholder ids: a cached prefix under them is not this prompt's KV
@@ -421,8 +493,7 @@ class Req:
             if self.normalized_prompt_logprob is None:
                 max_prefix_len = min(max_prefix_len, input_len - 2)
             max_prefix_len = min(max_prefix_len, self.logprob_start_len)
-        max_prefix_len = max(max_prefix_len, 0)
-        return self.fill_ids[:max_prefix_len]
+        return max(max_prefix_len, 0)
 
     def check_finished(self) -> None:
         """Stop conditions in the reference's order (section V)."""

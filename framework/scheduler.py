@@ -9,50 +9,32 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
-import time
-import warnings
 from typing import Any, Callable
 
-from framework.batch import ModelWorkerBatch, ScheduleBatch
-from framework.budget import NewTokenRatio, PrefillAdder
+from framework.batch import ScheduleBatch
+from framework.clock import clock_of
+from framework.budget import AdderView, NewTokenRatio, PrefillAdder
 from framework.config import Settings
 from framework.model.lora import parse_lora_paths
-from framework.messages import (
-    AbortReq,
-    BatchTokenOut,
-    CloseSessionReq,
-    FlushCacheReq,
-    FlushCacheReqOutput,
-    GenerateReqInput,
-    GetStatsReq,
-    OpenSessionReq,
-    ProfileReq,
-    ProfileReqOutput,
-    ReqOutput,
-    UpdateWeightsReq,
-    UpdateWeightsReqOutput,
-)
-from framework.grammar import (
-    GRAMMAR_FUTURE_KEY, GRAMMAR_KEY, GrammarBackend, accept_last_token, batch_vocab_mask, grammar_key,
-    grammar_of, jump_forward_drafts, MAX_DRAFT_TOKENS,
-)
-from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
+from framework.messages import BatchTokenOut
 from framework.plugins import PluginHookError, PluginManager
 from framework.profiling import TorchProfiler
-from framework.request import FinishAbort, FinishLength, FinishMatchedToken, Req, Stash, StashKey, request_kind_error
-from framework.control import ControlMixin
-from framework.sessions import SessionController, SessionError
+from framework.request import FinishLength, Req, Stash
+from framework.control import ControlMixin, MemoryLeakError
+from framework.failures import PluginFailureMixin
+from framework.intake import IntakeMixin
+from framework.output import OutputMixin
+from framework.sessions import SessionController
+from framework.structured import StructuredOutput
+from framework.views import BatchView, PrefixMatch, SchedulerView
 from framework.worker import BatchResult, ResultHandle
 
 logger = logging.getLogger(__name__)
 
-
-class MemoryLeakError(RuntimeError):
-    """The idle check found KV or request slots that nobody holds."""
+__all__ = ["MemoryLeakError", "Scheduler"]
 
 
-class Scheduler(ControlMixin):
+class Scheduler(IntakeMixin, OutputMixin, ControlMixin, PluginFailureMixin):
     def __init__(
         self,
         settings: Settings,
@@ -70,8 +52,11 @@ class Scheduler(ControlMixin):
         self.output_sink = output_sink or (lambda out: None)
         self.plugins = PluginManager(settings, extra_plugins)
         self.hooks = self.plugins.hooks
+        self.view = SchedulerView(self)
 
         self.worker = self.hooks.create_worker(settings, tp_rank)
+        # The wall clock, or the worker's own (the sim worker's virtual clock).
+        self.clock = clock_of(self.worker)
         self.req_to_token_pool = self.worker.req_to_token_pool
         self.token_to_kv_pool = self.worker.token_to_kv_pool
         self.tree_cache = self.hooks.create_cache(settings, self.req_to_token_pool, self.token_to_kv_pool)
@@ -103,40 +88,23 @@ class Scheduler(ControlMixin):
                 "chunk caches share nothing while adapters are loaded)"
             )
         self.retract_decode_steps = sched.retract_decode_steps
-        self.grammar_backend = GrammarBackend(
-            self.tokenizer, self.worker.vocab_size, sched.grammar_compile_threads
-        )
-        # The mask of batch N+1 needs batch N's tokens, which a pipelined worker has not returned
-        # yet when N+1 is launched; jump-forward is off there, as in the reference.
-        self.enable_jump_forward = sched.enable_jump_forward and not self.worker.is_pipelined
-        if sched.enable_jump_forward and self.worker.is_pipelined and "enable_jump_forward" in sched.model_fields_set:
-            logger.info("Jump-forward is off: the %s worker is pipelined.", settings.plugins.worker)
-        # TP ranks must admit the same requests: they wait for each compilation instead of the
-        # reference's all-reduce of the ready count (X2).
-        self.wait_for_grammars = settings.parallel.tp_size > 1
+        self.structured = StructuredOutput(settings, self.worker, self.enqueue, self.reject)
 
         # Running state (reference B4).
         self.waiting_queue: list[Req] = []
-        # Requests whose grammar is still compiling, in arrival order (reference X1, X2).
-        self.grammar_queue: list[Req] = []
         self.running_batch: ScheduleBatch | None = None
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
         self.being_chunked_req: Req | None = None
         self.batch_is_full = False
         self.result_queue: collections.deque[tuple[ScheduleBatch, ResultHandle]] = collections.deque()
-        # A pipelined worker's launched batch whose grammar mask is still to be filled.
-        self.pending_vocab_mask: tuple[list[Req], ModelWorkerBatch] | None = None
         self.forward_ct = 0
         self.forward_ct_decode = 0
         self.num_generated_tokens = 0
-        self.last_decode_stats_tic = time.time()
+        self.last_decode_stats_tic = self.clock.now()
         self.cache_hit_tokens = 0
         self.cache_total_tokens = 0
         self.num_retractions = 0
-        # Jump-forward draft tokens the model agreed with, and those it replaced.
-        self.num_draft_tokens_kept = 0
-        self.num_draft_tokens_dropped = 0
         self.num_received_reqs = 0
         self.num_late_finish_frees = 0  # KV slots of requests that finished one step late (K6)
         self.new_token_ratio = NewTokenRatio(
@@ -145,15 +113,17 @@ class Scheduler(ControlMixin):
         )
         self.inbox: collections.deque[Any] = collections.deque()
         self.stash = Stash()  # per-plugin scheduler-wide state
+        # Prefixes matched by the policy this round (id(req) -> (prefix_indices, last_node)).
+        self.prefix_matches: dict[int, tuple[Any, Any]] = {}
         self.profiler = TorchProfiler(settings.server.profile_dir)
 
     # -- the loop -------------------------------------------------------------------------------
 
     def run_once(self) -> bool:
-        """One iteration of the event loop; returns False when there was nothing to do."""
+        """One iteration: receive, choose, run, process (a pipelined worker's previous result);
+        returns False when there was nothing to do."""
         self.process_input_requests()
-        batch = self.get_next_batch_to_run()
-        batch = self.prepare_batch(batch)
+        batch = self.prepare_batch(self.get_next_batch_to_run())
         self.cur_batch = batch
         if batch is not None:
             handle = self.run_batch(batch)
@@ -163,185 +133,17 @@ class Scheduler(ControlMixin):
             self.process_batch_result(*self.result_queue.popleft())
         elif batch is None:
             self.on_idle()
-        self.fill_pending_vocab_mask()
+        self.structured.fill_pending_vocab_mask()
         self.last_batch = batch
         return batch is not None or bool(self.result_queue)
 
     def has_work(self) -> bool:
         return bool(
-            self.inbox or self.waiting_queue or self.grammar_queue or self.result_queue
+            self.inbox or self.waiting_queue or self.structured.queue or self.result_queue
             or self.being_chunked_req
             or (self.running_batch is not None and not self.running_batch.is_empty())
             or (self.last_batch is not None and not self.last_batch.is_empty())
         )
-
-    # -- intake ---------------------------------------------------------------------------------
-
-    def send(self, message: Any) -> None:
-        """Queue a message for the next iteration (in-process transport)."""
-        self.inbox.append(message)
-
-    def process_input_requests(self) -> None:
-        # In arrival order, so a session opened (or closed) before a request is seen by it.
-        while self.inbox:
-            msg = self.inbox.popleft()
-            if isinstance(msg, GenerateReqInput):
-                self.handle_generate_request(msg)
-            elif isinstance(msg, AbortReq):
-                self.abort_request(msg.rid)
-            elif isinstance(msg, FlushCacheReq):
-                success = self.flush_cache()
-                message = "" if success else "Cache not flushed: there are running or waiting requests."
-                self.send_reply(FlushCacheReqOutput(msg.request_id, success, message))
-            elif isinstance(msg, OpenSessionReq):
-                self.send_reply(self.open_session(msg))
-            elif isinstance(msg, CloseSessionReq):
-                self.send_reply(self.close_session(msg))
-            elif isinstance(msg, GetStatsReq):
-                self.send_reply(self.get_stats(msg.request_id))
-            elif isinstance(msg, UpdateWeightsReq):
-                self.send_reply(UpdateWeightsReqOutput(msg.request_id, *self.update_weights(msg.model_path)))
-            elif isinstance(msg, ProfileReq):
-                self.send_reply(ProfileReqOutput(msg.request_id, *self.profile(msg.action)))
-            else:
-                # The reference raises here and kills the server; an unknown message is logged.
-                logger.error("scheduler received an unknown message: %r", type(msg).__name__)
-        if self.grammar_queue:
-            self.move_ready_grammar_requests()
-
-    def validate_input(self, input_ids: list[int]) -> str | None:
-        """Why a prompt cannot be served, or None."""
-        if len(input_ids) == 0:
-            return "The prompt is empty: give at least one token."
-        if len(input_ids) > self.max_req_input_len:
-            return (
-                f"The input ({len(input_ids)} tokens) is longer than the model's context length "
-                f"allows ({self.max_req_input_len} tokens)."
-            )
-        return None
-
-    def validate_lora(self, lora_path: str | None) -> str | None:
-        """Why a request's adapter cannot be served, or None."""
-        if lora_path is None or lora_path in self.lora_names:
-            return None
-        loaded = ", ".join(self.lora_names) if self.lora_names else "none (see model.lora_paths)"
-        return f"lora_path: unknown LoRA adapter {lora_path!r}; loaded adapters: {loaded}"
-
-    def validate_request(self, msg: GenerateReqInput) -> str | None:
-        """Why a request cannot be served by this model, or None (before any session history)."""
-        error = request_kind_error(msg.is_embedding, self.is_generation)
-        if error is not None or msg.input_embeds is None:
-            return error
-        if msg.session_id is not None:
-            return "input_embeds: a session request takes text or input_ids"
-        if msg.return_logprob and msg.logprob_start_len not in (-1, len(msg.input_ids) - 1):
-            return "logprob_start_len: an input_embeds prompt has no tokens to score; leave it at -1"
-        shape = tuple(msg.input_embeds.shape)
-        if shape != (len(msg.input_ids), self.worker.hidden_size):
-            return (f"input_embeds: shape {list(shape)} does not match {len(msg.input_ids)} placeholder "
-                    f"ids and the model's hidden size {self.worker.hidden_size}")
-        return None
-
-    def handle_generate_request(self, msg: GenerateReqInput) -> None:
-        self.num_received_reqs += 1
-        input_ids = msg.input_ids
-        error = self.validate_request(msg)
-        if msg.session_id is not None and error is None:
-            try:
-                input_ids = self.sessions.input_ids_for(msg.session_id, msg.session_rid, input_ids)
-            except SessionError as exc:
-                error = str(exc)
-        req = Req(
-            msg.rid, input_ids, msg.sampling_params, origin_input_text=msg.input_text,
-            return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-            top_logprobs_num=msg.top_logprobs_num, stream=msg.stream,
-            eos_token_ids=self.worker.eos_token_ids, session_id=msg.session_id,
-            priority=msg.priority, is_embedding=msg.is_embedding, input_embeds=msg.input_embeds, lora_path=msg.lora_path,
-        )
-        req.tokenizer = self.tokenizer
-        image_error = self.attach_images(req, msg.image_inputs) if msg.image_inputs is not None else None
-        if req.logprob_start_len == -1:
-            # Over the whole input, session history included (the reference counts only the new
-            # segment, which limits a continued request's prefix hit when it asks for logprobs).
-            req.logprob_start_len = len(req.origin_input_ids) - 1
-        error = (
-            error or image_error or self.validate_input(req.origin_input_ids)
-            or self.validate_lora(req.lora_path)
-        )
-        if error is not None:
-            # Rejected before it takes any memory (the reference prefills first, QUIRK 5).
-            self.reject(req, error)
-            return
-        if msg.session_id is not None:
-            self.sessions.record(msg.session_id, req)
-        params = req.sampling_params
-        if params.has_output_penalties() and not self.worker.supports_output_penalties:
-            # Reference W4: under the overlap scheduler these penalties are ignored with a warning.
-            logger.warning(
-                "Request %s: frequency/presence/repetition penalties are ignored by the %s worker "
-                "(set worker.overlap_penalties = \"fallback\" to apply them).",
-                req.rid, self.settings.plugins.worker,
-            )
-            params.drop_output_penalties()
-        params.max_new_tokens = 0 if req.is_embedding else min(
-            params.max_new_tokens if params.max_new_tokens is not None else 1 << 30,
-            self.max_req_len - len(req.origin_input_ids) - 1,
-        )
-        key = grammar_key(params)
-        if key is not None:
-            req.stash[GRAMMAR_FUTURE_KEY] = self.grammar_backend.submit(key)
-            self.grammar_queue.append(req)
-            self.move_ready_grammar_requests()
-            return
-        self.enqueue(req)
-
-    def enqueue(self, req: Req) -> None:
-        self.waiting_queue.append(req)
-        try:
-            self.hooks.on_request_received(req, self)
-        except PluginHookError as exc:
-            logger.error("Request %s fails: %s", req.rid, exc)
-            self.waiting_queue = [r for r in self.waiting_queue if r is not req]
-            self.reject(req, str(exc))
-
-    def attach_images(self, req: Req, images: ImageInputs) -> str | None:
-        """Expand the prompt's image tokens into hash-derived pad ids (AA3); why not, or None."""
-        info = getattr(self.worker, "image_info", None)
-        if info is None:
-            return "image_data: this model does not take images"
-        try:
-            req.origin_input_ids = expand_image_tokens(req.origin_input_ids, images, info, self.worker.vocab_size)
-        except ValueError as exc:
-            return str(exc)
-        req.image_inputs = images
-        if len(req.origin_input_ids) > self.max_req_input_len:
-            # An image cannot be truncated; refused before it takes memory (QUIRK 5 fixed).
-            return IMAGE_TOO_LONG_MESSAGE
-        return None
-
-    def reject(self, req: Req, message: str) -> None:
-        """Finish a request that never took memory, reporting `message`."""
-        req.finished_reason = FinishAbort(message)
-        self.stream_output([req])
-
-    def move_ready_grammar_requests(self) -> None:
-        """Move requests whose grammar is compiled to the waiting queue, in order; stop at the
-        first still compiling (the reference's head-of-line order, without its 50 ms wait).
-        A grammar that failed to compile finishes its request with the error."""
-        num_ready = 0
-        for req in self.grammar_queue:
-            future = req.stash[GRAMMAR_FUTURE_KEY]
-            if not future.done() and not self.wait_for_grammars:
-                break
-            num_ready += 1
-            del req.stash[GRAMMAR_FUTURE_KEY]
-            try:
-                req.stash[GRAMMAR_KEY] = self.grammar_backend.make_grammar(future)
-            except Exception as exc:  # a compile error belongs to this request alone
-                self.reject(req, f"Grammar compilation failed: {exc}")
-                continue
-            self.enqueue(req)
-        del self.grammar_queue[:num_ready]
 
     # -- batch selection (reference D) ------------------------------------------------------------
 
@@ -398,10 +200,7 @@ class Scheduler(ControlMixin):
             self.being_chunked_req.init_next_round_input()
             self.being_chunked_req = adder.add_inflight_req(self.being_chunked_req)
         if self.waiting_queue:
-            try:
-                self.hooks.select_prefill(self, adder)
-            except PluginHookError as exc:
-                self.fail_waiting(adder.can_run_list, str(exc))
+            self.admit_selected(adder, running_bs)
         can_run_list = adder.can_run_list
         if not can_run_list:
             return None
@@ -433,6 +232,56 @@ class Scheduler(ControlMixin):
             self.running_batch = None
         return new_batch
 
+    def admit_selected(self, adder: PrefillAdder, running_bs: int) -> None:
+        """Ask the policy for its order and admit through `adder`. The chosen requests go to the
+        front of the waiting queue in that order (the reference sorts the queue in place)."""
+        self.prefix_matches = {}
+        try:
+            try:
+                chosen = self.hooks.select_prefill(self.view, AdderView(adder))
+            except PluginHookError as exc:
+                self.fail_waiting(adder.can_run_list, str(exc))
+                return
+            if chosen is None:
+                return
+            chosen = list(chosen)
+            waiting = {id(r) for r in self.waiting_queue}
+            picked = {id(r) for r in chosen}
+            if len(picked) != len(chosen) or not picked <= waiting:
+                raise ValueError(
+                    "select_prefill must return waiting requests, each at most once; got "
+                    f"{[r.rid for r in chosen]}"
+                )
+            self.waiting_queue = chosen + [r for r in self.waiting_queue if id(r) not in picked]
+            running = self.running_batch.reqs if running_bs else []
+            max_loras = self.max_loras_per_batch if self.lora_names else None
+            if adder.admit(chosen, running, self.max_running_requests, max_loras, self.prefix_matches):
+                self.batch_is_full = True
+        finally:
+            self.prefix_matches = {}
+
+    def live_requests(self) -> tuple[list[Req], list[Req]]:
+        """(waiting, running) requests now. Waiting: the waiting and grammar queues and the request
+        being chunked (as SchedulerStats counts it); running: the unfinished requests of the running
+        batch and of the last batch (a prefill batch joins the running one at the next iteration)."""
+        chunked = self.being_chunked_req
+        waiting = [*self.waiting_queue, *self.structured.queue, *([chunked] if chunked is not None else [])]
+        running, seen = [], set()
+        for batch in (self.running_batch, self.last_batch):
+            for req in batch.reqs if batch is not None else ():
+                if req is not chunked and not req.finished() and id(req) not in seen:
+                    seen.add(id(req))
+                    running.append(req)
+        return waiting, running
+
+    def match_waiting_prefix(self, req: Req) -> PrefixMatch:
+        """`SchedulerView.match_prefix`: match without changing `req`, and keep the match for
+        this round's admission."""
+        fill_ids = req.origin_input_ids + req.output_ids
+        indices, node = self.tree_cache.match_prefix(rid=req.rid, key=fill_ids[: req.max_prefix_len()])
+        self.prefix_matches[id(req)] = (indices, node)
+        return PrefixMatch(len(indices), node)
+
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
         initial_bs = batch.batch_size()
         batch.filter_batch()
@@ -441,116 +290,87 @@ class Scheduler(ControlMixin):
             return None
         if not batch.check_decode_mem() or (self.force_retract and batch.batch_size() > 10):
             try:
-                decision = self.hooks.on_decode_oom(batch, self)
+                decision = self.hooks.on_decode_oom(BatchView(batch), self.view)
             except PluginHookError as exc:
                 self.fail_batch_reqs(batch, str(exc))
                 batch.filter_batch()
                 self.batch_is_full = False
                 return None
-            if decision is not None:
-                retracted, new_ratio = decision
-                self.new_token_ratio.value = new_ratio
-                self.num_retractions += len(retracted)
-                logger.info(
-                    "Decode out of memory happened. #retracted_reqs: %d, new_token_ratio: %.4f",
-                    len(retracted), new_ratio,
-                )
-                self.waiting_queue.extend(retracted)
+            self.retract_decode(batch, decision)
         else:
             self.new_token_ratio.step()
-        if self.enable_jump_forward:
-            self.jump_forward(batch)
+        self.structured.jump_forward(batch, self.view.num_free_kv_tokens)
         if batch.batch_size() < initial_bs:
             self.batch_is_full = False
         batch.prepare_for_decode()
         return batch
 
-    def jump_forward(self, batch: ScheduleBatch) -> None:
-        """Requests whose grammar forces the next characters get the forced text's tokens
-        appended as drafts (reference J). They stay in the batch: its next pass computes each
-        request's last token and its drafts together, and keeps the drafts the model agrees with
-        (`settle_drafts`). The reference sends them back to waiting to be re-prefilled instead.
-        A request proposes at most `DRAFT_LIMIT_KEY` drafts, and all together fit the free KV."""
-        # KV slots beyond the one per request that the decode step takes anyway.
-        budget = self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size() - batch.batch_size()
-        for req in batch.reqs:
-            if budget <= 0:
+    def retract_decode(self, batch: ScheduleBatch, decision: Any) -> None:
+        """Apply `on_decode_oom`'s answer: victims (in order), optionally with a new ratio.
+        Retract from the front while the free KV does not cover `retract_decode_steps` more steps
+        of the rest, at least one and never the last request (reference I2)."""
+        victims, new_ratio = decision if isinstance(decision, tuple) else (decision or [], None)
+        steps = self.retract_decode_steps
+        index = {id(r): i for i, r in enumerate(batch.reqs)}
+        if any(id(r) not in index for r in victims):
+            raise ValueError("on_decode_oom must return requests of the running batch")
+        seq_lens = batch.seq_lens.tolist()
+        remaining = batch.batch_size()
+        retracted: list[Req] = []
+        for req in victims:
+            if remaining == 1 or (retracted and self.token_to_kv_pool.available_size() >= remaining * steps):
+                # With one request left the reference asserts and dies; we let the decode step
+                # try, and the allocator raises a clear out-of-memory error if it truly cannot run.
                 break
-            # Logprobs of jumped tokens would need the reference's re-derivation (J2 step 5); a
-            # stop string completed inside kept drafts would be found only after them.
-            if grammar_of(req) is None or req.return_logprob or req.sampling_params.stop_strs:
-                continue
-            limit = min(budget, req.stash.get(DRAFT_LIMIT_KEY, MAX_DRAFT_TOKENS))
-            drafts = jump_forward_drafts(req, self.tokenizer, self.worker.vocab_size, limit=limit)
-            if drafts is None:
-                continue
-            tokens, masks = drafts
-            req.output_ids.extend(tokens)
-            req.num_draft_tokens = len(tokens)
-            req.draft_vocab_masks = masks
-            budget -= len(tokens)
+            self.tree_cache.retract_req(req, seq_lens[index[id(req)]])
+            req.reset_for_retract()
+            retracted.append(req)
+            remaining -= 1
+            self.tree_cache.evict(max(0, remaining * steps - self.token_to_kv_pool.available_size()),
+                                  self.token_to_kv_pool.free)
+        gone = {id(r) for r in retracted}
+        batch.filter_batch(keep_indices=[i for i, r in enumerate(batch.reqs) if id(r) not in gone])
+        if new_ratio is None:
+            # Reference I3: what the remaining requests are expected to decode.
+            total_max_new = sum(r.sampling_params.max_new_tokens for r in batch.reqs)
+            num_decoded = sum(len(r.output_ids) for r in batch.reqs)
+            new_ratio = min(1.0, (num_decoded + steps * len(batch.reqs)) / max(total_max_new, 1))
+        self.new_token_ratio.value = new_ratio
+        self.num_retractions += len(retracted)
+        logger.info(
+            "Decode out of memory happened. #retracted_reqs: %d, new_token_ratio: %.4f", len(retracted), new_ratio
+        )
+        self.waiting_queue.extend(retracted)
 
-    def settle_drafts(self, batch: ScheduleBatch, kept: list[int]) -> None:
-        """Some requests of the pass computed draft tokens, of which the model agreed with the
-        first `kept[i]`: the others leave the request's outputs, its KV and its matcher (the
-        batch's next token for it is the model's own in their place)."""
-        dropped_any = False
-        for i, req in enumerate(batch.reqs):
-            if not req.num_draft_tokens:
-                continue
-            proposed = req.num_draft_tokens
-            dropped = req.keep_draft_tokens(kept[i])
-            # Propose about as many as the model takes (a refused draft is a token computed for
-            # nothing): one more than it kept after a refusal, twice as many after a full accept.
-            limit = req.stash.get(DRAFT_LIMIT_KEY, MAX_DRAFT_TOKENS)
-            req.stash[DRAFT_LIMIT_KEY] = max(1, kept[i] + 1) if dropped else min(MAX_DRAFT_TOKENS, max(limit, 2 * proposed))
-            req.stash[JUMPED_TOKENS_KEY] = req.stash.get(JUMPED_TOKENS_KEY, 0) + kept[i]
-            self.num_draft_tokens_kept += kept[i]
-            self.num_draft_tokens_dropped += dropped
-            if dropped:
-                batch.drop_last_tokens(i, dropped)
-                grammar_of(req).rollback(dropped)
-                dropped_any = True
-        if dropped_any:
-            # Before any request appends this pass's token, so its rows are those of the pass.
-            batch.rebuild_penalties()
+    def prepare_batch(self, batch: ScheduleBatch | None) -> ScheduleBatch | None:
+        """The `prepare_batch` hook; a batch the scheduler built holds KV slots and must stay.
+        If a plugin fails there, the batch still runs as built (its KV must be computed before it
+        can be released like a client abort's) and its requests fail once the result is in."""
+        try:
+            prepared = self.hooks.prepare_batch(batch, self.view)
+        except PluginHookError as exc:
+            self.mark_batch_failed(batch, str(exc))
+            return batch
+        if batch is not None and prepared is not batch:
+            raise ValueError("prepare_batch replaced the batch the scheduler built (its KV slots are allocated)")
+        return prepared
 
-    def retract_req(self, req: Req, kv_len: int) -> None:
-        """Release a running request's memory and send it back to waiting (used by on_decode_oom)."""
-        self.tree_cache.retract_req(req, kv_len)
-        req.reset_for_retract()
+    def new_idle_batch(self) -> ScheduleBatch:
+        batch = ScheduleBatch([], self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache)
+        batch.prepare_for_idle()
+        return batch
 
     # -- running and results --------------------------------------------------------------------
 
     def run_batch(self, batch: ScheduleBatch) -> ResultHandle:
         self.forward_ct += 1
         worker_batch = batch.get_model_worker_batch()
-        if batch.sampling_info is not None and any(grammar_of(r) is not None for r in batch.reqs):
-            if self.worker.is_pipelined:
-                # The matchers have not seen the previous batch's tokens yet: the mask is filled
-                # once that result is processed, and sampling waits for it (reference C2, 4.1).
-                worker_batch.vocab_mask_ready = threading.Event()
-                self.pending_vocab_mask = (list(batch.reqs), worker_batch)
-            else:
-                batch.sampling_info.vocab_mask = batch_vocab_mask(batch.reqs, self.worker.vocab_size)
+        self.structured.attach_vocab_mask(batch, worker_batch)
         handle = self.worker.launch(worker_batch)
         # The next decode step may be built before this result is processed (pipelined worker).
         for req, token_id in zip(batch.reqs, handle.next_token_ids):
             req.future_token_id = token_id
         return handle
-
-    def fill_pending_vocab_mask(self) -> None:
-        """Fill the in-flight batch's grammar mask and let its sampling go on. Called when every
-        earlier result is processed: after the previous batch's, or at once when the pipeline
-        starts (the reference's DUMMY_FIRST step)."""
-        if self.pending_vocab_mask is None:
-            return
-        reqs, worker_batch = self.pending_vocab_mask
-        self.pending_vocab_mask = None
-        try:
-            worker_batch.sampling_info.vocab_mask = batch_vocab_mask(reqs, self.worker.vocab_size)
-        finally:
-            worker_batch.vocab_mask_ready.set()  # even on an error: the forward thread must not hang
 
     def process_batch_result(self, batch: ScheduleBatch, handle: ResultHandle) -> None:
         result = handle.result()
@@ -563,7 +383,7 @@ class Scheduler(ControlMixin):
         else:
             self.process_batch_result_prefill(batch, result, handle.next_token_ids)
         try:
-            self.hooks.on_batch_result(batch, result, self)
+            self.hooks.on_batch_result(BatchView(batch), result, self.view)
         except PluginHookError as exc:
             self.fail_batch_reqs(batch, str(exc))
         self.fail_batch_reqs(batch)  # those a failed prepare_batch marked
@@ -573,7 +393,7 @@ class Scheduler(ControlMixin):
         if any(r.num_draft_tokens for r in batch.reqs):
             # A worker that does not check drafts (no `kept_draft_tokens`) keeps them all, unchecked.
             kept = result.kept_draft_tokens or [r.num_draft_tokens for r in batch.reqs]
-            self.settle_drafts(batch, kept)
+            self.structured.settle_drafts(batch, kept)
         for i, req in enumerate(batch.reqs):
             if req.is_retracted:
                 continue
@@ -642,10 +462,8 @@ class Scheduler(ControlMixin):
         self.num_late_finish_frees += 1
 
     def check_finished(self, req: Req) -> None:
-        """The grammar accepts the new token first (after the logprobs, as in the reference); a
-        completed grammar finishes the request."""
-        if accept_last_token(req) and not req.finished():
-            req.finished_reason = FinishMatchedToken(matched=req.output_ids[-1])
+        """The grammar accepts the new token first; a completed grammar finishes the request."""
+        self.structured.accept_token(req)
         req.check_finished()
 
     def note_decode_step(self, num_tokens: int) -> None:
@@ -668,197 +486,17 @@ class Scheduler(ControlMixin):
             self.tree_cache.cache_finished_req(req, token_ids)
         self.notify_finished(req)
 
-    def notify_finished(self, req: Req) -> None:
-        """on_request_finished; a plugin failing there turns the request's finish into that error
-        (its memory is already released)."""
-        try:
-            self.hooks.on_request_finished(req, self)
-        except PluginHookError as exc:
-            logger.error("Request %s fails: %s", req.rid, exc)
-            req.finished_reason = FinishAbort(str(exc))
-
-    # -- plugin failures --------------------------------------------------------------------------
-
-    def prepare_batch(self, batch: ScheduleBatch | None) -> ScheduleBatch | None:
-        """The prepare_batch chain. If a plugin fails there, the batch still runs as built (its KV
-        must be computed before it can be released like a client abort's) and its requests fail
-        with the error once the result is in."""
-        try:
-            return self.hooks.prepare_batch(batch, self)
-        except PluginHookError as exc:
-            logger.error("%s; the batch's requests fail", exc)
-            for req in batch.reqs if batch is not None else []:
-                req.stash[PLUGIN_ERROR_KEY] = str(exc)
-            return batch
-
-    def fail_batch_reqs(self, batch: ScheduleBatch, message: str | None = None) -> None:
-        """Fail the batch's unfinished requests with `message` (or those marked by a failed
-        prepare_batch) the way a client abort does: their KV is computed, so it goes to the cache."""
-        for req in batch.reqs:
-            marked = req.stash.get(PLUGIN_ERROR_KEY)
-            if marked is not None:
-                del req.stash[PLUGIN_ERROR_KEY]
-            error = message or marked
-            if error is None or req.finished() or req.is_retracted:
-                continue
-            logger.error("Request %s fails: %s", req.rid, error)
-            req.finished_reason = FinishAbort(error)
-            if req is self.being_chunked_req:
-                continue  # released when the next round takes it out of the last batch (D1)
-            self.finish_req(req)
-            self.stream_output([req])
-
-    def fail_waiting(self, admitted: list[Req], message: str) -> None:
-        """select_prefill failed: the waiting requests it did not admit fail (they hold no memory);
-        the ones admitted so far run."""
-        logger.error("%s; %d waiting requests fail", message, len(self.waiting_queue) - len(admitted))
-        keep = {id(r) for r in admitted}
-        failed = [r for r in self.waiting_queue if id(r) not in keep]
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) in keep]
-        for req in failed:
-            req.is_retracted = False
-            req.finished_reason = FinishAbort(message)
-            self.notify_finished(req)
-            self.stream_output([req])
-
-    def add_logprobs(self, req: Req, i: int, result: BatchResult, is_prefill: bool) -> None:
-        if not req.return_logprob or result.next_token_logprobs is None:
-            return
-        req.output_token_logprobs.append((result.next_token_logprobs[i], req.output_ids[-1]))
-        if req.top_logprobs_num > 0 and result.next_token_top_logprobs is not None:
-            req.output_top_logprobs.append(result.next_token_top_logprobs[i])
-        if is_prefill and req.input_token_logprobs is None and result.input_token_logprobs is not None:
-            start = req.extend_logprob_start_len
-            # Position p's logprob is of token p+1 of the prompt.
-            targets = req.fill_ids[len(req.prefix_indices) + start + 1 :]
-            req.input_token_logprobs = list(zip(result.input_token_logprobs[i], targets))
-            if req.logprob_start_len == 0:
-                req.input_token_logprobs = [(None, req.fill_ids[0])] + req.input_token_logprobs
-            if result.normalized_prompt_logprobs is not None:
-                req.normalized_prompt_logprob = result.normalized_prompt_logprobs[i]
-            if req.top_logprobs_num > 0 and result.input_top_logprobs is not None:
-                tops = list(result.input_top_logprobs[i])
-                req.input_top_logprobs = ([None] if req.logprob_start_len == 0 else []) + tops
-
-    # -- output ---------------------------------------------------------------------------------
-
-    def stream_output(self, reqs: list[Req]) -> None:
-        is_stream_iter = self.forward_ct_decode % self.settings.scheduler.stream_interval == 0
-        out = BatchTokenOut()
-        for req in reqs:
-            if req.is_retracted:
-                continue
-            if req.finished() or (req.stream and (is_stream_iter or len(req.output_ids) == 1)):
-                out.outputs.append(self.make_output(req))
-        if out.outputs:
-            self.output_sink(out)
-
-    def make_output(self, req: Req) -> ReqOutput:
-        meta = {
-            "id": req.rid,
-            "prompt_tokens": len(req.origin_input_ids),
-            "completion_tokens": len(req.output_ids),
-            "completion_tokens_wo_jump_forward": len(req.output_ids) - req.stash.get(JUMPED_TOKENS_KEY, 0),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finished_reason.to_json() if req.finished_reason else None,
-        }
-        if req.return_logprob:
-            meta.update(
-                input_token_logprobs=req.input_token_logprobs,
-                output_token_logprobs=list(req.output_token_logprobs),
-                input_top_logprobs=req.input_top_logprobs,
-                output_top_logprobs=list(req.output_top_logprobs),
-                normalized_prompt_logprob=req.normalized_prompt_logprob,
-            )
-        params = req.sampling_params
-        return ReqOutput(
-            rid=req.rid, vid=req.vid, output_ids=list(req.output_ids),
-            finished_reason=req.finished_reason, meta_info=meta, embedding=req.embedding,
-            no_stop_trim=params.no_stop_trim,
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-        )
-
     # -- idle -----------------------------------------------------------------------------------
 
     def on_idle(self) -> None:
         self.check_memory()
         self.new_token_ratio.reset()
         try:
-            self.hooks.on_idle(self)
+            self.hooks.on_idle(self.view)
         except PluginHookError as exc:
             logger.error("%s", exc)
 
-    def check_memory(self) -> None:
-        """Every KV and request slot must be free or held by the cache when nothing runs (Q1)."""
-        problems = []
-        kv_held = self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size()
-        if kv_held != self.max_total_num_tokens:
-            problems.append(
-                f"KV cache pool leak detected: available={self.token_to_kv_pool.available_size()}, "
-                f"evictable={self.tree_cache.evictable_size()}, total={self.max_total_num_tokens}"
-            )
-        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
-            problems.append(
-                f"Request pool leak detected: free={self.req_to_token_pool.available_size()}, "
-                f"size={self.req_to_token_pool.size}"
-            )
-        if problems:
-            msg = "; ".join(problems)
-            if self.settings.scheduler.check_leaks:
-                raise MemoryLeakError(msg)
-            warnings.warn(msg)
-
-    # -- logs -----------------------------------------------------------------------------------
-
-    def num_used_tokens(self) -> int:
-        return self.max_total_num_tokens - (
-            self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size()
-        )
-
-    def cache_hit_rate(self) -> float:
-        return self.cache_hit_tokens / self.cache_total_tokens if self.cache_total_tokens else 0.0
-
-    def log_prefill_stats(self, adder: PrefillAdder, can_run_list: list[Req], running_bs: int) -> None:
-        self.cache_hit_tokens += adder.log_hit_tokens
-        self.cache_total_tokens += adder.log_hit_tokens + adder.log_input_tokens
-        if self.tp_rank != 0:
-            return
-        logger.info(
-            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, cache hit rate: %.2f%%, "
-            "token usage: %.2f, #running-req: %d, #queue-req: %d",
-            len(can_run_list), adder.log_input_tokens, adder.log_hit_tokens,
-            100.0 * self.cache_hit_rate(), self.num_used_tokens() / self.max_total_num_tokens,
-            running_bs, len(self.waiting_queue) + (self.being_chunked_req is not None),
-        )
-
-    def log_decode_stats(self) -> None:
-        now = time.time()
-        throughput = self.num_generated_tokens / max(now - self.last_decode_stats_tic, 1e-9)
-        self.num_generated_tokens = 0
-        self.last_decode_stats_tic = now
-        if self.tp_rank != 0:
-            return
-        running = self.running_batch.batch_size() if self.running_batch is not None else 0
-        logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): "
-            "%.2f, #queue-req: %d",
-            running, self.num_used_tokens(), self.num_used_tokens() / self.max_total_num_tokens,
-            throughput, len(self.waiting_queue),
-        )
-
     def shutdown(self) -> None:
-        if self.pending_vocab_mask is not None:
-            # The loop stopped on an error before filling it: let the forward thread go on and exit.
-            self.pending_vocab_mask[1].vocab_mask_ready.set()
-        self.grammar_backend.shutdown()
+        self.structured.shutdown()
         self.worker.shutdown()
-
-
-# The most drafts the request's next jump proposes (adapted to how many the model kept).
-DRAFT_LIMIT_KEY: StashKey[int] = StashKey("draft_limit")
-# Output tokens appended by jump-forward (and kept) rather than sampled one pass each.
-JUMPED_TOKENS_KEY = StashKey("jumped_tokens")
-# The error of a failed prepare_batch: the request fails once its batch's result is in.
-PLUGIN_ERROR_KEY: StashKey[str] = StashKey("plugin_error")
 

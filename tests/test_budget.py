@@ -40,8 +40,8 @@ def test_scheduler_resets_the_ratio_when_idle_and_decays_while_decoding(make_eng
 
     class Watch:
         @hookimpl
-        def on_batch_result(self, batch, result, scheduler):
-            values.append(scheduler.new_token_ratio.value)
+        def on_batch_result(self, view):
+            values.append(view.new_token_ratio)
 
     engine = make_engine(extra_plugins=(Watch(),), plugins={"worker": worker},
                          scheduler={"schedule_conservativeness": 0.5})

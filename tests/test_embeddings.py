@@ -179,7 +179,7 @@ class RePrefills:
         self.count = 0
 
     @hookimpl
-    def on_batch_result(self, batch, result, scheduler):
+    def on_batch_result(self, batch, result):
         if batch.forward_mode.is_extend():
             self.count += sum(1 for r in batch.reqs if r.input_embeds is not None and len(r.output_ids) > 1)
 

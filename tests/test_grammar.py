@@ -66,7 +66,7 @@ def _count_compiles(backend):
 
 def test_same_grammar_compiled_once(make_engine):
     engine = make_engine()
-    calls = _count_compiles(engine.scheduler.grammar_backend)
+    calls = _count_compiles(engine.scheduler.structured.backend)
     params = {"temperature": 0, "max_new_tokens": 16}
     engine.generate(["a", "b", "c"], sampling_params={**params, "regex": REGEXES[0]})
     engine.generate(["d"], sampling_params={**params, "regex": REGEXES[0]})
@@ -88,13 +88,13 @@ def test_slow_grammar_does_not_block_other_requests(make_engine):
     engine = make_engine()
     sched = engine.scheduler
     release = threading.Event()
-    inner = sched.grammar_backend.compile_fn
+    inner = sched.structured.backend.compile_fn
 
     def slow(key):
         assert release.wait(60), "test never released the compilation"
         return inner(key)
 
-    sched.grammar_backend.compile_fn = slow
+    sched.structured.backend.compile_fn = slow
     ids = engine.tokenizer.encode("Reply:")
     sched.send(GenerateReqInput("slow", ids, _params(temperature=0, max_new_tokens=24, regex=REGEXES[2])))
     sched.send(GenerateReqInput("plain", ids, _params(temperature=0, max_new_tokens=8)))
@@ -106,7 +106,7 @@ def test_slow_grammar_does_not_block_other_requests(make_engine):
     try:
         _drive_until(engine, lambda: finished("plain"))
         # The plain request ran to the end while the grammar was still compiling.
-        assert [r.rid for r in sched.grammar_queue] == ["slow"]
+        assert [r.rid for r in sched.structured.queue] == ["slow"]
         assert not finished("slow")
     finally:
         release.set()
@@ -123,7 +123,7 @@ def test_failed_compilation_finishes_the_request_with_its_error(make_engine):
     def broken(key):
         raise GrammarError("regex: invalid: broken on purpose")
 
-    engine.scheduler.grammar_backend.compile_fn = broken
+    engine.scheduler.structured.backend.compile_fn = broken
     out = engine.generate("Reply:", sampling_params={"max_new_tokens": 8, "regex": "a+"})
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "broken on purpose" in reason["message"]
@@ -134,16 +134,16 @@ def test_abort_in_the_grammar_queue(make_engine):
     engine = make_engine()
     sched = engine.scheduler
     release = threading.Event()
-    inner = sched.grammar_backend.compile_fn
-    sched.grammar_backend.compile_fn = lambda key: (release.wait(60), inner(key))[1]
+    inner = sched.structured.backend.compile_fn
+    sched.structured.backend.compile_fn = lambda key: (release.wait(60), inner(key))[1]
     ids = engine.tokenizer.encode("Reply:")
     sched.send(GenerateReqInput("g", ids, _params(max_new_tokens=8, regex="b+")))
     sched.run_once()
-    assert [r.rid for r in sched.grammar_queue] == ["g"]
+    assert [r.rid for r in sched.structured.queue] == ["g"]
     sched.send(AbortReq("g"))
     sched.run_once()
     release.set()
-    assert sched.grammar_queue == []
+    assert sched.structured.queue == []
     assert engine._outputs.pop("g").finished_reason.to_json()["type"] == "abort"
     _drive_until(engine, lambda: not sched.has_work())
     sched.run_once()
@@ -212,10 +212,10 @@ def test_jump_forward_gives_the_outputs_of_plain_decoding(make_engine, sections)
         assert (j["output_ids"], j["text"]) == (p["output_ids"], p["text"]), param
         assert p["meta_info"]["completion_tokens_wo_jump_forward"] == p["meta_info"]["completion_tokens"]
     sched = engine.scheduler
-    assert sched.num_draft_tokens_kept > 0 and sched.num_draft_tokens_dropped > 0
+    assert sched.structured.num_draft_tokens_kept > 0 and sched.structured.num_draft_tokens_dropped > 0
     kept = sum(j["meta_info"]["completion_tokens"] - j["meta_info"]["completion_tokens_wo_jump_forward"]
                for j in jumped)
-    assert kept == sched.num_draft_tokens_kept
+    assert kept == sched.structured.num_draft_tokens_kept
     # Drafts are computed in the decode step itself (no re-prefill pass), so passes are saved
     # (29 -> 18 here).
     assert sched.forward_ct < plain_engine.scheduler.forward_ct
@@ -272,33 +272,39 @@ def test_draft_check_settles_at_the_first_disagreement():
 def test_dropped_drafts_leave_the_penalty_rows(make_engine):
     """After a pass whose drafts the model partly refused, each request's penalty row counts
     exactly its outputs before the token this pass sampled (the refused drafts are not counted)."""
-    from framework import hookimpl
     from framework.penalties import FrequencyPresencePenalizer, RepetitionPenalizer
 
     checked, wrong = [], []
 
-    class Watch:
-        @hookimpl
-        def on_batch_result(self, batch, result, scheduler):
-            if result.kept_draft_tokens is None:
-                return
-            penalizers = batch.penalties.penalizers
-            for i, req in enumerate(batch.reqs):
-                before = req.output_ids[:-1]
-                counts = torch.zeros(scheduler.worker.vocab_size)
-                counts.index_add_(0, torch.tensor(before, dtype=torch.int64), torch.ones(len(before)))
-                seen = torch.zeros(scheduler.worker.vocab_size, dtype=torch.bool)
-                seen[req.origin_input_ids + before] = True
-                ok = torch.equal(penalizers[FrequencyPresencePenalizer].counts[i], counts)
-                ok &= torch.equal(penalizers[RepetitionPenalizer].seen[i], seen)
-                (checked if ok else wrong).append(len(before))
+    def watch(batch, result, vocab_size):
+        if result.kept_draft_tokens is None:
+            return
+        penalizers = batch.penalties.penalizers
+        for i, req in enumerate(batch.reqs):
+            before = req.output_ids[:-1]
+            counts = torch.zeros(vocab_size)
+            counts.index_add_(0, torch.tensor(before, dtype=torch.int64), torch.ones(len(before)))
+            seen = torch.zeros(vocab_size, dtype=torch.bool)
+            seen[req.origin_input_ids + before] = True
+            ok = torch.equal(penalizers[FrequencyPresencePenalizer].counts[i], counts)
+            ok &= torch.equal(penalizers[RepetitionPenalizer].seen[i], seen)
+            (checked if ok else wrong).append(len(before))
 
-    engine = make_engine(extra_plugins=(Watch(),), plugins={"worker": "tp"})
+    # The penalty rows are the core's, which observers only see through a read-only view: spy.
+    engine = make_engine(plugins={"worker": "tp"})
+    sched = engine.scheduler
+    process = sched.process_batch_result
+
+    def spy(batch, handle):
+        process(batch, handle)
+        watch(batch, handle.result(), sched.worker.vocab_size)
+
+    sched.process_batch_result = spy
     params = {"temperature": 0, "max_new_tokens": 64, "frequency_penalty": 0.5, "repetition_penalty": 1.2}
     outs = engine.generate(JUMP_PROMPTS * 2, sampling_params=[{**params, "regex": r} for r in JUMP_REGEXES * 2])
     for regex, out in zip(JUMP_REGEXES * 2, outs):
         assert re.fullmatch(regex, out["text"]), out["text"]
-    assert engine.scheduler.num_draft_tokens_dropped > 0
+    assert engine.scheduler.structured.num_draft_tokens_dropped > 0
     assert checked and not wrong, wrong
 
 
@@ -310,13 +316,13 @@ def test_pipelined_worker_does_not_jump(make_engine, caplog, explicit):
     engine = make_engine(scheduler={"enable_jump_forward": True} if explicit else {})
     sched = engine.scheduler
     assert sched.settings.scheduler.enable_jump_forward and sched.worker.is_pipelined
-    assert not sched.enable_jump_forward
+    assert not sched.structured.enable_jump_forward
     assert ("Jump-forward is off" in caplog.text) == explicit
     out = engine.generate("Reply:", sampling_params={"temperature": 0, "max_new_tokens": 64, "regex": JUMP_REGEXES[0]})
     assert re.fullmatch(JUMP_REGEXES[0], out["text"])
     meta = out["meta_info"]
     assert meta["completion_tokens_wo_jump_forward"] == meta["completion_tokens"]
-    assert sched.num_draft_tokens_kept == 0
+    assert sched.structured.num_draft_tokens_kept == 0
 
 
 def test_draft_length_follows_what_the_model_keeps(make_engine):
@@ -325,13 +331,13 @@ def test_draft_length_follows_what_the_model_keeps(make_engine):
     engine = make_engine(plugins={"worker": "tp"})
     sched = engine.scheduler
     events: list[tuple[str, int, int]] = []
-    settle = sched.settle_drafts
+    settle = sched.structured.settle_drafts
 
     def spy(batch, kept):
         events.extend((r.rid, r.num_draft_tokens, k) for r, k in zip(batch.reqs, kept) if r.num_draft_tokens)
         settle(batch, kept)
 
-    sched.settle_drafts = spy
+    sched.structured.settle_drafts = spy
     params = [{"temperature": 0, "max_new_tokens": 64, "regex": r} for r in JUMP_REGEXES]
     engine.generate(JUMP_PROMPTS, sampling_params=params)
     after_refusal = 0

@@ -93,7 +93,7 @@ def test_jump_forward_gives_the_same_greedy_text(plain, default_model_folder, de
     try:
         jumped = _run(engine, prompts, default_tokenizer)
         sched = engine.scheduler
-        kept, dropped = sched.num_draft_tokens_kept, sched.num_draft_tokens_dropped
+        kept, dropped = sched.structured.num_draft_tokens_kept, sched.structured.num_draft_tokens_dropped
     finally:
         engine.shutdown()
     for out in jumped[:-1]:

@@ -9,6 +9,8 @@ import pytest
 from framework import hookimpl
 from framework.batch import ForwardMode
 from framework.hookspecs import ALL_HOOKS
+from framework.messages import GenerateReqInput
+from framework.request import SamplingParams, StashKey
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -32,32 +34,31 @@ class Recorder:
         self.calls.append("create_cache")
 
     @hookimpl
-    def on_request_received(self, req, scheduler):
+    def on_request_received(self, req, view):
         self.calls.append("on_request_received")
 
     @hookimpl
-    def select_prefill(self, scheduler, adder):
+    def select_prefill(self, view, adder):
         self.calls.append("select_prefill")
 
     @hookimpl
-    def on_decode_oom(self, batch, scheduler):
+    def on_decode_oom(self, batch, view):
         self.calls.append("on_decode_oom")
 
     @hookimpl
-    def prepare_batch(self, batch, scheduler):
+    def prepare_batch(self, batch, view):
         self.calls.append(f"prepare_batch:{batch.forward_mode.name if batch else None}")
-        return batch
 
     @hookimpl
-    def on_batch_result(self, batch, result, scheduler):
+    def on_batch_result(self, batch, result, view):
         self.calls.append(f"on_batch_result:{batch.forward_mode.name}")
 
     @hookimpl
-    def on_request_finished(self, req, scheduler):
+    def on_request_finished(self, req, view):
         self.calls.append("on_request_finished")
 
     @hookimpl
-    def on_idle(self, scheduler):
+    def on_idle(self, view):
         self.calls.append("on_idle")
 
 
@@ -118,14 +119,14 @@ def test_select_prefill_controls_admission(make_engine):
 
     class OneAtATime:
         @hookimpl(tryfirst=True)
-        def select_prefill(self, scheduler, adder):
-            return adder.admit_waiting(scheduler, scheduler.waiting_queue[:1], prefix_computed=False)
+        def select_prefill(self, view):
+            return view.waiting_queue[:1]
 
     sizes = []
 
     class Sizes:
         @hookimpl
-        def on_batch_result(self, batch, result, scheduler):
+        def on_batch_result(self, batch):
             if batch.forward_mode == ForwardMode.EXTEND:
                 sizes.append(batch.batch_size())
 
@@ -134,33 +135,173 @@ def test_select_prefill_controls_admission(make_engine):
     assert sizes == [1, 1, 1]
 
 
-def test_prepare_batch_is_chained(make_engine):
-    """Each implementation receives the previous one's return value."""
-    from framework.request import StashKey
+def admit_through(adder, sched) -> None:
+    """What a policy written against the old contract did: admit straight into the adder. The
+    adder a policy gets is read-only now, so this raises, and the test swallows that."""
+    try:
+        for req in sched.waiting_queue:
+            req.init_next_round_input(sched.tree_cache)
+            adder.add_one_req(req)
+    except AttributeError:
+        pass
 
-    key: StashKey[int] = StashKey("seen_by_first")
+
+def send(sched, rid, input_ids, max_new_tokens=2):
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    sampling.normalize(None)
+    sched.send(GenerateReqInput(rid=rid, input_ids=input_ids, sampling_params=sampling))
+
+
+def test_select_prefill_returning_none_admits_nothing_even_when_the_adder_was_touched(make_engine):
+    engine = make_engine()
+    sched = engine.scheduler
+
+    class TouchAndDecline:
+        @hookimpl
+        def select_prefill(self, adder):
+            admit_through(adder, sched)
+            return None
+
+    sched.plugins.pm.unregister(name="lpm")  # the only select_prefill left is TouchAndDecline's
+    sched.plugins.pm.register(TouchAndDecline())
+    send(sched, "s0", [1, 2, 3])
+    send(sched, "s1", [4, 5, 6])
+    for _ in range(3):
+        sched.run_once()
+    assert sched.forward_ct == 0
+    assert [r.rid for r in sched.waiting_queue] == ["s0", "s1"]
+    assert sched.token_to_kv_pool.available_size() == sched.max_total_num_tokens
+    for rid in ("s0", "s1"):
+        sched.abort_request(rid)
+    sched.run_once()
+
+
+def test_a_policy_that_touched_the_adder_and_declined_does_not_admit_twice(make_engine):
+    """A tryfirst implementation touches the adder and returns None; the active policy then
+    chooses, and each request is admitted once (main admitted ['s0', 's1', 's0', 's1'])."""
+    engine = make_engine()
+    sched = engine.scheduler
+    prefills = []
+
+    class TouchAndDecline:
+        @hookimpl(tryfirst=True)
+        def select_prefill(self, adder):
+            admit_through(adder, sched)
+
+    class Prefills:
+        @hookimpl
+        def on_batch_result(self, batch):
+            if batch.forward_mode.is_extend():
+                prefills.append([r.rid for r in batch.reqs])
+
+    sched.plugins.pm.register(TouchAndDecline())
+    sched.plugins.pm.register(Prefills())
+    send(sched, "s0", [1, 2, 3])
+    send(sched, "s1", [4, 5, 6])
+    while sched.has_work():
+        sched.run_once()
+    sched.run_once()
+    assert prefills == [["s0", "s1"]]
+
+
+def test_select_prefill_must_return_waiting_requests_once(make_engine):
+    class Twice:
+        @hookimpl(tryfirst=True)
+        def select_prefill(self, view):
+            return list(view.waiting_queue) * 2
+
+    twice = Twice()
+    engine = make_engine(extra_plugins=(twice,))
+    with pytest.raises(ValueError, match="each at most once"):
+        engine.generate(input_ids=[[1, 2], [3, 4]], sampling_params={"max_new_tokens": 2})
+    engine.scheduler.plugins.pm.unregister(twice)  # the requests were aborted; let them go
+    while engine.scheduler.has_work():
+        engine.scheduler.run_once()
+    engine.scheduler.run_once()
+
+
+@pytest.mark.parametrize("attempt", ["append", "sort", "assign", "clear"])
+def test_a_policy_cannot_mutate_the_waiting_queue_through_its_view(make_engine, attempt):
+    errors = []
+
+    class Meddler:
+        @hookimpl(tryfirst=True)
+        def select_prefill(self, view):
+            try:
+                if attempt == "append":
+                    view.waiting_queue.append(view.waiting_queue[0])
+                elif attempt == "sort":
+                    view.waiting_queue.sort(key=lambda r: r.rid)
+                elif attempt == "assign":
+                    view.waiting_queue = []
+                else:
+                    del view.waiting_queue[:]
+            except (AttributeError, TypeError) as exc:
+                errors.append(type(exc).__name__)
+
+    engine = make_engine(extra_plugins=(Meddler(),))
+    out = engine.generate(input_ids=[[1, 2], [3, 4]], sampling_params={"max_new_tokens": 2})
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [2, 2]
+    assert errors, "the mutation went through"
+
+
+def test_prepare_batch_implementation_with_only_batch(make_engine):
+    """pluggy passes only the arguments an implementation declares; returning None inspects."""
     seen = []
 
-    class First:
-        @hookimpl(tryfirst=True)
-        def prepare_batch(self, batch, scheduler):
-            if batch is not None:
-                batch.stash[key] = batch.stash.get(key, 0) + 1
-            return batch
+    class Inspect:
+        @hookimpl
+        def prepare_batch(self, batch):
+            seen.append(None if batch is None else batch.forward_mode.name)
 
-    class Last:
-        @hookimpl(trylast=True)
-        def prepare_batch(self, batch, scheduler):
-            seen.append(None if batch is None else (batch.forward_mode.name, batch.stash.get(key)))
-            return batch
-
-    # The plain worker: no extra one-step-late decode pass (the overlap order is tested above).
-    engine = make_engine(extra_plugins=(Last(), First()), plugins={"worker": "tp"})
+    engine = make_engine(extra_plugins=(Inspect(),), plugins={"worker": "tp"})
     out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 3
-    # The prefill batch becomes the running batch, so its stash counts every pass First saw.
-    assert seen[:3] == [("EXTEND", 1), ("DECODE", 2), ("DECODE", 3)]
+    assert seen[:3] == ["EXTEND", "DECODE", "DECODE"]
     assert all(s is None for s in seen[3:])
+
+
+def test_prepare_batch_wrapper_gets_the_batch_and_may_add_an_idle_one(make_engine):
+    """A wrapper=True implementation receives the others' result from its yield; on an idle
+    iteration it may return an IDLE batch (as DP attention does)."""
+    key: StashKey[int] = StashKey("wrapped")
+    seen = []
+
+    class Wrap:
+        @hookimpl(wrapper=True)
+        def prepare_batch(self, view):
+            batch = yield
+            if batch is None and not seen.count("IDLE"):
+                batch = view.idle_batch()
+            if batch is not None:
+                batch.stash[key] = batch.stash.get(key, 0) + 1
+                seen.append(batch.forward_mode.name)
+            return batch
+
+    engine = make_engine(extra_plugins=(Wrap(),), plugins={"worker": "tp"})
+    out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 3
+    assert seen == ["EXTEND", "DECODE", "DECODE", "IDLE"]
+    # The prefill batch becomes the running batch, so its stash counts every pass the wrapper saw.
+    assert engine.scheduler.running_batch is None or engine.scheduler.running_batch.stash[key] == 3
+
+
+def test_prepare_batch_may_not_replace_a_built_batch(tiny_model_folder):
+    from framework.engine import Engine
+    from tests.conftest import tiny_settings
+
+    class Replace:
+        @hookimpl(tryfirst=True)
+        def prepare_batch(self, batch, view):
+            return view.idle_batch() if batch is not None else None
+
+    # No leak check: the refused batch's KV slots are lost with the error.
+    engine = Engine(tiny_settings(tiny_model_folder, plugins={"worker": "tp"}), extra_plugins=(Replace(),))
+    try:
+        with pytest.raises(ValueError, match="replaced the batch"):
+            engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+    finally:
+        engine.shutdown()
 
 
 def test_on_decode_oom_can_be_replaced_by_a_policy(make_engine):
@@ -168,7 +309,7 @@ def test_on_decode_oom_can_be_replaced_by_a_policy(make_engine):
 
     class KeepAll:
         @hookimpl(tryfirst=True)
-        def on_decode_oom(self, batch, scheduler):
+        def on_decode_oom(self, batch, view):
             calls.append(batch.batch_size())
             return [], 0.5
 
@@ -178,12 +319,31 @@ def test_on_decode_oom_can_be_replaced_by_a_policy(make_engine):
     assert engine.scheduler.num_retractions == 0
 
 
+def test_on_decode_oom_victims_are_retracted_by_the_core(make_engine):
+    """The policy names victims; the core retracts from the front of its list (one is enough
+    here: the pool is large), filters the batch and sends them back to waiting."""
+    retracted = []
+
+    class NewestFirst:
+        @hookimpl(tryfirst=True)
+        def on_decode_oom(self, batch):
+            victims = sorted(batch.reqs, key=lambda r: r.rid, reverse=True)
+            retracted.append(victims[0].rid)
+            return victims
+
+    engine = make_engine(extra_plugins=(NewestFirst(),), scheduler={"force_retract": True})
+    outs = engine.generate(input_ids=[[i + 1, i + 2] for i in range(12)],
+                           sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    assert all(o["meta_info"]["completion_tokens"] == 3 for o in outs)
+    assert retracted and engine.scheduler.num_retractions == len(retracted)
+
+
 def test_on_request_finished_sees_the_reason(make_engine):
     reasons = []
 
     class Finished:
         @hookimpl
-        def on_request_finished(self, req, scheduler):
+        def on_request_finished(self, req):
             reasons.append(req.finished_reason.to_json()["type"])
 
     engine = make_engine(extra_plugins=(Finished(),))
@@ -196,8 +356,8 @@ def test_on_idle_runs_after_the_leak_check(make_engine):
 
     class Idle:
         @hookimpl
-        def on_idle(self, scheduler):
-            seen.append(scheduler.new_token_ratio.value == scheduler.new_token_ratio.init)
+        def on_idle(self, view):
+            seen.append(view.new_token_ratio == engine.scheduler.new_token_ratio.init)
 
     engine = make_engine(extra_plugins=(Idle(),))
     engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
@@ -209,3 +369,22 @@ def test_every_hook_has_a_heading_in_docs():
     headings = {line[4:].strip().strip("`") for line in text.splitlines() if line.startswith("### ")}
     missing = [h for h in ALL_HOOKS if h not in headings]
     assert missing == []
+
+
+def test_every_hookspec_states_its_contract():
+    """When called, the return value and what the core does with it, who may implement it."""
+    from framework import hookspecs
+
+    for name in ALL_HOOKS:
+        spec = getattr(hookspecs, name)
+        doc = " ".join(spec.__doc__.split())
+        assert ":return:" in doc and "mplement" in doc, name
+        is_firstresult = spec.batchyard_spec["firstresult"]
+        assert ("Stops at first non-None result" in doc) == is_firstresult, name
+
+
+def test_every_hook_is_allowed_to_some_kind():
+    from framework.hookspecs import KIND_HOOKS
+
+    allowed = {hook for hooks in KIND_HOOKS.values() for hook in hooks}
+    assert allowed == set(ALL_HOOKS)

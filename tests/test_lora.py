@@ -69,7 +69,7 @@ class BatchRecorder:
         self.batches: list[tuple[str, list]] = []
 
     @hookimpl
-    def prepare_batch(self, batch, scheduler):
+    def prepare_batch(self, batch):
         if batch is not None:
             self.batches.append((batch.forward_mode.name, [r.lora_path for r in batch.reqs]))
         return batch

@@ -35,7 +35,7 @@ class Counter:
         self.mixed = 0
 
     @hookimpl
-    def on_batch_result(self, batch, result, scheduler):
+    def on_batch_result(self, batch, result):
         if batch.forward_mode.name == "MIXED":
             self.mixed += 1
 

@@ -40,7 +40,7 @@ class ModeCounter:
         self.modes: dict[str, int] = {}
 
     @hookimpl
-    def on_batch_result(self, batch, result, scheduler):
+    def on_batch_result(self, batch, result):
         name = batch.forward_mode.name
         self.modes[name] = self.modes.get(name, 0) + 1
 
@@ -227,7 +227,7 @@ def test_shutdown_after_a_loop_error_releases_a_batch_waiting_for_its_mask(tiny_
     try:
         with pytest.raises(RuntimeError, match="exploded"):
             engine.generate(input_ids=list(range(10, 30)), sampling_params={**GREEDY, "regex": REGEXES[0]})
-        assert engine.scheduler.pending_vocab_mask is not None
+        assert engine.scheduler.structured.pending_vocab_mask is not None
     finally:
         stopper = threading.Thread(target=engine.shutdown, daemon=True)
         stopper.start()

@@ -213,7 +213,7 @@ def test_dp_attention_plugin_on_one_rank_sets_global_counts(make_engine, prompts
 
     class Recorder:
         @hookimpl
-        def on_batch_result(self, batch, result, scheduler):
+        def on_batch_result(self, batch, result):
             seen.append((batch.forward_mode.name, batch.global_num_tokens, batch.extend_num_tokens))
 
     engine = make_engine(extra_plugins=(Recorder(),), parallel={"enable_dp_attention": True})
@@ -230,7 +230,7 @@ def test_dp_attention_plugin_is_a_no_op_when_off(make_engine, prompts):
 
     class Recorder:
         @hookimpl
-        def on_batch_result(self, batch, result, scheduler):
+        def on_batch_result(self, batch, result):
             seen.append(batch.global_num_tokens)
 
     engine = make_engine(extra_plugins=(Recorder(),))

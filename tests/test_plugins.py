@@ -11,6 +11,7 @@ import pytest
 
 from framework import hookimpl
 from framework.config import Settings
+from framework.hookspecs import ALL_HOOKS
 from framework.plugins import DEFAULT_PLUGINS, PluginError, PluginManager, discover_plugins
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +65,7 @@ def test_a_plugin_of_the_wrong_kind_is_named():
 def test_misspelled_hook_fails_at_startup():
     class Typo:
         @hookimpl
-        def select_prefil(self, scheduler, adder):  # noqa: D401 - the typo is the point
+        def select_prefil(self, view, adder):  # noqa: D401 - the typo is the point
             return None
 
     with pytest.raises(PluginError, match="unknown hook"):
@@ -72,8 +73,68 @@ def test_misspelled_hook_fails_at_startup():
 
 
 def test_disable_leaves_a_default_plugin_inactive():
-    manager = PluginManager(Settings.load(None, plugins={"disable": ["retract"]}))
-    assert "retract" not in manager.active
+    manager = PluginManager(Settings.load(None, plugins={"disable": ["dp-attention"]}))
+    assert "dp-attention" not in manager.active
+    assert manager.pm.get_plugin("core-defaults") is not None  # the core's fallbacks stay
+
+
+class ObserverWithPolicyHook:
+    PLUGIN_KIND = "observer"
+
+    @hookimpl
+    def select_prefill(self, view):
+        return list(view.waiting_queue)
+
+
+def test_an_observer_implementing_select_prefill_is_refused_at_startup():
+    with pytest.raises(PluginError) as info:
+        PluginManager(Settings.load(None), extra_plugins=(ObserverWithPolicyHook(),))
+    msg = str(info.value)
+    assert "observer plugin" in msg and "'select_prefill'" in msg and "policy" in msg
+
+
+@pytest.mark.parametrize("kind, hook, args", [
+    ("policy", "create_worker", "settings, tp_rank"),
+    ("cache", "select_prefill", "view"),
+    ("worker", "on_decode_oom", "batch"),
+    ("default", "create_cache", "settings"),
+])
+def test_every_kind_is_held_to_its_hooks(kind, hook, args):
+    namespace = {}
+    exec(f"def {hook}(self, {args}):\n    return None", namespace)
+    plugin = type("Wrong", (), {"PLUGIN_KIND": kind, hook: hookimpl(namespace[hook])})()
+    with pytest.raises(PluginError, match=f"is a {kind} plugin but implements '{hook}'"):
+        PluginManager(Settings.load(None), extra_plugins=(plugin,))
+
+
+def test_installed_plugins_implement_only_their_kinds_hooks():
+    from framework.hookspecs import KIND_HOOKS
+
+    for name, info in discover_plugins().items():
+        implemented = {a for a in ALL_HOOKS if hasattr(getattr(info.module, a, None), "batchyard_impl")}
+        assert implemented <= set(KIND_HOOKS[info.kind]), name
+
+
+def test_a_duplicate_settings_section_is_refused(tmp_path):
+    from pydantic import BaseModel
+
+    class Other(BaseModel):
+        x: int = 0
+
+    class SecondLifo:
+        PLUGIN_KIND = "observer"
+
+        @hookimpl
+        def register_settings(self, register):
+            register("lifo", Other)
+
+    with pytest.raises(PluginError, match=r"\[plugin.lifo\] is registered by two plugins: .*'lifo'"):
+        PluginManager(Settings.load(None, plugins={"policy": "lifo"}), extra_plugins=(SecondLifo(),))
+
+
+def test_plugin_names_come_from_entry_points():
+    for name, info in discover_plugins().items():
+        assert not hasattr(info.module, "PLUGIN_NAME"), f"{name}: the entry point names a plugin"
 
 
 def test_plugin_settings_section_from_toml(tmp_path):

@@ -10,23 +10,12 @@ import torch
 
 from framework.config import Settings
 from framework.memory import ReqToTokenPool, TokenToKVPool
-from framework.request import Req, SamplingParams
+from framework.request import Req, SamplingParams, Stash
+from framework.scheduler import Scheduler
+from framework.views import SchedulerView
 from plugins.caches.chunk import ChunkCache
 from plugins.caches.radix import RadixCache
 from plugins.policies.lpm import LpmSettings
-
-
-class RecordingAdder:
-    """Stands in for PrefillAdder: records what the policy hands to the admission loop."""
-
-    def __init__(self):
-        self.ordered = None
-        self.prefix_computed = None
-
-    def admit_waiting(self, scheduler, ordered, prefix_computed):
-        self.ordered = [r.rid for r in ordered]
-        self.prefix_computed = prefix_computed
-        return []
 
 
 def make_cache(cls=RadixCache, sequences=()):
@@ -38,12 +27,15 @@ def make_cache(cls=RadixCache, sequences=()):
 
 
 def make_scheduler(cache, reqs, **lpm):
+    """Just what `SchedulerView` reads, around a cache and a waiting queue."""
     settings = Settings.load(None)
     settings.plugin["lpm"] = lpm
     settings.register_plugin_section("lpm", LpmSettings)
-    from framework.request import Stash
-
-    return SimpleNamespace(tree_cache=cache, waiting_queue=list(reqs), settings=settings, stash=Stash())
+    sched = SimpleNamespace(
+        tree_cache=cache, waiting_queue=list(reqs), settings=settings, stash=Stash(), prefix_matches={}
+    )
+    sched.match_waiting_prefix = lambda r: Scheduler.match_waiting_prefix(sched, r)
+    return sched
 
 
 def req(rid, ids, max_new=16):
@@ -51,9 +43,11 @@ def req(rid, ids, max_new=16):
 
 
 def order(policy, scheduler):
-    adder = RecordingAdder()
-    importlib.import_module(f"plugins.policies.{policy}").select_prefill(scheduler=scheduler, adder=adder)
-    return adder
+    """What the policy returns: (rids in order, whether it matched every waiting prefix)."""
+    module = importlib.import_module(f"plugins.policies.{policy}")
+    chosen = module.select_prefill(view=SchedulerView(scheduler))
+    matched = len(scheduler.prefix_matches) == len(scheduler.waiting_queue)
+    return SimpleNamespace(ordered=[r.rid for r in chosen], prefix_computed=matched)
 
 
 def test_fcfs_keeps_arrival_order():
@@ -75,7 +69,11 @@ def test_lpm_sorts_by_matched_prefix_stably():
     adder = order("lpm", sched)
     assert adder.ordered == ["five", "two", "two-b", "one", "none"]
     assert adder.prefix_computed is True
-    assert [len(r.prefix_indices) for r in sched.waiting_queue] == [5, 2, 2, 1, 0]
+    by_rid = {r.rid: r for r in sched.waiting_queue}
+    lengths = [len(sched.prefix_matches[id(by_rid[rid])][0]) for rid in adder.ordered]
+    assert lengths == [5, 2, 2, 1, 0]
+    # The view's match leaves the requests as they were: the core sets their prefix on admission.
+    assert all(len(r.prefix_indices) == 0 for r in sched.waiting_queue)
 
 
 def test_lpm_falls_back_to_fcfs_over_128_waiting():
@@ -169,7 +167,7 @@ def test_third_party_policy_from_toml_changes_admission_order(tmp_path, tiny_mod
 
     class Order:
         @hookimpl
-        def on_batch_result(self, batch, result, scheduler):
+        def on_batch_result(self, batch, result):
             if batch.forward_mode.is_extend():
                 first_tokens.extend(r.origin_input_ids[0] for r in batch.reqs if len(r.output_ids) == 1)
 

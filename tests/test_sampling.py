@@ -258,7 +258,7 @@ class ModeCounter:
         self.mixed = 0
 
     @hookimpl
-    def on_batch_result(self, batch, result, scheduler):
+    def on_batch_result(self, batch, result):
         self.mixed += batch.forward_mode.name == "MIXED"
 
 

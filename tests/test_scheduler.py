@@ -54,7 +54,7 @@ def test_chunked_request_is_chunked(make_engine):
 
     class Extends:
         @hookimpl
-        def on_batch_result(self, batch, result, scheduler):
+        def on_batch_result(self, batch, result):
             if batch.forward_mode.is_extend():
                 sizes.append(sum(batch.extend_lens))
 
@@ -147,6 +147,9 @@ def test_seeded_sampling_is_reproducible(make_engine):
         ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p: must be in (0, 1]"),
         ({"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}}, "top_p: must be in (0, 1]"),
         ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k"),
+        # Larger than an int64 tensor holds: refused, not a crashed batch.
+        ({"input_ids": [1, 2], "sampling_params": {"top_k": 10**30}}, "top_k: must be <= 2147483647"),
+        ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [2**63]}}, "stop_token_ids"),
         ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens: must be >= 0"),
         ({"input_ids": [1, 2], "sampling_params": {"min_p": math.nan}}, "min_p: must be finite"),
         ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 3}}, "frequency_penalty"),

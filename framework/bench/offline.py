@@ -64,7 +64,7 @@ def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool = True, pr
     inner, sink = _progress_sink(engine, pbar)
     engine.scheduler.output_sink = sink
     sched = engine.scheduler
-    passes, kept, dropped = sched.forward_ct, sched.num_draft_tokens_kept, sched.num_draft_tokens_dropped
+    passes, kept, dropped = sched.forward_ct, sched.structured.num_draft_tokens_kept, sched.structured.num_draft_tokens_dropped
     try:
         start = time.perf_counter()
         outs = engine.generate(input_ids=[r.prompt_ids for r in requests],
@@ -79,8 +79,8 @@ def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool = True, pr
     metrics["cache_hit_rate"] = sched.cache_hit_rate()
     metrics["forward_passes"] = sched.forward_ct - passes
     # Jump-forward drafts the model kept, and those it replaced (computed for nothing).
-    metrics["jump_forward_tokens"] = sched.num_draft_tokens_kept - kept
-    metrics["jump_forward_dropped"] = sched.num_draft_tokens_dropped - dropped
+    metrics["jump_forward_tokens"] = sched.structured.num_draft_tokens_kept - kept
+    metrics["jump_forward_dropped"] = sched.structured.num_draft_tokens_dropped - dropped
     return metrics
 
 

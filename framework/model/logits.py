@@ -90,7 +90,8 @@ def _next_token_logits(
     token_logprobs = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
 
     top_nums = batch.top_logprobs_nums or [0] * bs
-    max_top = max(top_nums) if top_nums else 0
+    # The server refuses more than the vocabulary; offline callers get at most all of it.
+    max_top = min(max(top_nums), logprobs.shape[-1]) if top_nums else 0
     top_vals = top_ids = None
     if max_top > 0:
         top_vals, top_ids = logprobs.topk(max_top, dim=-1)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Literal
 
 import zmq
 
+from framework.clients import merge_clients
 from framework.config import Settings
 from framework.messages import (
     AbortReq,
@@ -104,8 +105,10 @@ def combine_stats(replies: list[SchedulerStats]) -> SchedulerStats:
     """One SchedulerStats for all replicas: counts summed, ratios recomputed, the parts kept."""
     summed = {
         f.name: sum(getattr(r, f.name) for r in replies)
-        for f in fields(SchedulerStats) if f.name not in ("request_id", "dp_rank", "replicas")
+        for f in fields(SchedulerStats) if f.name not in ("request_id", "dp_rank", "replicas", "clients")
     }
+    # Bounded again where it is shown (the TokenizerManager), which knows the label limit.
+    summed["clients"] = merge_clients(r.clients for r in replies)
     summed["token_usage"] = summed["num_used_tokens"] / max(summed["max_total_num_tokens"], 1)
     summed["cache_hit_rate"] = sum(r.cache_hit_rate for r in replies) / len(replies)
     ordered = sorted(replies, key=lambda r: -1 if r.dp_rank is None else r.dp_rank)

@@ -13,8 +13,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from framework.config import Settings
 from framework.request import SamplingParams
@@ -77,11 +79,24 @@ class GuardMiddleware:
 def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> GuardMiddleware:
     """The ASGI app to serve: the FastAPI routes behind the guard."""
     app = FastAPI(title="batchyard", docs_url=None, redoc_url=None, openapi_url=None)
-    max_bytes = settings.server.max_request_bytes
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         return JSONResponse(exc.to_json(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        # FastAPI's own answers (404 no such path, 405 wrong method) in the documented error body.
+        err = ApiError(f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code,
+                       err_type="invalid_request_error" if exc.status_code < 500 else "server_error")
+        return JSONResponse(err.to_json(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        # Bodies are parsed by hand, so no route has FastAPI-validated parameters today; should one
+        # get them, its errors are a 400 in the documented body, like every other invalid field.
+        parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in exc.errors()]
+        return JSONResponse(ApiError("; ".join(parts) or "invalid request").to_json(), status_code=400)
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(request: Request, exc: ClientDisconnected):
@@ -126,6 +141,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
             dumped["parallel"]["dist_secret"] = "<redacted>"
         stats_dict = asdict(stats)
         stats_dict.pop("request_id")
+        clients = stats_dict.pop("clients")
         return {
             **dumped,
             "served_model_name": info.model_name,
@@ -137,6 +153,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
             "process_ids": info.process_ids,
             "num_inflight_requests": len(tm.states),
             "scheduler_stats": stats_dict,
+            "clients": clients,
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -149,7 +166,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
     @app.post("/update_weights_from_disk")
     @app.post("/update_weights")  # the reference's 0.3.6 name
     async def update_weights_from_disk(request: Request):
-        body = _object_with(await read_json(request, max_bytes), {"model_path", "load_format"})
+        body = _object_with(await read_json(request, tm.limits), {"model_path", "load_format"})
         model_path = body.get("model_path")
         if not isinstance(model_path, str) or not model_path:
             raise ApiError("model_path: must be a non-empty string")
@@ -173,14 +190,14 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
 
     @app.api_route("/open_session", methods=["GET", "POST"])
     async def open_session(request: Request):
-        body = await read_json(request, max_bytes, allow_empty=True)
+        body = await read_json(request, tm.limits, allow_empty=True)
         body = _object_with(body, {"capacity_of_str_len"})
         capacity = check_int("capacity_of_str_len", body.get("capacity_of_str_len", 0), minimum=0)
         return JSONResponse(await tm.open_session(capacity))
 
     @app.api_route("/close_session", methods=["GET", "POST"])
     async def close_session(request: Request):
-        body = _object_with(await read_json(request, max_bytes), {"session_id"})
+        body = _object_with(await read_json(request, tm.limits), {"session_id"})
         session_id = body.get("session_id")
         if not isinstance(session_id, str):
             raise ApiError("session_id: must be a string")
@@ -189,7 +206,8 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
-        batch = parse_generate(await read_json(request, max_bytes), tm.tokenize, tm.tokenizer, tm.ready.hidden_size)
+        body = await read_json(request, tm.limits)
+        batch = await tm.offload(parse_generate, body, tm.tokenize, tm.tokenizer, tm.ready.hidden_size, tm.limits)
         await tm.process_images(batch.specs)
         specs = await tm.expand_parallel(batch, request)
         if not batch.stream:
@@ -213,7 +231,8 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
 
     @app.api_route("/encode", methods=["POST", "PUT"])
     async def encode(request: Request):
-        specs, is_batch = parse_encode(await read_json(request, max_bytes), tm.tokenize)
+        body = await read_json(request, tm.limits)
+        specs, is_batch = await tm.offload(parse_encode, body, tm.tokenize, tm.limits)
         outs = await tm.run_all(specs, request)
         results = [{"embedding": out.embedding, "meta_info": out.meta_info} for out in outs]
         return JSONResponse(results if is_batch else results[0])
@@ -228,7 +247,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
             tm.metrics.set_inflight_requests(len(tm.states))
             return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    register_openai_routes(app, tm, info.model_name, max_bytes)
+    register_openai_routes(app, tm, info.model_name)
     return GuardMiddleware(app, tm, settings.server.api_key)
 
 

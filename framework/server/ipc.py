@@ -94,12 +94,24 @@ def setup_child_process(name: str, log_level: str) -> None:
     configure_logging(log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    signal.signal(signal.SIGTERM, _exit_now)
     parent = os.getppid()
     if not _set_parent_death_signal():
         threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     elif os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def _exit_now(signum, frame) -> None:
+    """SIGTERM: the main process is stopping the server, and a child has nothing to save. A normal
+    interpreter exit would tear down native threads still running (torch's pools, the forward and
+    grammar threads, gloo's), and C++ aborts on that (SIGABRT, "terminate called without an active
+    exception"); so flush the logs and leave with status 0 at once."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _set_parent_death_signal() -> bool:

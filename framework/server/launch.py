@@ -47,6 +47,7 @@ from framework.server.detokenizer import run_detokenizer_process
 from framework.server.dp_controller import run_dp_controller_process
 from framework.server.http_server import ServerInfo, build_app
 from framework.server.ipc import IpcNames, configure_logging
+from framework.server.limits import RequestLimits, max_token_bytes
 from framework.server.scheduler_process import dp_rank_from_env, run_scheduler_process
 from framework.server.tokenizer_manager import TokenizerManager
 
@@ -116,7 +117,10 @@ class Launcher:
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            return self._run()
+            code = self._run()
+            self.raise_on_signal = False
+            # A child that did not stop cleanly fails the run, even after a clean HTTP shutdown.
+            return code if self._stop_children() else 1
         except Shutdown as exc:
             logger.info("Received %s during start-up; stopping", exc)
             return 0
@@ -128,7 +132,8 @@ class Launcher:
             return 1
         finally:
             self.raise_on_signal = False
-            self._stop_children()
+            if not self._stop_children() and self.exit_code == 0:
+                self.exit_code = 1
             if self.ipc_dir is not None:
                 shutil.rmtree(self.ipc_dir, ignore_errors=True)
             for sig, handler in previous.items():
@@ -293,17 +298,20 @@ class Launcher:
 
     async def _serve(self, ipc: IpcNames, ready: SchedulerReady, tokenizer, info: ServerInfo) -> None:
         settings = self.settings
+        limits = RequestLimits.from_settings(settings.server, ready.vocab_size, ready.max_req_input_len,
+                                             max_token_bytes(tokenizer))
         tm = TokenizerManager(ipc, ready, tokenizer, ServerMetrics(info.model_name),
                               log_requests=settings.server.log_requests,
                               request_timeout=settings.server.request_timeout,
-                              image_processor=ImageProcessor.from_model_folder(info.model_folder))
+                              image_processor=ImageProcessor.from_model_folder(info.model_folder), limits=limits,
+                              max_client_labels=settings.metrics.max_client_labels)
         tm.start()
         config = uvicorn.Config(
             build_app(tm, settings, info), host=settings.server.host, port=settings.server.port,
             log_config=None, log_level=settings.server.log_level.lower(),
             access_log=settings.server.log_requests, lifespan="off", timeout_graceful_shutdown=3,
         )
-        server = uvicorn.Server(config)
+        server = GracefulServer(config, tm)
         supervisor = asyncio.get_running_loop().create_task(self._supervise(server, tm, info))
         try:
             await server.serve()
@@ -330,14 +338,37 @@ class Launcher:
                 server.should_exit = True
                 return
 
-    def _stop_children(self) -> None:
-        for proc in self.processes.values():
+    def _stop_children(self) -> bool:
+        """SIGTERM every child and wait; False (logged) if one did not exit with status 0. Each
+        child is checked once: a second call (the `finally` after a clean stop) finds none left."""
+        stopping = dict(self.processes)
+        self.processes.clear()
+        for proc in stopping.values():
             if proc.is_alive():
                 proc.terminate()
         deadline = time.monotonic() + 5.0
-        for name, proc in self.processes.items():
+        clean = True
+        for name, proc in stopping.items():
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 logger.warning("The %s process did not stop; killing it", name)
                 proc.kill()
                 proc.join(1.0)
+                clean = False
+            elif proc.exitcode != 0:
+                logger.error("The %s process exited with status %s", name, proc.exitcode)
+                clean = False
+        return clean
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server that, when it stops, first ends the requests in flight: a stream gets a
+    last error event and ends, a waiting request a 503, so no connection is cut mid-answer."""
+
+    def __init__(self, config: uvicorn.Config, tm: TokenizerManager):
+        super().__init__(config)
+        self.tm = tm
+
+    async def shutdown(self, sockets=None) -> None:
+        self.tm.begin_shutdown()
+        await super().shutdown(sockets=sockets)

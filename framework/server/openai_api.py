@@ -92,7 +92,7 @@ def usage(outs: list[StrOutput], n: int) -> dict:
     return result
 
 
-def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str, max_bytes: int) -> None:
+def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) -> None:
     fmt = OpenAIFormatter(tm)
 
     @app.get("/v1/models")
@@ -104,14 +104,16 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str, 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = _validate(CompletionRequest, await read_json(request, max_bytes), model_name)
+        req = _validate(CompletionRequest, await read_json(request, tm.limits), model_name)
+        identity = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
         if req.suffix:
             raise ApiError("suffix: not supported")
-        prompts = _prompts(tm, req.prompt)
+        prompts = await tm.offload(_prompts, tm, req.prompt, "prompt")
         # logprobs = 0 asks for the chosen tokens' logprobs only, as in the OpenAI API.
-        batch = _batch(tm, req, prompts, req.sampling_dict(req.max_tokens, req.temperature),
-                       return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
-                       logprob_start_len=0 if (req.echo and req.logprobs is not None) else -1)
+        top = tm.limits.check_top_logprobs_num(req.logprobs or 0, "logprobs")
+        batch = await tm.offload(_batch, tm, req, prompts, req.sampling_dict(req.max_tokens, req.temperature),
+                                 req.logprobs is not None, top, 0 if (req.echo and req.logprobs is not None) else -1,
+                                 identity)
         specs = await tm.expand_parallel(batch, request)
         rid, created = f"cmpl-{batch.specs[0].rid}", int(time.time())
         echo_texts = [(p[1] if p[1] is not None else tm.tokenizer.decode(p[0])) if req.echo else ""
@@ -189,12 +191,13 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str, 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = _validate(ChatCompletionRequest, await read_json(request, max_bytes), model_name)
-        ids = _chat_input_ids(tm, req)
+        req = _validate(ChatCompletionRequest, await read_json(request, tm.limits), model_name)
+        identity = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
+        ids = await tm.offload(_chat_input_ids, tm, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        batch = _batch(tm, req, [(ids, None)], req.sampling_dict(max_tokens, req.temperature),
-                       return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
-                       logprob_start_len=-1)
+        top = tm.limits.check_top_logprobs_num(req.top_logprobs or 0, "top_logprobs")
+        batch = await tm.offload(_batch, tm, req, [(ids, None)], req.sampling_dict(max_tokens, req.temperature),
+                                 req.logprobs, top, -1, identity)
         specs = await tm.expand_parallel(batch, request)
         rid, created = f"chatcmpl-{batch.specs[0].rid}", int(time.time())
 
@@ -261,13 +264,16 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str, 
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        req = _validate(EmbeddingRequest, await read_json(request, max_bytes), model_name)
+        req = _validate(EmbeddingRequest, await read_json(request, tm.limits), model_name)
+        client_id, priority, slo_ttft_ms = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
         if req.dimensions is not None and req.dimensions != tm.ready.hidden_size:
             raise ApiError(f"dimensions: this model's embeddings have {tm.ready.hidden_size} dimensions")
         if req.input == [] or req.input == "":
             raise ApiError("input: must not be empty")
-        prompts = _prompts(tm, req.input)
+        prompts = await tm.offload(_prompts, tm, req.input, "input")
         specs = embedding_specs([new_rid() for _ in prompts], [ids for ids, _ in prompts], [t for _, t in prompts])
+        for spec in specs:
+            spec.client_id, spec.priority, spec.slo_ttft_ms = client_id, priority, slo_ttft_ms
         outs = await tm.run_all(specs, request)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(o.embedding, req.encoding_format)}
                 for i, o in enumerate(outs)]
@@ -297,21 +303,24 @@ def _validate(model, body: Any, served_name: str):
     return req
 
 
-def _prompts(tm: TokenizerManager, prompt: Any) -> list[tuple[list[int], str | None]]:
-    """(input ids, text or None) per prompt of a completion request."""
+def _prompts(tm: TokenizerManager, prompt: Any, name: str) -> list[tuple[list[int], str | None]]:
+    """(input ids, text or None) per prompt of the request field `name`. Tokenizes: run it offloaded."""
     if isinstance(prompt, str):
-        return [(tm.tokenize(prompt), prompt)]
+        return [(tm.tokenize(prompt, name=name), prompt)]
     if not prompt:
         raise ApiError("prompt: must not be empty")
     if all(is_int(t) for t in prompt):
         return [(list(prompt), None)]
+    tm.limits.check_counts(len(prompt), 1)  # before tokenizing any
     if all(isinstance(p, str) for p in prompt):
-        return [(tm.tokenize(p), p) for p in prompt]
+        return [(tm.tokenize(p, name=name), p) for p in prompt]
     return [(list(p), None) for p in prompt]
 
 
 def _batch(tm: TokenizerManager, req, prompts, sampling: dict, return_logprob: bool,
-           top_logprobs_num: int, logprob_start_len: int) -> GenerateBatch:
+           top_logprobs_num: int, logprob_start_len: int,
+           identity: tuple[str | None, int | None, float | None]) -> GenerateBatch:
+    """The ReqSpecs of an OpenAI request (stop strings are tokenized: run it offloaded)."""
     specs = []
     for ids, text in prompts:
         try:
@@ -324,12 +333,15 @@ def _batch(tm: TokenizerManager, req, prompts, sampling: dict, return_logprob: b
             rid=new_rid(), input_ids=ids, sampling_params=params, input_text=text,
             return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, stream=req.stream,
+            client_id=identity[0], priority=identity[1], slo_ttft_ms=identity[2],
         ))
     n = specs[0].sampling_params.n
+    tm.limits.check_counts(len(specs), n, name="n")
     return GenerateBatch(specs=specs, n=n, is_batch=True, stream=req.stream)
 
 
 def _chat_input_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> list[int]:
+    """The chat prompt's ids through the template (tokenizes: run it offloaded)."""
     tokenizer = tm.tokenizer
     if getattr(tokenizer, "chat_template", None) is None:
         raise ApiError("this model's tokenizer has no chat template; use /v1/completions")
@@ -353,4 +365,4 @@ def _chat_input_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> list[in
     except Exception as exc:  # the template itself raises on what it does not accept
         raise ApiError(f"messages: the chat template rejected them: {exc}") from None
     # The template already wrote the special tokens as text.
-    return tokenizer.encode(prompt, add_special_tokens=False)
+    return tm.tokenize(prompt, add_special_tokens=False, name="messages")

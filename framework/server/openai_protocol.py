@@ -40,8 +40,10 @@ class _SamplingExtras(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_p: float = 1.0
-    user: str | None = None
+    user: str | None = None  # the client id (framework.request.check_client_id)
     # Extensions.
+    priority: int | None = None
+    slo_ttft_ms: float | None = None
     top_k: int = -1
     min_p: float = 0.0
     min_tokens: int = 0
@@ -121,4 +123,6 @@ class EmbeddingRequest(_Strict):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # must be the model's hidden size when given
-    user: str | None = None  # accepted and ignored, as in the reference
+    user: str | None = None  # the client id, as for completions
+    priority: int | None = None  # extension
+    slo_ttft_ms: float | None = None  # extension

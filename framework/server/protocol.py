@@ -18,14 +18,15 @@ from framework.request import SamplingParams, input_embeds_tensor, split_input_e
 
 if TYPE_CHECKING:
     from framework.messages import StrOutput
+    from framework.server.limits import RequestLimits
 
 GENERATE_FIELDS = {
     "text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob",
     "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "session", "image_data",
-    "lora_path",
+    "lora_path", "client_id", "priority", "slo_ttft_ms",
 }
 # /encode (reference EmbeddingReqInput); its sampling_params are accepted and ignored.
-ENCODE_FIELDS = {"text", "input_ids", "rid", "sampling_params"}
+ENCODE_FIELDS = {"text", "input_ids", "rid", "sampling_params", "client_id", "priority", "slo_ttft_ms"}
 # Fields of the reference this build does not serve: a clear 400 instead of silently ignoring them.
 UNSUPPORTED_FIELDS = {"modalities"}
 
@@ -217,13 +218,19 @@ def parse_rids(rids: Any, count: int, is_batch: bool) -> list[str]:
     return rids
 
 
-def parse_encode(body: Any, tokenize: Callable[[str], list[int]]) -> tuple[list[ReqSpec], bool]:
+def parse_encode(body: Any, tokenize: Callable[[str], list[int]],
+                 limits: "RequestLimits") -> tuple[list[ReqSpec], bool]:
     """Check an /encode body (reference EmbeddingReqInput): its specs and whether it is a batch."""
-    prompts = parse_prompts(check_fields(body, ENCODE_FIELDS), tokenize)
+    check_fields(body, ENCODE_FIELDS)
+    limits.check_counts(num_prompts(body), 1)
+    prompts = parse_prompts(body, tokenize)
     if not isinstance(body.get("sampling_params") or {}, (dict, list)):
         raise ApiError("sampling_params: must be an object (it is ignored by /encode)")
     rids = parse_rids(body.get("rid"), len(prompts.id_lists), prompts.is_batch)
-    return embedding_specs(rids, prompts.id_lists, prompts.texts), prompts.is_batch
+    specs = embedding_specs(rids, prompts.id_lists, prompts.texts)
+    for spec, identity in zip(specs, parse_identities(body, len(specs), prompts.is_batch, limits)):
+        spec.client_id, spec.priority, spec.slo_ttft_ms = identity
+    return specs, prompts.is_batch
 
 
 def embedding_specs(rids: list[str], id_lists: list[list[int]], texts: list[str | None]) -> list[ReqSpec]:
@@ -236,10 +243,31 @@ def embedding_specs(rids: list[str], id_lists: list[list[int]], texts: list[str 
     ]
 
 
+def parse_identities(body: dict, count: int, is_batch: bool,
+                     limits: "RequestLimits") -> list[tuple[str | None, int | None, float | None]]:
+    """(client_id, priority, slo_ttft_ms) per prompt: each field one value for all prompts, or
+    in a batch one per prompt."""
+    per_prompt = [_per_item(name, body.get(name), count, is_batch) for name in ("client_id", "priority", "slo_ttft_ms")]
+    return [limits.check_identity(*values) for values in zip(*per_prompt)]
+
+
+def num_prompts(body: dict) -> int:
+    """How many prompts a body's `text` or `input_ids` holds (before they are checked)."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if isinstance(text, list):
+        return len(text)
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        return len(input_ids)
+    return 1
+
+
 def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: Any,
-                   hidden_size: int) -> GenerateBatch:
+                   hidden_size: int, limits: "RequestLimits") -> GenerateBatch:
     """Check a /generate body (reference GenerateReqInput) and build its ReqSpecs."""
-    prompts = parse_prompts(check_fields(body, GENERATE_FIELDS), tokenize, hidden_size)
+    check_fields(body, GENERATE_FIELDS)
+    # Before tokenizing: a batch too large is refused without doing the work.
+    limits.check_counts(num_prompts(body), 1)
+    prompts = parse_prompts(body, tokenize, hidden_size)
     is_batch, id_lists, texts = prompts.is_batch, prompts.id_lists, prompts.texts
     count = len(id_lists)
 
@@ -254,6 +282,7 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
     top_nums = _per_item("top_logprobs_num", body.get("top_logprobs_num", 0), count, is_batch)
     lora_paths = _per_item("lora_path", body.get("lora_path"), count, is_batch)
     with_text = check_bool("return_text_in_logprobs", body.get("return_text_in_logprobs", False))
+    identities = parse_identities(body, count, is_batch, limits)
 
     session_id = session_rid = None
     if body.get("session") is not None:
@@ -285,11 +314,12 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
                 rid=rids[i], input_ids=id_lists[i], sampling_params=params, input_text=texts[i],
                 return_logprob=check_bool("return_logprob", return_logprob[i]),
                 logprob_start_len=start,
-                top_logprobs_num=check_int("top_logprobs_num", top_nums[i], minimum=0),
+                top_logprobs_num=limits.check_top_logprobs_num(top_nums[i]),
                 return_text_in_logprobs=with_text, stream=stream,
                 session_id=session_id, session_rid=session_rid, image_data=images[i],
                 input_embeds=prompts.embeds[i],
                 lora_path=check_optional_str("lora_path", lora_paths[i]),
+                client_id=identities[i][0], priority=identities[i][1], slo_ttft_ms=identities[i][2],
             )
         )
     ns = {s.sampling_params.n for s in specs}
@@ -298,6 +328,7 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
     n = ns.pop()
     if n > 1 and session_id is not None:
         raise ApiError("sampling_params.n: a session request takes n = 1")
+    limits.check_counts(count, n)
     return GenerateBatch(specs=specs, n=n, is_batch=is_batch or n > 1, stream=stream)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -56,10 +55,6 @@ def run_scheduler_process(
     behind_controller = dp_rank is not None
     dp_rank = dp_rank_from_env() if dp_rank is None else dp_rank
     setup_child_process(scheduler_log_name(dp_rank, tp_rank, settings.parallel.tp_size), settings.server.log_level)
-    if settings.parallel.tp_size > 1:
-        # A rank has nothing to flush, and a normal exit can wait on gloo's threads (a peer may be
-        # gone already): leave at once. The handler runs once any collective in flight returns.
-        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
     from framework.scheduler import Scheduler
 
     dp_attention = settings.parallel.enable_dp_attention

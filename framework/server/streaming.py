@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from framework.messages import StrOutput
+from framework.server.limits import RequestLimits
 from framework.server.protocol import ApiError, ReqSpec
 from framework.server.tokenizer_manager import TokenizerManager, gather_or_cancel
 
@@ -41,17 +42,9 @@ async def read_body(request: Any, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_json(raw: bytes, allow_empty: bool = False) -> Any:
-    if not raw.strip() and allow_empty:
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"malformed JSON body: {exc}") from None
-
-
-async def read_json(request: Any, max_bytes: int, allow_empty: bool = False) -> Any:
-    return parse_json(await read_body(request, max_bytes), allow_empty)
+async def read_json(request: Any, limits: RequestLimits, allow_empty: bool = False) -> Any:
+    """The body as JSON within `limits` (size, nesting, number lengths, valid strings)."""
+    return limits.parse_json(await read_body(request, limits.max_request_bytes), allow_empty)
 
 
 async def open_streams(

@@ -12,6 +12,7 @@ not finished; `release` is synchronous so it can run from a cancelled stream's `
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import time
@@ -22,6 +23,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 import zmq
 import zmq.asyncio
 
+from framework.clients import bound_clients
+from framework.config import ServerSettings
 from framework.messages import (
     AbortReq,
     BatchStrOut,
@@ -39,6 +42,7 @@ from framework.images import ImageError, ImageProcessor
 from framework.metrics import ServerMetrics
 from framework.request import FinishAbort, request_kind_error
 from framework.server.ipc import IpcNames, make_socket
+from framework.server.limits import RequestLimits, max_token_bytes
 from framework.server.protocol import ApiError, GenerateBatch, ReqSpec
 
 logger = logging.getLogger(__name__)
@@ -104,9 +108,18 @@ def is_rejected(out: StrOutput) -> bool:
 class TokenizerManager:
     def __init__(self, ipc: IpcNames, ready: SchedulerReady, tokenizer: Any, metrics: ServerMetrics,
                  log_requests: bool = False, image_processor: ImageProcessor | None = None,
+                 limits: RequestLimits | None = None, max_client_labels: int = 16,
                  request_timeout: float | None = None):
         self.ready = ready
         self.request_timeout = request_timeout
+        self.max_client_labels = max_client_labels
+        if limits is None:
+            limits = RequestLimits.from_settings(ServerSettings(), ready.vocab_size, ready.max_req_input_len,
+                                                 max_token_bytes(tokenizer) if tokenizer is not None else 1)
+        self.limits = limits
+        # Tokenizing (and the parsing around it) runs here, off the event loop. One thread: a Hugging
+        # Face tokenizer is not safe to call from two threads at once.
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.image_processor = image_processor
         self.log_requests = log_requests
         self.tokenizer = tokenizer
@@ -122,6 +135,7 @@ class TokenizerManager:
         self._async_context = zmq.asyncio.Context()
         self.recv_sock = make_socket(self._async_context, zmq.PULL, ipc.tokenizer)
         self._loop_task: asyncio.Task | None = None
+        self.is_closed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -132,6 +146,8 @@ class TokenizerManager:
         if self._loop_task is not None:
             self._loop_task.cancel()
         # Sockets and contexts go now, not whenever the interpreter gets to them at exit.
+        self.is_closed = True
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._async_context.destroy(linger=0)
         self._sync_context.destroy(linger=0)
 
@@ -144,6 +160,13 @@ class TokenizerManager:
             if not fut.done():
                 fut.set_exception(ApiError(reason, status=503, err_type="server_error"))
         self.pending.clear()
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping: every request in flight ends now (a stream with a last error
+        event, a waiting request with a 503) and new ones are answered 503. Nothing more is sent
+        to the scheduler, which is stopped next."""
+        if self.dead_reason is None:
+            self.mark_dead("The server is shutting down.")
 
     def check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -192,8 +215,18 @@ class TokenizerManager:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def tokenize(self, text: str, add_special_tokens: bool = True, name: str = "text") -> list[int]:
+        """Token ids of a prompt (the request field `name`); its size is checked first. Call it
+        through `offload`."""
+        self.limits.check_prompt_bytes(text, name)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as exc:  # what the tokenizer refuses is the request's fault
+            raise ApiError(f"{name}: the tokenizer cannot encode it: {exc}") from None
+
+    async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the tokenizer thread: parsing that tokenizes never blocks the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, functools.partial(fn, *args))
 
     @functools.lru_cache(maxsize=1 << 16)
     def decode_token(self, token_id: int) -> str:
@@ -248,7 +281,7 @@ class TokenizerManager:
                 meta.get("prompt_tokens", len(state.spec.input_ids)), meta.get("completion_tokens", 0),
                 time.monotonic() - state.created, "abort",
             )
-        if self.dead_reason is None:
+        if self.dead_reason is None and not self.is_closed:
             self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
     def stop_watching(self, rid: str) -> None:
@@ -377,6 +410,8 @@ class TokenizerManager:
 
     async def get_stats(self) -> SchedulerStats:
         stats = await self.control(lambda rid: GetStatsReq(request_id=rid))
+        # Each scheduler bounds its clients; data-parallel replicas' sum needs it again.
+        stats.clients = bound_clients(stats.clients, self.max_client_labels)
         self.metrics.set_scheduler_stats(stats)
         return stats
 

@@ -14,7 +14,6 @@ from framework import hookimpl
 from framework.cache import BasePrefixCache
 
 PLUGIN_KIND = "cache"
-PLUGIN_NAME = "chunk"
 
 
 @dataclass

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -32,6 +33,8 @@ from plugins.caches.eviction import EvictionPolicy, get_eviction_policy
 if TYPE_CHECKING:
     from framework.memory import ReqToTokenPool, TokenToKVPool
     from framework.request import Req
+
+logger = logging.getLogger(__name__)
 
 #: How many nodes `pretty_print` lists before summarising the rest (OOM logs must stay readable).
 PRETTY_PRINT_MAX_NODES = 200
@@ -51,7 +54,7 @@ def _common_prefix_len(node_key: list[int], key: Sequence[int], start: int) -> i
 
 
 def _req_priority(req: "Req") -> int:
-    return req.priority
+    return req.priority if req.priority is not None else 0
 
 
 class TreeNode:
@@ -379,7 +382,6 @@ class RadixCache(BasePrefixCache):
 # Plugin registration
 
 PLUGIN_KIND = "cache"
-PLUGIN_NAME = "radix"
 
 
 @hookimpl
@@ -389,6 +391,9 @@ def create_cache(settings, req_to_token_pool, token_to_kv_pool):
         # adapters are loaded; the reference requires --disable-radix-cache (AB1), which picks
         # the chunk cache when chunked prefill is on (B3).
         if settings.scheduler.chunked_prefill_size is not None:
+            logger.warning("cache radix: LoRA adapters with chunked prefill: running the chunk cache "
+                           "(no prefix sharing), as the reference does")
             return ChunkCache(req_to_token_pool, token_to_kv_pool)
+        logger.warning("cache radix: LoRA adapters are loaded: the radix cache shares no prefixes")
         return RadixCache(req_to_token_pool, token_to_kv_pool, disable=True)
     return RadixCache(req_to_token_pool, token_to_kv_pool, eviction=settings.cache.eviction)

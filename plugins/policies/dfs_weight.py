@@ -9,16 +9,15 @@ children (post-order), so requests sharing long prefixes run together.
 from __future__ import annotations
 
 from framework import hookimpl
-from plugins.policies.lpm import fcfs_when_no_sharing, match_all
+from plugins.policies.lpm import fcfs_when_no_sharing
 
 PLUGIN_KIND = "policy"
-PLUGIN_NAME = "dfs-weight"
 
 
-def dfs_order(root, reqs) -> list:
+def dfs_order(root, reqs, node_of) -> list:
     by_node: dict[int, list] = {}
     for req in reqs:
-        by_node.setdefault(id(req.last_node), []).append(req)
+        by_node.setdefault(id(node_of[id(req)]), []).append(req)
     weight: dict[int, int] = {}
 
     def calc_weight(node) -> int:
@@ -42,10 +41,9 @@ def dfs_order(root, reqs) -> list:
 
 
 @hookimpl
-def select_prefill(scheduler, adder):
-    queue = scheduler.waiting_queue
-    if fcfs_when_no_sharing(scheduler, PLUGIN_NAME):
-        return adder.admit_waiting(scheduler, list(queue), prefix_computed=False)
-    match_all(scheduler)
-    queue[:] = dfs_order(scheduler.tree_cache.root_node, queue)
-    return adder.admit_waiting(scheduler, list(queue), prefix_computed=True)
+def select_prefill(view):
+    queue = view.waiting_queue
+    if fcfs_when_no_sharing(view, "dfs-weight"):
+        return list(queue)
+    node_of = {id(req): view.match_prefix(req).node for req in queue}
+    return dfs_order(view.cache_root, queue, node_of)

@@ -6,9 +6,8 @@ Retracted requests were appended at the tail of the queue, so they wait behind n
 from framework import hookimpl
 
 PLUGIN_KIND = "policy"
-PLUGIN_NAME = "fcfs"
 
 
 @hookimpl
-def select_prefill(scheduler, adder):
-    return adder.admit_waiting(scheduler, list(scheduler.waiting_queue), prefix_computed=False)
+def select_prefill(view):
+    return list(view.waiting_queue)

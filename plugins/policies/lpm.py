@@ -20,7 +20,6 @@ from pydantic import BaseModel, Field
 from framework import hookimpl
 
 PLUGIN_KIND = "policy"
-PLUGIN_NAME = "lpm"
 FCFS_FALLBACK_QUEUE_LEN = 128
 
 logger = logging.getLogger(__name__)
@@ -40,52 +39,52 @@ class LpmSettings(BaseModel):
 
 @hookimpl
 def register_settings(register):
-    register(PLUGIN_NAME, LpmSettings)
+    register("lpm", LpmSettings)
+
+
 _warned_no_sharing = False
 
 
-def match_all(scheduler) -> None:
-    cache = scheduler.tree_cache
-    for req in scheduler.waiting_queue:
-        req.prefix_indices, req.last_node = cache.match_prefix(rid=req.rid, key=req.adjust_max_prefix_ids())
+def match_all(view) -> dict[int, int]:
+    """Matched prefix length of every waiting request, by ``id(req)``."""
+    return {id(req): view.match_prefix(req).length for req in view.waiting_queue}
 
 
-def fcfs_when_no_sharing(scheduler, policy_name: str) -> bool:
+def fcfs_when_no_sharing(view, policy_name: str) -> bool:
     """True (and a notice once) when the cache cannot share prefixes, so prefix policies are FCFS."""
     global _warned_no_sharing
-    if not scheduler.tree_cache.disable:
+    if view.cache_shares_prefixes:
         return False
     if not _warned_no_sharing:
-        logger.info("%s: the %s cache shares no prefixes; scheduling FCFS instead",
-                    policy_name, type(scheduler.tree_cache).__name__)
+        logger.info("%s: the %s cache shares no prefixes; scheduling FCFS instead", policy_name, view.cache_name)
         _warned_no_sharing = True
     return True
 
 
 @hookimpl
-def select_prefill(scheduler, adder):
-    queue = scheduler.waiting_queue
-    if fcfs_when_no_sharing(scheduler, PLUGIN_NAME) or len(queue) > FCFS_FALLBACK_QUEUE_LEN:
-        return adder.admit_waiting(scheduler, list(queue), prefix_computed=False)
-    match_all(scheduler)
-    queue.sort(key=lambda r: -len(r.prefix_indices))
-    ordered = list(queue)
-    options = scheduler.settings.plugin_section(PLUGIN_NAME)
+def select_prefill(view):
+    queue = view.waiting_queue
+    if fcfs_when_no_sharing(view, "lpm") or len(queue) > FCFS_FALLBACK_QUEUE_LEN:
+        return list(queue)
+    prefix_len = match_all(view)
+    ordered = sorted(queue, key=lambda r: -prefix_len[id(r)])
+    options = view.settings.plugin_section("lpm")
     if options.in_batch_prefix_caching:
-        ordered = hold_back_shared(ordered, options.check_threshold, options.share_threshold)
-    return adder.admit_waiting(scheduler, ordered, prefix_computed=True)
+        ordered = hold_back_shared(ordered, prefix_len, options.check_threshold, options.share_threshold)
+    return ordered
 
 
-def hold_back_shared(ordered: list, check_threshold: int, share_threshold: int) -> list:
+def hold_back_shared(ordered: list, prefix_len: dict[int, int], check_threshold: int, share_threshold: int) -> list:
     """Drop from this round the requests whose uncached prefix an earlier request in `ordered`
     shares: "shares" means equal first `share_threshold` tokens, so a set of those keys suffices."""
     seen: set[tuple[int, ...]] = set()
     kept = []
     for req in ordered:
+        fill_ids = req.origin_input_ids + req.output_ids
         # input_embeds prompts are placeholder ids: equal ids do not mean a shared prefix.
         shares_ids = req.input_embeds is None
-        if shares_ids and len(req.prefix_indices) <= check_threshold and len(req.fill_ids) > share_threshold:
-            key = tuple(req.fill_ids[:share_threshold])
+        if shares_ids and prefix_len[id(req)] <= check_threshold and len(fill_ids) > share_threshold:
+            key = tuple(fill_ids[:share_threshold])
             if key in seen:
                 continue
             seen.add(key)

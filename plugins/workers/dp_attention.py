@@ -20,7 +20,6 @@ from framework.distributed import get_parallel_context
 from framework.request import StashKey
 
 PLUGIN_KIND = "default"
-PLUGIN_NAME = "dp-attention"
 
 logger = logging.getLogger(__name__)
 
@@ -37,27 +36,23 @@ def num_tokens_of(batch: ScheduleBatch | None) -> int:
     return int(batch.input_ids.shape[0])
 
 
-def idle_batch(scheduler) -> ScheduleBatch:
-    batch = ScheduleBatch([], scheduler.req_to_token_pool, scheduler.token_to_kv_pool, scheduler.tree_cache)
-    batch.prepare_for_idle()
-    return batch
-
-
-@hookimpl
-def prepare_batch(batch, scheduler):
-    if not scheduler.settings.parallel.enable_dp_attention:
+@hookimpl(wrapper=True)
+def prepare_batch(view):
+    # A wrapper: the batch the scheduler built (or None) comes from the other implementations.
+    batch = yield
+    if not view.settings.parallel.enable_dp_attention:
         return batch
     global_num_tokens = get_parallel_context().all_gather_int(num_tokens_of(batch))
     if batch is None and max(global_num_tokens) > 0:
-        batch = idle_batch(scheduler)
+        batch = view.idle_batch()
     if batch is not None:
         batch.global_num_tokens = global_num_tokens
-    note_idle(scheduler, batch)
+    note_idle(view, batch)
     return batch
 
 
-def note_idle(scheduler, batch: ScheduleBatch | None) -> None:
-    stash = scheduler.stash
+def note_idle(view, batch: ScheduleBatch | None) -> None:
+    stash = view.stash
     streak = stash.get(IDLE_STREAK, 0)
     if batch is not None and batch.forward_mode.is_idle():
         stash[IDLE_STREAK] = streak + 1
@@ -66,5 +61,5 @@ def note_idle(scheduler, batch: ScheduleBatch | None) -> None:
         stash[IDLE_STREAK] = 0
         logger.info(
             "DP attention rank %d: ran %d IDLE batches while other ranks were busy (total %d)",
-            scheduler.tp_rank, streak, stash[NUM_IDLE_BATCHES],
+            view.tp_rank, streak, stash[NUM_IDLE_BATCHES],
         )

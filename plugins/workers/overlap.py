@@ -33,7 +33,6 @@ from framework.worker import BatchResult, ResolvedHandle
 from plugins.workers import tp
 
 PLUGIN_KIND = "worker"
-PLUGIN_NAME = "overlap"
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from framework.model.runner import ModelRunner
 from framework.worker import BatchResult, ResolvedHandle
 
 PLUGIN_KIND = "worker"
-PLUGIN_NAME = "tp"
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ PARAMS = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
 class Faulty:
-    """Raises in `hook` when it concerns a request whose prompt carries MARK (on_idle: always)."""
+    """Raises in `hook` when it concerns a request whose prompt carries MARK (on_idle: always).
+    No PLUGIN_KIND: an extra plugin object of no kind may implement every hook."""
 
     def __init__(self, hook: str):
         self.hook = hook
@@ -26,33 +27,35 @@ class Faulty:
             raise ValueError(f"injected fault in {hook}")
 
     @hookimpl
-    def on_request_received(self, req, scheduler):
+    def on_request_received(self, req, view):
         self._maybe_raise("on_request_received", [req])
 
-    @hookimpl
-    def select_prefill(self, scheduler, adder):
-        self._maybe_raise("select_prefill", scheduler.waiting_queue)
+    @hookimpl(tryfirst=True)  # before the policy, whose answer would end the call
+    def select_prefill(self, view, adder):
+        self._maybe_raise("select_prefill", view.waiting_queue)
+        return None  # the policy chooses
 
     @hookimpl
-    def prepare_batch(self, batch, scheduler):
+    def prepare_batch(self, batch, view):
         if batch is not None:
             self._maybe_raise("prepare_batch", batch.reqs)
-        return batch
+        return None  # only inspects: the core's default returns the batch
 
-    @hookimpl
-    def on_decode_oom(self, batch, scheduler):
+    @hookimpl(tryfirst=True)  # before the policy, whose answer would end the call
+    def on_decode_oom(self, batch, view):
         self._maybe_raise("on_decode_oom", batch.reqs)
+        return None  # the policy chooses the victims
 
     @hookimpl
-    def on_batch_result(self, batch, result, scheduler):
+    def on_batch_result(self, batch, result, view):
         self._maybe_raise("on_batch_result", batch.reqs)
 
     @hookimpl
-    def on_request_finished(self, req, scheduler):
+    def on_request_finished(self, req, view):
         self._maybe_raise("on_request_finished", [req])
 
     @hookimpl
-    def on_idle(self, scheduler):
+    def on_idle(self, view):
         if self.hook == "on_idle":
             self.num_raised += 1
             raise ValueError("injected fault in on_idle")
@@ -95,7 +98,7 @@ def test_plugin_raising_in_on_idle_is_logged_and_serving_goes_on(make_engine, ca
 
 def test_a_crashed_grammar_compile_fails_its_request_others_proceed(make_engine):
     engine = make_engine()
-    backend = engine.scheduler.grammar_backend
+    backend = engine.scheduler.structured.backend
     compile_grammar = backend.compile_fn
 
     def crashing(key):
@@ -114,3 +117,20 @@ def test_a_crashed_grammar_compile_fails_its_request_others_proceed(make_engine)
     assert crashed["output_ids"] == []
     assert len(constrained["text"]) == 4 and set(constrained["text"]) <= {"a", "b"}
     assert plain["meta_info"]["finish_reason"]["type"] == "length"
+
+
+class Wrapping:
+    """A ``wrapper=True`` prepare_batch, as DP attention has: the fault passes through it."""
+
+    @hookimpl(wrapper=True)
+    def prepare_batch(self, batch, view):
+        return (yield)
+
+
+def test_a_fault_passing_through_a_wrapper_names_the_plugin_that_raised(make_engine):
+    faulty = Faulty("prepare_batch")
+    engine = make_engine(extra_plugins=(faulty, Wrapping()))
+    out = engine.generate(f"{MARK} wrapped", PARAMS)
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "plugin 'Faulty' failed in hook prepare_batch" in reason["message"], reason
+    assert engine.generate("fine", PARAMS)["meta_info"]["finish_reason"]["type"] == "length"

@@ -1,16 +1,18 @@
 """Fault injection for the reliability suite: raises inside a hook on request.
 
-An observer, so it is active wherever the test package is installed, and inert unless its
-settings section turns it on (``[plugin.faults] enabled = true``). It then raises in hook H
-whenever H concerns a request whose prompt text contains ``RAISE-IN:H``.
+A `default` plugin (stacked, so it is active wherever the test package is installed; the kind that
+may implement ``prepare_batch`` besides the hooks every kind may), inert unless its settings section
+turns it on (``[plugin.faults] enabled = true``). It then raises in hook H whenever H concerns a
+request whose prompt text contains ``RAISE-IN:H``. ``select_prefill`` and ``on_decode_oom`` are
+policy hooks, out of a stacked plugin's reach: tests/reliability/test_plugin_faults.py covers them
+in process with a plugin object of no kind.
 """
 
 from pydantic import BaseModel, Field
 
 from framework import hookimpl
 
-PLUGIN_KIND = "observer"
-PLUGIN_NAME = "faults"
+PLUGIN_KIND = "default"
 
 
 class FaultSettings(BaseModel):
@@ -22,34 +24,29 @@ def register_settings(register):
     register("faults", FaultSettings)
 
 
-def _maybe_raise(scheduler, hook, reqs):
-    if scheduler.settings.plugin_section("faults").enabled:
+def _maybe_raise(view, hook, reqs):
+    if view.settings.plugin_section("faults").enabled:
         if any(f"RAISE-IN:{hook}" in (r.origin_input_text or "") for r in reqs):
             raise RuntimeError(f"injected fault in {hook}")
 
 
 @hookimpl
-def on_request_received(req, scheduler):
-    _maybe_raise(scheduler, "on_request_received", [req])
-
-
-@hookimpl(tryfirst=True)  # before the policy, whose answer would end the call
-def select_prefill(scheduler, adder):
-    _maybe_raise(scheduler, "select_prefill", scheduler.waiting_queue)
+def on_request_received(req, view):
+    _maybe_raise(view, "on_request_received", [req])
 
 
 @hookimpl
-def prepare_batch(batch, scheduler):
+def prepare_batch(batch, view):
+    # Returns None: it only inspects the batch, the core's default returns it.
     if batch is not None:
-        _maybe_raise(scheduler, "prepare_batch", batch.reqs)
-    return batch
+        _maybe_raise(view, "prepare_batch", batch.reqs)
 
 
 @hookimpl
-def on_batch_result(batch, result, scheduler):
-    _maybe_raise(scheduler, "on_batch_result", batch.reqs)
+def on_batch_result(batch, result, view):
+    _maybe_raise(view, "on_batch_result", batch.reqs)
 
 
 @hookimpl
-def on_request_finished(req, scheduler):
-    _maybe_raise(scheduler, "on_request_finished", [req])
+def on_request_finished(req, view):
+    _maybe_raise(view, "on_request_finished", [req])

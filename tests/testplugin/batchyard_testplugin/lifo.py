@@ -1,14 +1,21 @@
 """Last in, first out: the newest waiting request is admitted first.
 
-It declares a settings section, ``[plugin.lifo]``, to exercise `register_settings`.
+It declares a settings section, ``[plugin.lifo]``, to exercise `register_settings`, and numbers
+requests as they arrive (`on_request_received`, in ``req.stash``): the waiting queue keeps the
+order the policy returned last round, so arrival order is the plugin's own to remember.
 """
+
+import itertools
 
 from pydantic import BaseModel, Field
 
 from framework import hookimpl
+from framework.request import StashKey
 
 PLUGIN_KIND = "policy"
-PLUGIN_NAME = "lifo"
+
+ARRIVAL: StashKey[int] = StashKey("lifo_arrival")
+_COUNTER = itertools.count()
 
 
 class LifoSettings(BaseModel):
@@ -21,9 +28,14 @@ def register_settings(register):
 
 
 @hookimpl
-def select_prefill(scheduler, adder):
-    cap = scheduler.settings.plugin_section("lifo").max_new_per_round
-    ordered = list(reversed(scheduler.waiting_queue))
+def on_request_received(req):
+    req.stash[ARRIVAL] = next(_COUNTER)
+
+
+@hookimpl
+def select_prefill(view):
+    cap = view.settings.plugin_section("lifo").max_new_per_round
+    ordered = sorted(view.waiting_queue, key=lambda r: -r.stash.get(ARRIVAL, -1))
     if cap:
         ordered = ordered[:cap]
-    return adder.admit_waiting(scheduler, ordered, prefix_computed=False)
+    return ordered

@@ -1,0 +1,145 @@
+"""The results of an experiment: `results.jsonl` (one line per cell) and `table.md`.
+
+A line holds the cell's grid point and label, the full settings overrides, the workload (its spec
+and size), the metrics (`framework.experiment.metrics`), the TTFT/ITL quantiles, the queue samples
+and per-client service, so that the table and the plots can be redrawn from the file alone
+(`batchyard experiment report DIR`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from framework.bench.results import _jsonable, cpu_model, read_jsonl
+
+RESULTS_FILE = "results.jsonl"
+TABLE_FILE = "table.md"
+
+# (header, metric key, format): the table's metric columns; "ms": digits by magnitude.
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("req/s", "request_throughput", "{:.2f}"),
+    ("out tok/s", "output_throughput", "{:.0f}"),
+    ("TTFT mean", "mean_ttft_ms", "ms"),
+    ("TTFT p50", "median_ttft_ms", "ms"),
+    ("TTFT p90", "p90_ttft_ms", "ms"),
+    ("TTFT p99", "p99_ttft_ms", "ms"),
+    ("ITL p50", "median_itl_ms", "ms"),
+    ("ITL p99", "p99_itl_ms", "ms"),
+    ("E2E p50", "median_e2e_latency_ms", "ms"),
+    ("E2E p99", "p99_e2e_latency_ms", "ms"),
+    ("goodput", "goodput", "{:.2f}"),
+    ("SLO %", "slo_attainment", "{:.0%}"),
+    ("hit rate", "cache_hit_rate", "{:.1%}"),
+    ("retract", "num_retractions", "{:d}"),
+    ("Jain", "jain_fairness", "{:.3f}"),
+)
+
+
+def experiment_fields(exp) -> dict[str, Any]:
+    """What every line of one experiment shares."""
+    return {
+        "experiment": exp.name,
+        "file": str(exp.path),
+        "slo": exp.slo.model_dump(),
+        "host": {"cpu": cpu_model()},
+    }
+
+
+def write_results(records: list[dict], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULTS_FILE
+    with open(path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(_jsonable(rec)) + "\n")
+    return path
+
+
+def append_result(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(_jsonable(record)) + "\n")
+
+
+def read_results(out_dir: Path) -> list[dict]:
+    return read_jsonl(str(Path(out_dir) / RESULTS_FILE))
+
+
+def _rate(record: dict) -> float:
+    return float(record["rate"])  # "inf" is stored as a string and reads back as inf
+
+
+def _cell_text(value: Any, fmt: str) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, str):
+        return value
+    if fmt == "{:d}":
+        value = int(value)
+    if fmt == "ms":  # sub-millisecond gaps on fast simulated hardware still show
+        fmt = "{:.2f}" if abs(value) < 10 else "{:.1f}" if abs(value) < 100 else "{:.0f}"
+    return fmt.format(value)
+
+
+def render_table(records: list[dict]) -> str:
+    """A markdown table, one row per cell, grouped by workload then rate (latencies in ms); when
+    requests carry client ids, a second table of per-client service."""
+    if not records:
+        return "(no results)\n"
+    grid_keys = list(records[0]["grid"])
+    show_seed = len({r["seed"] for r in records}) > 1
+    has_clients = any("jain_fairness" in r["metrics"] for r in records)
+    columns = [c for c in COLUMNS if c[1] != "jain_fairness" or has_clients]
+    headers = ["workload", "rate"] + (["seed"] if show_seed else [])
+    headers += [k.rsplit(".", 1)[-1] for k in grid_keys] + [c[0] for c in columns]
+    lines = [
+        f"Latencies in ms; goodput in good requests/s ({_slo_text(records[0].get('slo') or {})}); "
+        f"backend {records[0]['backend']}.",
+        "",
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",
+    ]
+    ordered = sorted(records, key=lambda r: (r["workload"]["name"] or r["workload"]["dataset"], _rate(r),
+                                             r["seed"], r["cell"]))
+    for rec in ordered:
+        rate = _rate(rec)
+        row = [rec["workload"]["name"] or rec["workload"]["dataset"], "inf" if math.isinf(rate) else f"{rate:g}"]
+        if show_seed:
+            row.append(str(rec["seed"]))
+        row += [str(rec["grid"].get(k)) for k in grid_keys]
+        row += [_cell_text(rec["metrics"].get(key), fmt) for _, key, fmt in columns]
+        lines.append("| " + " | ".join(row) + " |")
+    if has_clients:
+        lines += ["", *_client_table(ordered, show_seed)]
+    return "\n".join(lines) + "\n"
+
+
+def _client_table(ordered: list[dict], show_seed: bool) -> list[str]:
+    """Per-client service of every cell whose workload has client ids."""
+    headers = ["workload", "rate"] + (["seed"] if show_seed else []) + [
+        "cell", "client", "requests", "served tokens", "tok/s", "TTFT mean"]
+    lines = ["Per client (served tokens: prompt + output of completed requests):", "",
+             "| " + " | ".join(headers) + " |",
+             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|"]
+    for rec in ordered:
+        rate = _rate(rec)
+        for client, c in (rec.get("clients") or {}).items():
+            row = [rec["workload"]["name"] or rec["workload"]["dataset"], "inf" if math.isinf(rate) else f"{rate:g}"]
+            if show_seed:
+                row.append(str(rec["seed"]))
+            row += [rec["label"], client, str(c["num_requests"]), str(c["served_tokens"]),
+                    f"{c['token_throughput']:.0f}", _cell_text(c["mean_ttft_ms"], "ms")]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _slo_text(slo: dict) -> str:
+    given = [f"{k.removesuffix('_ms').upper()} ≤ {v:g} ms" for k, v in slo.items() if v is not None]
+    return "SLO " + ", ".join(given) if given else "no SLO given: every completed request counts"
+
+
+def write_table(records: list[dict], out_dir: Path) -> Path:
+    path = Path(out_dir) / TABLE_FILE
+    path.write_text(render_table(records), encoding="utf-8")
+    return path
