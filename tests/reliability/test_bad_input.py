@@ -1,11 +1,7 @@
 """Item 1 and 2: bad input on every endpoint gets a 4xx with the documented JSON error body
 within a second, and after each probe the server is back to the idle state, seen from outside
-(no request anywhere, every KV and request slot free or cached), and still serves.
-
-Cases marked NEEDS_19 need the request-size validation of issue 19 (huge numbers, deep nesting,
-lone surrogates, FastAPI's own 404/405 bodies). They are skipped until ISSUE_19_MERGED is set:
-without that fix some of them take the shared server down (a huge top_logprobs_num fails the
-forward pass), which would fail every later case.
+(no request anywhere, every KV and request slot free or cached), and still serves. Huge numbers,
+deep nesting, lone surrogates and FastAPI's own 404/405 bodies rely on issue 19's request limits.
 """
 
 from __future__ import annotations
@@ -23,8 +19,6 @@ JSON = "application/json"
 ANSWER_WITHIN_S = 1.0
 BIG_BODY_WITHIN_S = 10.0
 BIG = 50 * 2**20
-ISSUE_19_MERGED = False
-NEEDS_19 = pytest.mark.skipif(not ISSUE_19_MERGED, reason="needs the issue 19 fix (request-size validation)")
 FAR_OVER_CONTEXT = "hello " * 5000  # the tiny model's context is 2048 tokens
 
 JSON_ENDPOINTS = ["/generate", "/encode", "/v1/completions", "/v1/chat/completions", "/v1/embeddings",
@@ -72,7 +66,7 @@ for path in JSON_ENDPOINTS:
         case(path, b'"just a string"', name="string body"),
         case(path, b"null", name="null body"),
         case(path, b"x" * BIG, status=413, name="50 MB body"),
-        case(path, b"[" * 100_000 + b"]" * 100_000, name="deep nesting", marks=NEEDS_19),
+        case(path, b"[" * 100_000 + b"]" * 100_000, name="deep nesting"),
     ]
     if path != "/open_session":  # an empty body opens a session with the defaults
         GENERIC.append(case(path, b"", name="empty body"))
@@ -96,12 +90,12 @@ SPECIFIC = [
     gen("return_logprob wrong type", return_logprob="x"),
     gen("logprob_start_len wrong type", return_logprob=True, logprob_start_len="x"),
     gen("top_logprobs_num negative", return_logprob=True, top_logprobs_num=-1),
-    gen("top_logprobs_num huge", return_logprob=True, top_logprobs_num=10**12, marks=NEEDS_19),
+    gen("top_logprobs_num huge", return_logprob=True, top_logprobs_num=10**12),
     gen("unknown session", session=["no-such-session", None]),
     gen("session wrong type", session=5),
     gen("image on a text model", image_data="data:image/png;base64,AAAA"),
     gen("unknown lora", lora_path="nope"),
-    gen("lone surrogate", text="\ud800", marks=NEEDS_19),
+    gen("lone surrogate", text="\ud800"),
     sp("unknown field", bogus=1),
     sp("temperature negative", temperature=-1),
     sp("temperature string", temperature="hot"),
@@ -113,10 +107,10 @@ SPECIFIC = [
     sp("min_p over one", min_p=2),
     sp("max_new_tokens negative", max_new_tokens=-1),
     sp("max_new_tokens float", max_new_tokens=1.5),
-    sp("max_new_tokens huge", max_new_tokens=10**30, marks=NEEDS_19),
+    sp("max_new_tokens huge", max_new_tokens=10**30),
     sp("n zero", n=0),
     sp("n negative", n=-3),
-    sp("n huge", n=10**9, marks=NEEDS_19),
+    sp("n huge", n=10**9),
     sp("frequency_penalty over two", frequency_penalty=3),
     sp("presence_penalty NaN", presence_penalty=float("nan")),
     sp("repetition_penalty zero", repetition_penalty=0),
@@ -143,7 +137,7 @@ SPECIFIC = [
     cmpl("temperature NaN", temperature=float("nan")),
     cmpl("n zero", n=0),
     cmpl("logprobs negative", logprobs=-1),
-    cmpl("logprobs huge", logprobs=10**12, marks=NEEDS_19),
+    cmpl("logprobs huge", logprobs=10**12),
     cmpl("suffix", suffix="tail"),
     cmpl("bad regex", regex="[z-a]"),
     # /v1/chat/completions
@@ -182,9 +176,9 @@ SPECIFIC = [
     case("/update_weights", {"model_path": 5}, name="model_path wrong type"),
     case("/stop_profile", b"", name="stop without start"),
     # FastAPI's own answers: an unknown path, a wrong method.
-    case("/no-such-endpoint", {}, status=404, name="unknown path", marks=NEEDS_19),
-    case("/generate", b"", status=405, method="GET", name="wrong method", marks=NEEDS_19),
-    case("/v1/completions", b"", status=405, method="GET", name="wrong method", marks=NEEDS_19),
+    case("/no-such-endpoint", {}, status=404, name="unknown path"),
+    case("/generate", b"", status=405, method="GET", name="wrong method"),
+    case("/v1/completions", b"", status=405, method="GET", name="wrong method"),
 ]
 
 CASES = GENERIC + SPECIFIC
