@@ -169,13 +169,27 @@ class ParallelSettings(_Section):
         None, description="host:port of the torch.distributed rendezvous on node 0 (required when nnodes > 1); "
         "empty: a free local port."
     )
+    dist_secret: str | None = Field(
+        None, description="Shared secret authenticating the pickled messages rank 0 broadcasts to the other "
+        "ranks over TCP (HMAC-SHA256; a message that fails the check stops the rank before it is unpickled). "
+        "Required when nnodes > 1, the same on every node; empty on one node: a random one per start.",
+    )
 
 
 class ServerSettings(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(30000, gt=0, lt=65536, description="HTTP port.")
-    api_key: str | None = Field(None, description="Bearer token required on every path but /health*.")
-    max_request_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest accepted request body.")
+    api_key: str | None = Field(
+        None, description="Bearer token required on every path but /health (401 without it); empty: no key."
+    )
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="Largest accepted request body in bytes; a larger one gets 413."
+    )
+    request_timeout: float | None = Field(
+        600.0, gt=0, description="Seconds a request may take from arrival to its last output; past it the "
+        "request is aborted (its memory freed) and answered 504, or ends its stream with an error event. "
+        "Empty: no limit.",
+    )
     max_json_depth: int = Field(
         64, gt=0, description="Deepest nesting of arrays and objects in a request body (deeper: 400)."
     )

@@ -37,7 +37,7 @@ class ControlMixin:
             # A retracted request waits too; it must still be reported.
             req.is_retracted = False
             req.finished_reason = FinishAbort("Aborted by the client.")
-            self.hooks.on_request_finished(req, self.view)
+            self.notify_finished(req)
             self.stream_output([req])
             return
         if self.being_chunked_req is not None and self.being_chunked_req.rid == rid:
@@ -136,6 +136,7 @@ class ControlMixin:
             num_sessions=len(self.sessions),
             forward_ct=self.forward_ct,
             num_received_reqs=self.num_received_reqs,
+            num_grammar_queue_reqs=len(self.structured.queue),
             clients=client_stats(self, self.settings.metrics.max_client_labels),
             dp_rank=self.dp_rank,
         )

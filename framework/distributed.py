@@ -11,6 +11,8 @@ called `init_parallel` gets the single-rank context, whose collectives are no-op
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,6 +43,7 @@ class ParallelContext:
     dp_attention: bool = False
     device_group: Any = None  # tensors (gloo on CPU, nccl on CUDA)
     cpu_group: Any = None  # pickled objects and small int tensors (always gloo)
+    secret: bytes = b""  # authenticates broadcast_pyobj's pickles (parallel.dist_secret)
 
     @property
     def attn_tp_rank(self) -> int:
@@ -106,7 +109,7 @@ class ParallelContext:
         if self.tp_size == 1:
             return objs
         if self.tp_rank == 0:
-            payload = pickle.dumps(objs) if objs else b""
+            payload = seal(self.secret, pickle.dumps(objs)) if objs else b""
             size = torch.tensor([len(payload)], dtype=torch.int64)
             dist.broadcast(size, src=0, group=self.cpu_group)
             if payload:
@@ -119,10 +122,28 @@ class ParallelContext:
             return []
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self.cpu_group)
-        return pickle.loads(data.numpy().tobytes())
+        return pickle.loads(unseal(self.secret, data.numpy().tobytes()))
 
 
 _CONTEXT = ParallelContext()
+MAC_LEN = hashlib.sha256().digest_size
+
+
+class UnauthenticatedMessage(RuntimeError):
+    """A broadcast whose HMAC does not match parallel.dist_secret: never unpickled."""
+
+
+def seal(secret: bytes, payload: bytes) -> bytes:
+    """`payload` prefixed with its HMAC-SHA256 under `secret`."""
+    return hmac.new(secret, payload, hashlib.sha256).digest() + payload
+
+
+def unseal(secret: bytes, sealed: bytes) -> bytes:
+    """The payload of `seal(secret, payload)`; raises UnauthenticatedMessage if it was not."""
+    mac, payload = sealed[:MAC_LEN], sealed[MAC_LEN:]
+    if not hmac.compare_digest(mac, hmac.new(secret, payload, hashlib.sha256).digest()):
+        raise UnauthenticatedMessage("a broadcast from rank 0 failed its HMAC check (parallel.dist_secret differs?)")
+    return payload
 
 
 def get_parallel_context() -> ParallelContext:
@@ -146,7 +167,8 @@ def init_parallel(settings: "Settings", tp_rank: int, init_addr: str) -> Paralle
     )
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if on_cuda else device_group
-    _CONTEXT = ParallelContext(tp_rank, par.tp_size, par.enable_dp_attention, device_group, cpu_group)
+    secret = (par.dist_secret or "").encode()
+    _CONTEXT = ParallelContext(tp_rank, par.tp_size, par.enable_dp_attention, device_group, cpu_group, secret)
     return _CONTEXT
 
 

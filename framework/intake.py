@@ -24,6 +24,7 @@ from framework.messages import (
     UpdateWeightsReqOutput,
 )
 from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
+from framework.plugins import PluginHookError
 from framework.request import FinishAbort, Req, request_kind_error
 from framework.sessions import SessionError
 
@@ -163,7 +164,12 @@ class IntakeMixin:
 
     def enqueue(self, req: Req) -> None:
         self.waiting_queue.append(req)
-        self.hooks.on_request_received(req, self.view)
+        try:
+            self.hooks.on_request_received(req, self.view)
+        except PluginHookError as exc:
+            logger.error("Request %s fails: %s", req.rid, exc)
+            self.waiting_queue = [r for r in self.waiting_queue if r is not req]
+            self.reject(req, str(exc))
 
     def attach_images(self, req: Req, images: ImageInputs) -> str | None:
         """Expand the prompt's image tokens into hash-derived pad ids (AA3); why not, or None."""

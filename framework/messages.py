@@ -204,6 +204,7 @@ class SchedulerStats:
     num_sessions: int
     forward_ct: int
     num_received_reqs: int = 0
+    num_grammar_queue_reqs: int = 0  # requests whose grammar is still compiling
     # Per client: the `metrics.max_client_labels` clients with the most served tokens, then
     # "anonymous" (no client id) and "other" (the rest).
     clients: dict[str, ClientStats] = field(default_factory=dict)

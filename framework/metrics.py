@@ -51,6 +51,14 @@ class ServerMetrics:
         self.kv_evictable = gauge("kv_evictable_tokens", "KV slots held only by the prefix cache.")
         self.req_slots_free = gauge("req_slots_free", "Free request slots.")
         self.num_sessions = gauge("num_sessions", "Open sessions.")
+        self.num_grammar_queue_reqs = gauge("num_grammar_queue_reqs", "Requests whose grammar is still compiling.")
+        self.max_total_num_tokens = gauge("max_total_num_tokens", "KV slots in all (the pool's size).")
+        self.req_slots_total = gauge("req_slots_total", "Request slots in all.")
+        # Set by the HTTP server at scrape time: with the gauges above, the idle state is visible
+        # from outside (no request anywhere, every KV and request slot free or cached).
+        self.num_inflight_requests = gauge(
+            "num_inflight_requests", "Requests the HTTP server is waiting on (sent, not yet answered)."
+        )
 
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", names, registry=reg)
         self.generation_tokens = Counter(
@@ -104,7 +112,13 @@ class ServerMetrics:
         self.kv_evictable.labels(**lb).set(stats.kv_evictable)
         self.req_slots_free.labels(**lb).set(stats.req_slots_free)
         self.num_sessions.labels(**lb).set(stats.num_sessions)
+        self.num_grammar_queue_reqs.labels(**lb).set(stats.num_grammar_queue_reqs)
+        self.max_total_num_tokens.labels(**lb).set(stats.max_total_num_tokens)
+        self.req_slots_total.labels(**lb).set(stats.req_slots_total)
         self.clients.snapshot = dict(stats.clients)
+
+    def set_inflight_requests(self, num: int) -> None:
+        self.num_inflight_requests.labels(**self.labels).set(num)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -62,6 +62,34 @@ class PluginError(ValueError):
     """A plugin could not be found, loaded or selected."""
 
 
+class PluginHookError(RuntimeError):
+    """A plugin raised inside a request-time hook. The message names the plugin and the hook, so
+    the scheduler can fail the request or batch concerned with it and keep serving."""
+
+    def __init__(self, hook: str, plugin: str, exc: BaseException):
+        self.hook = hook
+        self.plugin = plugin
+        super().__init__(f"plugin {plugin!r} failed in hook {hook}: {type(exc).__name__}: {exc}")
+
+
+def _plugin_name(impl) -> str:
+    # An object registered without a name is known to pluggy by its id; its class names it better.
+    return type(impl.plugin).__name__ if impl.plugin_name.isdigit() else impl.plugin_name
+
+
+def _raising_plugin(impls, exc: BaseException) -> str:
+    """The name of the plugin whose hook implementation raised `exc`: its frame in the traceback,
+    the innermost one, since an exception passing through a ``wrapper=True`` implementation has
+    that wrapper's frame outside the one that raised."""
+    by_code = {impl.function.__code__: _plugin_name(impl) for impl in impls}
+    name = "?"
+    tb = exc.__traceback__
+    while tb is not None:
+        name = by_code.get(tb.tb_frame.f_code, name)
+        tb = tb.tb_next
+    return name
+
+
 @dataclass
 class PluginInfo:
     name: str
@@ -102,10 +130,21 @@ def discover_plugins() -> dict[str, PluginInfo]:
 
 
 class Hooks:
-    """The typed facade the core calls hooks through (keyword arguments only)."""
+    """The typed facade the core calls hooks through (keyword arguments only).
+
+    Start-up hooks raise as they are (start-up fails). Request-time hooks raise `PluginHookError`,
+    which names the plugin; the scheduler fails the request or batch concerned and keeps serving.
+    """
 
     def __init__(self, pm: pluggy.PluginManager):
         self._hook = pm.hook
+
+    def _call(self, name: str, **kwargs):
+        caller = getattr(self._hook, name)
+        try:
+            return caller(**kwargs)
+        except Exception as exc:
+            raise PluginHookError(name, _raising_plugin(caller.get_hookimpls(), exc), exc) from exc
 
     def create_worker(self, settings, tp_rank: int):
         return self._hook.create_worker(settings=settings, tp_rank=tp_rank)
@@ -116,25 +155,25 @@ class Hooks:
         )
 
     def on_request_received(self, req, view) -> None:
-        self._hook.on_request_received(req=req, view=view)
+        self._call("on_request_received", req=req, view=view)
 
     def select_prefill(self, view, adder):
-        return self._hook.select_prefill(view=view, adder=adder)
+        return self._call("select_prefill", view=view, adder=adder)
 
     def on_decode_oom(self, batch, view):
-        return self._hook.on_decode_oom(batch=batch, view=view)
+        return self._call("on_decode_oom", batch=batch, view=view)
 
     def prepare_batch(self, batch, view):
-        return self._hook.prepare_batch(batch=batch, view=view)
+        return self._call("prepare_batch", batch=batch, view=view)
 
     def on_batch_result(self, batch, result, view) -> None:
-        self._hook.on_batch_result(batch=batch, result=result, view=view)
+        self._call("on_batch_result", batch=batch, result=result, view=view)
 
     def on_request_finished(self, req, view) -> None:
-        self._hook.on_request_finished(req=req, view=view)
+        self._call("on_request_finished", req=req, view=view)
 
     def on_idle(self, view) -> None:
-        self._hook.on_idle(view=view)
+        self._call("on_idle", view=view)
 
 
 def check_kind(pm: pluggy.PluginManager, plugin: Any, name: str, kind: str) -> None:

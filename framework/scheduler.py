@@ -17,10 +17,11 @@ from framework.budget import AdderView, NewTokenRatio, PrefillAdder
 from framework.config import Settings
 from framework.model.lora import parse_lora_paths
 from framework.messages import BatchTokenOut
-from framework.plugins import PluginManager
+from framework.plugins import PluginHookError, PluginManager
 from framework.profiling import TorchProfiler
 from framework.request import FinishLength, Req, Stash
 from framework.control import ControlMixin, MemoryLeakError
+from framework.failures import PluginFailureMixin
 from framework.intake import IntakeMixin
 from framework.output import OutputMixin
 from framework.sessions import SessionController
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["MemoryLeakError", "Scheduler"]
 
 
-class Scheduler(IntakeMixin, OutputMixin, ControlMixin):
+class Scheduler(IntakeMixin, OutputMixin, ControlMixin, PluginFailureMixin):
     def __init__(
         self,
         settings: Settings,
@@ -241,7 +242,11 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin):
         front of the waiting queue in that order (the reference sorts the queue in place)."""
         self.prefix_matches = {}
         try:
-            chosen = self.hooks.select_prefill(self.view, AdderView(adder))
+            try:
+                chosen = self.hooks.select_prefill(self.view, AdderView(adder))
+            except PluginHookError as exc:
+                self.fail_waiting(adder.can_run_list, str(exc))
+                return
             if chosen is None:
                 return
             chosen = list(chosen)
@@ -289,7 +294,14 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin):
             self.batch_is_full = False
             return None
         if not batch.check_decode_mem() or (self.force_retract and batch.batch_size() > 10):
-            self.retract_decode(batch, self.hooks.on_decode_oom(BatchView(batch), self.view))
+            try:
+                decision = self.hooks.on_decode_oom(BatchView(batch), self.view)
+            except PluginHookError as exc:
+                self.fail_batch_reqs(batch, str(exc))
+                batch.filter_batch()
+                self.batch_is_full = False
+                return None
+            self.retract_decode(batch, decision)
         else:
             self.new_token_ratio.step()
         self.structured.jump_forward(batch, self.view.num_free_kv_tokens)
@@ -336,8 +348,14 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin):
         self.waiting_queue.extend(retracted)
 
     def prepare_batch(self, batch: ScheduleBatch | None) -> ScheduleBatch | None:
-        """The `prepare_batch` hook; a batch the scheduler built holds KV slots and must stay."""
-        prepared = self.hooks.prepare_batch(batch, self.view)
+        """The `prepare_batch` hook; a batch the scheduler built holds KV slots and must stay.
+        If a plugin fails there, the batch still runs as built (its KV must be computed before it
+        can be released like a client abort's) and its requests fail once the result is in."""
+        try:
+            prepared = self.hooks.prepare_batch(batch, self.view)
+        except PluginHookError as exc:
+            self.mark_batch_failed(batch, str(exc))
+            return batch
         if batch is not None and prepared is not batch:
             raise ValueError("prepare_batch replaced the batch the scheduler built (its KV slots are allocated)")
         return prepared
@@ -362,15 +380,18 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin):
     def process_batch_result(self, batch: ScheduleBatch, handle: ResultHandle) -> None:
         result = handle.result()
         if batch.forward_mode.is_idle():
-            self.hooks.on_batch_result(BatchView(batch), result, self.view)
-            return
-        if batch.forward_mode.is_decode():
+            pass  # a DP-attention rank without requests: only the hooks see the batch
+        elif batch.forward_mode.is_decode():
             self.process_batch_result_decode(batch, result, handle.next_token_ids)
         elif batch.is_embedding:
             self.process_batch_result_embedding(batch, result)
         else:
             self.process_batch_result_prefill(batch, result, handle.next_token_ids)
-        self.hooks.on_batch_result(BatchView(batch), result, self.view)
+        try:
+            self.hooks.on_batch_result(BatchView(batch), result, self.view)
+        except PluginHookError as exc:
+            self.fail_batch_reqs(batch, str(exc))
+        self.fail_batch_reqs(batch)  # those a failed prepare_batch marked
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: BatchResult, launched: list[int]) -> None:
         decoding = {id(r) for r in batch.decoding_reqs} if batch.decoding_reqs else set()
@@ -468,14 +489,17 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin):
                 # No output token: the whole prompt has KV (the reference appends a dummy 0 instead).
                 token_ids = req.origin_input_ids
             self.tree_cache.cache_finished_req(req, token_ids)
-        self.hooks.on_request_finished(req, self.view)
+        self.notify_finished(req)
 
     # -- idle -----------------------------------------------------------------------------------
 
     def on_idle(self) -> None:
         self.check_memory()
         self.new_token_ratio.reset()
-        self.hooks.on_idle(self.view)
+        try:
+            self.hooks.on_idle(self.view)
+        except PluginHookError as exc:
+            logger.error("%s", exc)
 
     def shutdown(self) -> None:
         self.structured.shutdown()

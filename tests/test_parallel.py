@@ -107,6 +107,7 @@ def test_two_nodes_on_loopback(tiny_model_folder, prompts, single_rank_outputs, 
     addr = f"127.0.0.1:{free_port()}"
     common = tiny_server_args(tiny_model_folder) + [
         "--parallel.tp-size", "2", "--parallel.nnodes", "2", "--parallel.dist-init-addr", addr,
+        "--parallel.dist-secret", "shared-by-the-nodes",  # authenticates rank 0's broadcasts
     ]
     node1_log = tmp_path / "node1.log"
     with open(node1_log, "w") as log:

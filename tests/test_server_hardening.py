@@ -59,7 +59,7 @@ BAD_REQUESTS = [
     ("top-logprobs-vocab+1", "POST", "/generate",
      {"json": {**HI, "return_logprob": True, "top_logprobs_num": VOCAB + 1}}, 400, "top_logprobs_num"),
     ("openai-top-logprobs", "POST", "/v1/chat/completions",
-     {"json": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+     {"json": {"model": "default", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                "top_logprobs": 21}}, 400, "top_logprobs"),
     ("input-ids-5000-digits", "POST", "/generate",
      _raw(b'{"input_ids": [' + b"1" * 5000 + b'], "sampling_params": {"max_new_tokens": 2}}'), 400,
@@ -70,13 +70,13 @@ BAD_REQUESTS = [
      _raw(b'{"text": "hi", "sampling_params": {"stop": ' + _nested(100_000, b'"x"') + b"}}"), 400,
      "max_json_depth"),
     ("json-900-deep", "POST", "/v1/completions",
-     _raw(b'{"model": "m", "prompt": ' + _nested(900) + b"}"), 400, "max_json_depth"),
+     _raw(b'{"model": "default", "prompt": ' + _nested(900) + b"}"), 400, "max_json_depth"),
     ("json-nan", "POST", "/generate",
      _raw(b'{"text": "hi", "sampling_params": {"temperature": NaN}}'), 400, "NaN"),
     ("lone-surrogate-in-text", "POST", "/generate",
      _raw(b'{"text": "\\ud800 hi", "sampling_params": {"max_new_tokens": 2}}'), 400, "surrogate"),
     ("lone-surrogate-in-chat", "POST", "/v1/chat/completions",
-     _raw(b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}'), 400, "surrogate"),
+     _raw(b'{"model": "default", "messages": [{"role": "user", "content": "\\udfff"}]}'), 400, "surrogate"),
     ("top-k-1e30", "POST", "/generate",
      {"json": {"text": "hi", "sampling_params": {"max_new_tokens": 2, "top_k": 10**30}}}, 400, "top_k"),
     ("min-new-tokens-1e30", "POST", "/generate",
@@ -85,7 +85,7 @@ BAD_REQUESTS = [
     ("n-100000", "POST", "/generate",
      {"json": {"text": "hi", "sampling_params": {"max_new_tokens": 1, "n": 100_000}}}, 400, "server.max_n"),
     ("openai-n-100000", "POST", "/v1/completions",
-     {"json": {"model": "m", "prompt": "hi", "max_tokens": 1, "n": 100_000}}, 400, "server.max_n"),
+     {"json": {"model": "default", "prompt": "hi", "max_tokens": 1, "n": 100_000}}, 400, "server.max_n"),
     ("batch-of-100000-prompts", "POST", "/generate",
      {"json": {"text": ["a"] * 100_000, "sampling_params": {"max_new_tokens": 1}}}, 400,
      "server.max_batch_requests"),
@@ -230,7 +230,7 @@ def test_sigterm_ends_streams_and_every_process_exits_0(tiny_model_folder, tmp_p
         pids = httpx.get(server.url + "/get_server_info").json()["process_ids"]
         long = {"max_new_tokens": 1500, "ignore_eos": True}
         bodies = [("/generate", {"text": "long", "stream": True, "sampling_params": long}),
-                  ("/v1/completions", {"model": "m", "prompt": "long", "stream": True, "max_tokens": 1500,
+                  ("/v1/completions", {"model": "default", "prompt": "long", "stream": True, "max_tokens": 1500,
                                        "ignore_eos": True})]
         lines: dict[int, list[str]] = {}
         started = [threading.Event() for _ in bodies]

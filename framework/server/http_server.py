@@ -7,6 +7,7 @@ size limit, malformed JSON and field errors all get the same treatment.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator
@@ -51,7 +52,8 @@ class ServerInfo:
 
 
 class GuardMiddleware:
-    """Plain ASGI middleware: 503 once a child died, then the API key (reference section 3)."""
+    """Plain ASGI middleware: 503 once a child died, then the API key on every path but /health
+    (the reference also exempts /health_generate, which runs the model: here it needs the key)."""
 
     def __init__(self, app, tm: TokenizerManager, api_key: str | None):
         self.app = app
@@ -65,9 +67,10 @@ class GuardMiddleware:
             err = ApiError(self.tm.dead_reason, status=503, err_type="server_error")
             return await JSONResponse(err.to_json(), status_code=503)(scope, receive, send)
         path = scope.get("path", "")
-        if self.api_key and not path.startswith("/health") and scope.get("method") != "OPTIONS":
+        if self.api_key and path != "/health" and scope.get("method") != "OPTIONS":
             headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode("latin-1")):
                 err = ApiError("Unauthorized", status=401, err_type="authentication_error")
                 return await JSONResponse(err.to_json(), status_code=401)(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -134,6 +137,8 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
         dumped = settings.model_dump(mode="json")
         if dumped["server"].get("api_key"):
             dumped["server"]["api_key"] = "<redacted>"
+        if dumped["parallel"].get("dist_secret"):
+            dumped["parallel"]["dist_secret"] = "<redacted>"
         stats_dict = asdict(stats)
         stats_dict.pop("request_id")
         clients = stats_dict.pop("clients")
@@ -170,7 +175,10 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
         success, message = await tm.update_weights_from_disk(model_path)
         if success:
             info.model_path = model_path
-        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+        if success:
+            return JSONResponse({"success": True, "message": message})
+        # The reference's fields, and the error body every other 4xx has.
+        return JSONResponse({"success": False, "message": message, **ApiError(message).to_json()}, status_code=400)
 
     @app.api_route("/start_profile", methods=["GET", "POST"])
     async def start_profile():
@@ -236,6 +244,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
                 await tm.get_stats()  # refreshes the scheduler gauges
             except ApiError:
                 pass  # still serve the request metrics
+            tm.metrics.set_inflight_requests(len(tm.states))
             return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     register_openai_routes(app, tm, info.model_name)

@@ -30,6 +30,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import secrets
 import signal
 import socket
 import time
@@ -141,6 +142,16 @@ class Launcher:
     def _run(self) -> int:
         from framework.model.loader import load_tokenizer, resolve_model
 
+        if self.settings.parallel.nnodes > 1 and not self.settings.parallel.dist_secret:
+            # Rank 0 sends the other nodes pickled messages: unauthenticated, anyone reaching the
+            # rendezvous port could run code in the ranks.
+            logger.error("Cannot start the server: parallel.dist_secret (the same on every node) is required "
+                         "when nnodes > 1")
+            return 1
+        if self.settings.parallel.tp_size > 1 and not self.settings.parallel.dist_secret:
+            # One node: a random secret per start authenticates the ranks' broadcasts.
+            self.settings = self.settings.model_copy(deep=True)
+            self.settings.parallel.dist_secret = secrets.token_hex(32)
         settings = self.settings
         par = settings.parallel
         env_rank = dp_rank_from_env()
@@ -291,6 +302,7 @@ class Launcher:
                                              max_token_bytes(tokenizer))
         tm = TokenizerManager(ipc, ready, tokenizer, ServerMetrics(info.model_name),
                               log_requests=settings.server.log_requests,
+                              request_timeout=settings.server.request_timeout,
                               image_processor=ImageProcessor.from_model_folder(info.model_folder), limits=limits,
                               max_client_labels=settings.metrics.max_client_labels)
         tm.start()

@@ -32,6 +32,9 @@ from framework.server.streaming import SSE_DONE, merge_streams, open_streams, re
 from framework.server.tokenizer_manager import TokenizerManager
 
 
+DEFAULT_MODEL_ALIAS = "default"
+
+
 def validation_message(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
@@ -101,7 +104,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = _validate(CompletionRequest, await read_json(request, tm.limits))
+        req = _validate(CompletionRequest, await read_json(request, tm.limits), model_name)
         identity = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
         if req.suffix:
             raise ApiError("suffix: not supported")
@@ -188,7 +191,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = _validate(ChatCompletionRequest, await read_json(request, tm.limits))
+        req = _validate(ChatCompletionRequest, await read_json(request, tm.limits), model_name)
         identity = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
         ids = await tm.offload(_chat_input_ids, tm, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -261,7 +264,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        req = _validate(EmbeddingRequest, await read_json(request, tm.limits))
+        req = _validate(EmbeddingRequest, await read_json(request, tm.limits), model_name)
         client_id, priority, slo_ttft_ms = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
         if req.dimensions is not None and req.dimensions != tm.ready.hidden_size:
             raise ApiError(f"dimensions: this model's embeddings have {tm.ready.hidden_size} dimensions")
@@ -286,13 +289,18 @@ def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
-def _validate(model, body: Any):
+def _validate(model, body: Any, served_name: str):
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as exc:
         raise ApiError(validation_message(exc)) from None
+    # "default" is kept for clients that do not know the name (the reference ignores the field).
+    if req.model not in (served_name, DEFAULT_MODEL_ALIAS):
+        raise ApiError(f"model: unknown model {req.model!r}; this server serves {served_name!r}",
+                       status=404, err_type="invalid_request_error")
+    return req
 
 
 def _prompts(tm: TokenizerManager, prompt: Any, name: str) -> list[tuple[list[int], str | None]]:

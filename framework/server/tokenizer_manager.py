@@ -108,8 +108,10 @@ def is_rejected(out: StrOutput) -> bool:
 class TokenizerManager:
     def __init__(self, ipc: IpcNames, ready: SchedulerReady, tokenizer: Any, metrics: ServerMetrics,
                  log_requests: bool = False, image_processor: ImageProcessor | None = None,
-                 limits: RequestLimits | None = None, max_client_labels: int = 16):
+                 limits: RequestLimits | None = None, max_client_labels: int = 16,
+                 request_timeout: float | None = None):
         self.ready = ready
+        self.request_timeout = request_timeout
         self.max_client_labels = max_client_labels
         if limits is None:
             limits = RequestLimits.from_settings(ServerSettings(), ready.vocab_size, ready.max_req_input_len,
@@ -294,11 +296,21 @@ class TokenizerManager:
         `stop_watching(rid)`; a streamed response leaves that to the server, which cancels it."""
         state = self.states[rid]
         state.watch = request
+        deadline = None if self.request_timeout is None else state.created + self.request_timeout
         try:
             while True:
                 while not state.event.is_set():
+                    wait_s = DISCONNECT_CHECK_S
+                    if deadline is not None:
+                        wait_s = min(wait_s, deadline - time.monotonic())
+                        if wait_s <= 0:
+                            logger.warning("request %s timed out; aborting it", rid)
+                            raise ApiError(
+                                f"the request took longer than {self.request_timeout:g} s "
+                                "(server.request_timeout) and was aborted", status=504, err_type="timeout_error",
+                            )
                     try:
-                        await asyncio.wait_for(state.event.wait(), DISCONNECT_CHECK_S)
+                        await asyncio.wait_for(state.event.wait(), wait_s)
                     except asyncio.TimeoutError:
                         if state.watch is not None and await state.watch.is_disconnected():
                             logger.info("client disconnected; aborting request %s", rid)
