@@ -9,23 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
+from framework.server.launch import free_port  # noqa: F401  (tests import it from here)
+from framework.server.local import LocalServer
 
 ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tiny_server_args(model_folder: str) -> list[str]:
@@ -35,49 +24,9 @@ def tiny_server_args(model_folder: str) -> list[str]:
     ]
 
 
-class ServerProcess:
+class ServerProcess(LocalServer):
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "framework.cli", "serve", "--server.host", "127.0.0.1",
-               "--server.port", str(self.port), *args]
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def wait_ready(self, headers: dict | None = None) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{self.log()}")
-
-    def stop(self) -> int | None:
-        """SIGTERM and wait; SIGKILL the process group if it does not stop. Returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait(5)
-        self._log.close()
-        return self.proc.returncode
+        super().__init__(args, log_path, env, cwd=ROOT)
 
 
 @contextlib.contextmanager

@@ -19,15 +19,14 @@ import json
 import logging
 import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from framework.server.local import LocalServer
 
 logger = logging.getLogger(__name__)
 
@@ -58,50 +57,6 @@ def rss_mib(pid: int) -> float | None:
     except OSError:
         return None
     return None
-
-
-class SoakServer:
-    """`batchyard serve` on 127.0.0.1 and a free port, in its own process group."""
-
-    def __init__(self, serve_args: list[str], log_path: str):
-        from framework.server.launch import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "framework.cli", "serve", "--server.host", "127.0.0.1",
-               "--server.port", str(self.port), "--server.log-level", "warning", *serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {self.proc.returncode} during start-up "
-                                   f"(log: {self.log.name})")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not ready after {START_TIMEOUT_S:g} s (log: {self.log.name})")
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(5)
-        self.log.close()
-        return self.proc.returncode
 
 
 def idle_problems(info: dict) -> list[str]:
@@ -230,9 +185,9 @@ def main(args) -> int:
     serve_args = list(args.server_args or [])
     if serve_args[:1] == ["--"]:
         serve_args = serve_args[1:]
-    server = SoakServer(serve_args, log_path)
+    server = LocalServer(["--server.log-level", "warning", *serve_args], log_path)
     try:
-        server.wait_ready()
+        server.wait_ready(START_TIMEOUT_S)
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
         meter = ContentionMeter()
         soak = Soak(args, prompts, server.url, info["process_ids"])
