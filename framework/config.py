@@ -136,7 +136,21 @@ class WorkerSettings(_Section):
         "(PyTorch only), or auto (on for a CPU device when they build, else off).",
     )
     device: str = Field("cpu", description="Torch device.")
+    packed_weights: bool = Field(
+        True,
+        description="On CPU in bfloat16, keep a copy of every linear weight in oneDNN's blocked layout "
+        "(prepacked once at load) so no GEMM reorders it per call; ~1.3-2x faster decode-sized GEMMs, "
+        "~270 MB more memory for SmolLM2. Needs AVX512-BF16 or AMX; ignored elsewhere.",
+    )
     num_threads: int | None = Field(None, gt=0, description="Intra-op threads for the forward pass; empty: all cores.")
+    heap_trim_idle_s: float = Field(
+        10.0, ge=0,
+        description="On CPU, give freed heap pages back to the OS (malloc_trim) when the scheduler is idle, "
+        "at most this often in seconds; 0: never when idle. Keeps a long-running server's RSS flat.",
+    )
+    heap_trim_busy_s: float = Field(
+        120.0, ge=0, description="The same while the scheduler is never idle, every this many seconds; 0: never.",
+    )
     overlap_penalties: Literal["ignore", "fallback"] = Field(
         "ignore",
         description="Frequency/presence/repetition penalties with the overlap worker: ignore (0.3.6: "

@@ -15,6 +15,7 @@ from framework.batch import ScheduleBatch
 from framework.clock import clock_of
 from framework.budget import AdderView, NewTokenRatio, PrefillAdder
 from framework.config import Settings
+from framework.model.cpu import HeapTrimmer
 from framework.model.lora import parse_lora_paths
 from framework.messages import BatchTokenOut
 from framework.plugins import PluginHookError, PluginManager
@@ -116,6 +117,7 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin, PluginFailureMixin):
         # Prefixes matched by the policy this round (id(req) -> (prefix_indices, last_node)).
         self.prefix_matches: dict[int, tuple[Any, Any]] = {}
         self.profiler = TorchProfiler(settings.server.profile_dir)
+        self.heap_trimmer = HeapTrimmer(settings.worker.heap_trim_idle_s, settings.worker.heap_trim_busy_s)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -135,7 +137,9 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin, PluginFailureMixin):
             self.on_idle()
         self.structured.fill_pending_vocab_mask()
         self.last_batch = batch
-        return batch is not None or bool(self.result_queue)
+        busy = batch is not None or bool(self.result_queue)
+        self.heap_trimmer.tick(idle=not busy)
+        return busy
 
     def has_work(self) -> bool:
         return bool(

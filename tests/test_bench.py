@@ -319,7 +319,7 @@ def fake_server():
     loop.close()
 
 
-@pytest.mark.parametrize("backend", ["batchyard", "openai"])
+@pytest.mark.parametrize("backend", ["batchyard", "openai", "vllm"])
 def test_serving_client_times_streamed_tokens(fake_server, backend):
     from framework.bench.serving import run_serving
 
@@ -334,8 +334,10 @@ def test_serving_client_times_streamed_tokens(fake_server, backend):
     if backend == "batchyard":
         assert body == {"input_ids": [1, 2, 3], "stream": True,
                         "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}}
-    else:
+    elif backend == "openai":
         assert body["prompt"] == "one two three" and body["max_tokens"] == 5 and body["stream"] is True
+    else:  # vLLM gets the very token ids
+        assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 5 and body["ignore_eos"] is True
     for r in results:
         assert r.success, r.error
         assert r.output_len == 5 and r.prompt_len == 3 and r.generated_text == "ab" * 5

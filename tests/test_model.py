@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from framework.batch import DraftCheck, ForwardMode, ModelWorkerBatch, SamplingBatchInfo, idle_worker_batch, step_seed
-from framework.model import ModelRunner, Sampler, llama
+from framework.model import ModelRunner, Sampler, cpu, llama
 from framework.model.logits import LogitsOutput
 from tests.conftest import bool_bitmask
 
@@ -38,9 +38,9 @@ def _tiny_hf(cls=LlamaForCausalLM, config=None, seed=0):
     return cls(config or _tiny_config()).eval()
 
 
-def _runner(hf_model, max_total_tokens=2048, dtype=torch.float32, cpu_kernels="auto") -> ModelRunner:
+def _runner(hf_model, max_total_tokens=2048, dtype=torch.float32, cpu_kernels="auto", **kw) -> ModelRunner:
     runner = ModelRunner.from_hf_model(hf_model, dtype=dtype, max_total_tokens=max_total_tokens,
-                                       max_running_requests=16, cpu_kernels=cpu_kernels)
+                                       max_running_requests=16, cpu_kernels=cpu_kernels, **kw)
     pool = runner.token_to_kv_pool
     gen = torch.Generator().manual_seed(1)
     pool.free_slots = pool.free_slots[torch.randperm(pool.free_slots.numel(), generator=gen)]
@@ -282,6 +282,31 @@ def test_bf16_close_to_fp32(hf_model, cpu_kernels):
     out = runner.forward(_batch(runner, reqs, [1, 1], ForwardMode.DECODE))
     assert out.next_token_logits.dtype == torch.bfloat16  # widened only where the sampler needs it
     _check_last(hf_model, out, reqs, atol=0.1)
+
+
+def _packed_modules(runner) -> int:
+    return sum(getattr(m, "packed", None) is not None for m in runner.model.modules())
+
+
+@pytest.mark.skipif(not cpu.packed_linear_supported(), reason="torch's oneDNN has no bf16 on this CPU")
+def test_bf16_prepacked_weights_match_the_plain_gemms(hf_model):
+    """worker.packed_weights: the same passes with the weights prepacked for oneDNN and without give
+    the same logits up to bf16 rounding, and both stay close to fp32 transformers."""
+    packed = _runner(hf_model, dtype=torch.bfloat16, packed_weights=True)
+    plain = _runner(hf_model, dtype=torch.bfloat16, packed_weights=False)
+    assert _packed_modules(packed) == 3 * 4 and packed.model.packed_lm_head is not None
+    assert _packed_modules(plain) == 0 and plain.model.packed_lm_head is None
+    outs = []
+    for runner in (packed, plain):
+        reqs = _new_reqs(runner, [30, 7, 12])
+        first = runner.forward(_batch(runner, reqs, [29, 6, 11], ForwardMode.EXTEND))
+        out = runner.forward(_batch(runner, reqs, [1, 1, 1], ForwardMode.DECODE))
+        _check_last(hf_model, out, reqs, atol=0.1)
+        outs.append((first.next_token_logits.float(), out.next_token_logits.float()))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=0.05), (a - b).abs().max()
+    # float32 never packs
+    assert _packed_modules(_runner(hf_model, dtype=torch.float32, packed_weights=True)) == 0
 
 
 # -- logprobs -----------------------------------------------------------------------------------

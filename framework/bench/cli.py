@@ -5,6 +5,7 @@
     batchyard bench one-batch --batch-size 1 16 --input-len 256 --output-len 32
     batchyard bench plot results.jsonl -o results.png
     batchyard bench soak      --duration 600 --request-rate 4 --output-file soak.jsonl
+    batchyard bench offline   --backend batchyard vllm llamacpp ...    (peers: `bench peers setup`)
 
 Defaults follow SGLang's bench scripts (sharegpt, 1000 prompts, seed 1, greedy, ignore_eos).
 """
@@ -77,12 +78,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(sub) -> None:
     """Register `bench` and its tools under the main parser's subcommands."""
-    bench = sub.add_parser("bench", help="benchmarks: serving, offline, one-batch, plot, soak")
+    bench = sub.add_parser("bench", help="benchmarks: serving, offline, one-batch, plot, soak, peers")
     tools = bench.add_subparsers(dest="bench_command", required=True)
 
     p = tools.add_parser("serving", help="async HTTP client against a running server")
-    p.add_argument("--backend", choices=("batchyard", "openai"), default="batchyard",
-                   help="batchyard: native /generate; openai: /v1/completions")
+    p.add_argument("--backend", choices=("batchyard", "openai", "vllm", "llamacpp"), default="batchyard",
+                   help="batchyard: native /generate; openai: /v1/completions; vllm: `vllm serve`'s "
+                        "/v1/completions with token ids; llamacpp: llama-server's native /completion")
     p.add_argument("--base-url", help="server URL (default http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -99,8 +101,19 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=_dispatch("serving"))
 
     p = tools.add_parser("offline", help="in-process Engine throughput, all requests at once")
-    p.add_argument("--backend", choices=("batchyard", "hf", "both"), default="batchyard",
-                   help="hf: transformers on the same folder and dtype; both: run both, report the ratio")
+    p.add_argument("--backend", choices=("batchyard", "hf", "vllm", "llamacpp", "both"), nargs="+",
+                   default=["batchyard"],
+                   help="one or more, run in turn on the same workload: hf = transformers on the same folder and "
+                        "dtype, vllm = vLLM's CPU build (same folder, same dtype), llamacpp = llama-server on a "
+                        "bf16 GGUF of the same weights; both = batchyard hf. With batchyard in the list its "
+                        "record stores the ratio to each other backend (vs_hf, vs_vllm, vs_llamacpp)")
+    p.add_argument("--vllm-python", help="python of the vLLM venv (default: the one `bench peers setup vllm` made)")
+    p.add_argument("--vllm-args", default="",
+                   help="more vllm_runner.py flags, after an =: --vllm-args='--threads-bind 1 --enforce-eager'")
+    p.add_argument("--llamacpp-server", help="llama-server binary (default: the one `bench peers setup llamacpp` built)")
+    p.add_argument("--llamacpp-model", help="GGUF for llama.cpp (default: the bf16 copy of the embedded model; "
+                                            "'shipped' = the embedded Q4_1 file)")
+    p.add_argument("--llamacpp-parallel", type=int, default=64, help="llama-server slots = requests in flight")
     p.add_argument("--hf-mode", choices=("auto", "continuous", "static"), default="auto",
                    help="transformers batching (auto: continuous where available)")
     p.add_argument("--hf-batch-size", type=int, default=32, help="batch size of static HF generate")
@@ -143,6 +156,16 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--output-file", help="append one JSON line with the summary to this file")
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags for `batchyard serve`")
     p.set_defaults(func=_dispatch("soak"))
+
+    p = tools.add_parser("peers", help="install or list the peer engines (vLLM CPU, llama.cpp) for --backend")
+    p.add_argument("action", choices=("setup", "status", "serve"))
+    p.add_argument("peer", nargs="*", help="vllm and/or llamacpp (default both; serve takes one)")
+    p.add_argument("--port", type=int, default=30001, help="serve: port on 127.0.0.1")
+    p.add_argument("--dtype", default="bfloat16", help="serve vllm: dtype")
+    p.add_argument("--model-path", help="serve vllm: model (default: the embedded model's folder)")
+    p.add_argument("--llamacpp-model", help="serve llamacpp: GGUF (default: the bf16 copy)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for llama.cpp")
+    p.set_defaults(func=_dispatch("peer_cli"))
 
     p = tools.add_parser("plot", help="charts comparing the runs of results files")
     p.add_argument("results", nargs="+", help="JSONL files written with --output-file")

@@ -5,22 +5,25 @@ warm-up of random 256-in / 16-out requests and a cache flush, so neither first-c
 prefix reuse between warm-up and run count. Reported: request / input / output / total throughput
 over the wall time of that call, with output tokens from each request's completion_tokens.
 
-``--backend hf`` runs the same requests through transformers instead, ``--backend both`` runs
-both in this process and stores their ratio with the engine's record.
+``--backend`` takes one or more of batchyard, hf (transformers, same process), vllm and llamacpp
+(the peer engines, framework/bench/peers.py), run in turn on the same requests; with batchyard in
+the list its record stores the ratio to each of the others (``vs_hf``, ``vs_vllm``, ...).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 
 from framework.bench.datasets import BenchRequest, sample_random
 from framework.bench.metrics import offline_metrics
+from framework.bench.peers import PEER_BACKENDS, PeerMissing
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("batchyard", "hf", "both")
+BACKENDS = ("batchyard", "hf", "vllm", "llamacpp", "both")
 WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN = 256, 16
 
 
@@ -84,6 +87,57 @@ def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool = True, pr
     return metrics
 
 
+def expand_backends(names) -> list[str]:
+    """The backends to run, in order, each once ("both" = batchyard and hf)."""
+    if isinstance(names, str):
+        names = [names]
+    out: list[str] = []
+    for name in names:
+        for one in (("batchyard", "hf") if name == "both" else (name,)):
+            if one not in out:
+                out.append(one)
+    return out
+
+
+def peer_paths(args) -> dict[str, str]:
+    """The peers' programs and model files from the options or the defaults; PeerMissing names
+    the first one that is not there, so nothing runs before the whole comparison can."""
+    from framework.bench import peers
+
+    default = peers.PeerPaths.default()
+    model = getattr(args, "llamacpp_model", None) or default.llamacpp_bf16_gguf
+    if model == "shipped":
+        model = peers.shipped_gguf()
+    paths = {"vllm": getattr(args, "vllm_python", None) or default.vllm_python,
+             "llamacpp": getattr(args, "llamacpp_server", None) or default.llamacpp_server,
+             "llamacpp_model": model}
+    flags = {"vllm": "--vllm-python", "llamacpp": "--llamacpp-server", "llamacpp_model": "--llamacpp-model"}
+    for peer in expand_backends(args.backend):
+        for key in (k for k in paths if k.split("_")[0] == peer):
+            if not os.path.exists(paths[key]):
+                raise PeerMissing(f"{peer}: {paths[key]} does not exist; run `batchyard bench peers setup {peer}` "
+                                  f"or pass {flags[key]}")
+    return paths
+
+
+def run_peer(peer: str, args, requests: list[BenchRequest], folder: str, dtype: str,
+             paths: dict[str, str]) -> tuple[dict, dict]:
+    """One peer engine on the workload (framework/bench/peers.py); returns (metrics, details)."""
+    import shlex
+
+    from framework.bench import peers
+
+    if peer == "vllm":
+        return peers.run_vllm_offline(requests, folder, dtype, python=paths["vllm"],
+                                      extra_args=shlex.split(args.vllm_args or ""))
+    model = paths["llamacpp_model"]
+    metrics, details = peers.run_llamacpp_offline(requests, server_bin=paths["llamacpp"], model=model,
+                                                  parallel=args.llamacpp_parallel, ignore_eos=args.ignore_eos,
+                                                  progress=not args.disable_tqdm)
+    details["dtype"] = "q4_1" if model and "Q4_1" in os.path.basename(model) else "bfloat16"
+    return metrics, details
+
+
 def engine_dtype(engine) -> str | None:
     """The dtype the worker actually runs (None if the worker does not say)."""
     runner = getattr(engine.scheduler.worker, "runner", None)
@@ -101,9 +155,10 @@ def main(args) -> int:
     from framework.model.loader import load_tokenizer, resolve_model
     from plugins.workers.tp import resolve_dtype
 
-    if args.extra_sampling_params and args.backend != "batchyard":
-        # transformers' generate has no grammars or batchyard's sampling fields: not comparable.
-        logger.error("--extra-sampling-params needs --backend batchyard")
+    backends = expand_backends(args.backend)
+    if args.extra_sampling_params and backends != ["batchyard"]:
+        # The other engines have no grammars or batchyard's sampling fields: not comparable.
+        logger.error("--extra-sampling-params needs --backend batchyard alone")
         return 2
     if args.extra_sampling_params:
         from framework.request import SamplingParams
@@ -113,6 +168,11 @@ def main(args) -> int:
         except ValueError as exc:
             logger.error("--extra-sampling-params: %s", exc)
             return 2
+    try:
+        paths = peer_paths(args)
+    except PeerMissing as exc:
+        logger.error("%s", exc)
+        return 2
     settings = bench_settings(args)
     folder = resolve_model(settings.model.path)
     tokenizer = load_tokenizer(settings.model.tokenizer_path or folder)
@@ -121,7 +181,7 @@ def main(args) -> int:
     options = bench_args(args)
     records = []
 
-    if args.backend in ("batchyard", "both"):
+    if "batchyard" in backends:
         from framework.engine import Engine
 
         engine = Engine(settings)
@@ -138,7 +198,7 @@ def main(args) -> int:
         records.append(make_record("offline", "batchyard", options, workload, metrics, hardware_info(dtype, meter),
                                    engine_settings=settings_record(settings)))
 
-    if args.backend in ("hf", "both"):
+    if "hf" in backends:
         from framework.bench.hf_backend import run_hf
 
         dtype = resolve_dtype(settings.model.dtype, settings.worker.device)
@@ -153,12 +213,29 @@ def main(args) -> int:
         records.append(make_record("offline", "hf", options, workload, metrics, hardware_info(dtype_name, meter),
                                    hf_mode=mode, hf_batch_size=args.hf_batch_size if mode == "static" else None))
 
-    if len(records) == 2:
-        ours, hf = records[0]["metrics"], records[1]["metrics"]
-        ratio = {k: ours[k] / hf[k] for k in ("output_throughput", "total_throughput") if hf[k]}
-        records[0]["vs_hf"] = {"hf_mode": records[1]["hf_mode"], "ratio": ratio, "hf_metrics": hf}
-        print(f"batchyard / transformers ({records[1]['hf_mode']}): "
-              f"output throughput x{ratio.get('output_throughput', float('nan')):.2f}")
+    dtype_name = str(resolve_dtype(settings.model.dtype, settings.worker.device)).replace("torch.", "")
+    for peer in (b for b in backends if b in PEER_BACKENDS):
+        metrics, details = run_peer(peer, args, requests, folder, dtype_name, paths)
+        print(format_report(f"Offline Throughput ({peer} {details.get('version') or ''})".replace(" )", ")"), metrics))
+        hardware = hardware_info(details.get("dtype", dtype_name))
+        hardware["other_cpu_busy"] = details.pop("other_cpu_busy", None)
+        records.append(make_record("offline", peer, options, workload, metrics, hardware, peer=details))
+
+    ours = next((r for r in records if r["backend"] == "batchyard"), None)
+    for other in records:
+        if ours is None or other is ours:
+            continue
+        theirs = other["metrics"]
+        ratio = {k: ours["metrics"][k] / theirs[k] for k in ("output_throughput", "total_throughput") if theirs[k]}
+        name = other["backend"]
+        entry = {"ratio": ratio, f"{name}_metrics": theirs}
+        if name == "hf":
+            entry["hf_mode"] = other["hf_mode"]
+        else:
+            entry["peer"] = other.get("peer")
+        ours[f"vs_{name}"] = entry
+        label = f"transformers ({other['hf_mode']})" if name == "hf" else name
+        print(f"batchyard / {label}: output throughput x{ratio.get('output_throughput', float('nan')):.2f}")
     for record in records:
         append_jsonl(args.output_file, record)
     return 0

@@ -6,6 +6,11 @@ Backends:
              the stream ends with ``data: [DONE]``.
   openai     POST /v1/completions with ``stream: true``; each chunk carries a text delta, and the
              usage chunk (``stream_options.include_usage``) the completion token count.
+  vllm       the same against `vllm serve` (vLLM's CPU build), but with the prompt as token ids, so
+             both engines see exactly the same input.
+  llamacpp   POST llama-server's native /completion (``prompt`` = token ids, ``n_predict``,
+             ``ignore_eos``, ``cache_prompt: false``, ``stream: true``); one chunk per token until the
+             last, ``stop: true``, which carries ``tokens_predicted``.
 
 Requests arrive as a Poisson process at --request-rate (inf: all at t=0), at most
 --max-concurrency in flight. The clock starts after the warm-up requests and stops when the last
@@ -29,7 +34,7 @@ from framework.bench.metrics import RequestResult
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("batchyard", "openai")
+BACKENDS = ("batchyard", "openai", "vllm", "llamacpp")
 # One benchmark can legitimately run for hours on a CPU.
 REQUEST_TIMEOUT_S = 6 * 3600
 # Cumulative-text SSE lines grow with the output; aiohttp's default 64 KiB line limit is too small.
@@ -90,6 +95,13 @@ def openai_body(req: BenchRequest, model: str, ignore_eos: bool, extra: dict) ->
     return body
 
 
+def llamacpp_stream_body(req: BenchRequest, ignore_eos: bool, extra: dict) -> dict:
+    body = {"prompt": req.prompt_ids, "n_predict": req.output_len, "temperature": 0, "ignore_eos": ignore_eos,
+            "cache_prompt": False, "stream": True}
+    body.update(extra)
+    return body
+
+
 async def send_request(session, backend: str, base_url: str, req: BenchRequest, *,
                        model: str = "default", ignore_eos: bool = True,
                        extra_body: dict | None = None) -> RequestResult:
@@ -97,8 +109,12 @@ async def send_request(session, backend: str, base_url: str, req: BenchRequest, 
     extra = extra_body or {}
     if backend == "batchyard":
         url, body = base_url + "/generate", native_body(req, ignore_eos, extra)
-    elif backend == "openai":
+    elif backend in ("openai", "vllm"):
         url, body = base_url + "/v1/completions", openai_body(req, model, ignore_eos, extra)
+        if backend == "vllm":
+            body["prompt"] = req.prompt_ids
+    elif backend == "llamacpp":
+        url, body = base_url + "/completion", llamacpp_stream_body(req, ignore_eos, extra)
     else:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
@@ -124,6 +140,14 @@ async def send_request(session, backend: str, base_url: str, req: BenchRequest, 
                     count = (data.get("meta_info") or {}).get("completion_tokens")
                     grew = count > (tokens or 0) if count is not None else len(new_text) > len(text)
                     text = new_text
+                elif backend == "llamacpp":
+                    # One chunk per token (its text may be empty: half a UTF-8 character); the last
+                    # chunk (stop) carries no new token, only the totals.
+                    text += data.get("content", "")
+                    if data.get("stop"):
+                        count, grew = data.get("tokens_predicted"), False
+                    else:
+                        count, grew = (tokens or 0) + 1, True
                 else:
                     choices = data.get("choices") or []
                     delta = choices[0].get("text", "") if choices else ""
@@ -260,7 +284,7 @@ def main(args) -> int:
     tokenizer = load_bench_tokenizer(args.tokenizer)
     requests = build_requests(args, tokenizer)
     model = args.model
-    if args.backend == "openai" and model is None:
+    if args.backend in ("openai", "vllm") and model is None:
         listing = asyncio.run(get_json(base_url, "/v1/models")) or {}
         data = listing.get("data") or [{}]
         model = data[0].get("id", "default")

@@ -28,7 +28,7 @@ from framework.distributed import ParallelContext, check_model_fits
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.attention import TorchNativeAttention
 from framework.model.config import ModelConfig
-from framework.model.cpu import to_float32
+from framework.model.cpu import pack_linear_weight, packed_linear, to_float32
 from framework.model.cpu_kernels import CpuKernels, FusedOps
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
@@ -62,6 +62,17 @@ class RMSNorm(nn.Module):
         return self(h), h
 
 
+class Linear(nn.Linear):
+    """nn.Linear that runs on a prepacked copy of its weight when one is set (`use_packed_weights`)."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dtype == torch.bfloat16:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RowParallelLinear(nn.Module):
     """A linear layer whose input dimension is split over the ranks: `reduce(x @ W_r^T) + b`.
 
@@ -76,9 +87,12 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.par = par
         self.shard_size = shard_size
+        self.packed: torch.Tensor | None = None  # see use_packed_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard_size == 1:
+            if self.packed is not None and x.dtype == torch.bfloat16:
+                return packed_linear(x, self.packed, self.bias)
             return F.linear(x, self.weight, self.bias)
         # The bias is added once, after the sum of the ranks' partial products.
         y = self.par.all_reduce(F.linear(x, self.weight))
@@ -94,7 +108,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         # Qwen2 has q/k/v bias but no o_proj bias; Llama's attention_bias covers both.
@@ -126,7 +140,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.par = par
         self.intermediate_size = config.intermediate_size // par.tp_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, False, par, par.tp_size)
         self.fused: FusedOps | None = None  # see use_cpu_kernels
 
@@ -189,6 +203,22 @@ def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     model.attn_backend.use_decode_kernel(kernels.decode_attention if kernels else None)
 
 
+def use_packed_weights(model: "LlamaForCausalLM", enabled: bool) -> int:
+    """Give every bf16 linear layer of `model` (and the LM head) a prepacked copy of its weight, or
+    drop them (`enabled` False); returns how many were packed. The packed copies are not
+    parameters: they cost memory beside the weights (~270 MB for SmolLM2) and are rebuilt with the
+    model (`update_weights` builds a new one)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (Linear, RowParallelLinear)):
+            eligible = enabled and module.weight.dtype == torch.bfloat16 and getattr(module, "shard_size", 1) == 1
+            module.packed = pack_linear_weight(module.weight) if eligible else None
+            count += eligible
+    head = model.lm_head_weight
+    model.packed_lm_head = pack_linear_weight(head) if enabled and head.dtype == torch.bfloat16 else None
+    return count + (model.packed_lm_head is not None)
+
+
 # Rows of the token-wise part of a layer processed at once (see LlamaDecoderLayer).
 PREFILL_TILE = 2048
 
@@ -225,6 +255,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_lm_head: torch.Tensor | None = None  # see use_packed_weights
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -257,6 +288,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""
+        if self.packed_lm_head is not None and hidden.dtype == torch.bfloat16:
+            return packed_linear(hidden, self.packed_lm_head, None)
         return F.linear(hidden, self.lm_head_weight)
 
     # -- weights --------------------------------------------------------------------------------

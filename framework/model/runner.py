@@ -14,10 +14,10 @@ import torch
 from framework.batch import ModelWorkerBatch
 from framework.distributed import get_parallel_context
 from framework.memory import ReqToTokenPool, TokenToKVPool
-from framework.model.cpu import tune_allocator
+from framework.model.cpu import packed_linear_supported, tune_allocator
 from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig
-from framework.model.llama import use_cpu_kernels
+from framework.model.llama import use_cpu_kernels, use_packed_weights
 from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
@@ -46,6 +46,7 @@ class ModelRunner:
         context_length: overrides the model's max_position_embeddings.
         lora_paths: LoRA adapters to serve, {name: PEFT folder} (framework/model/lora.py).
         cpu_kernels: worker.cpu_kernels: "auto", "on" or "off".
+        packed_weights: worker.packed_weights: prepack bf16 linear weights for oneDNN on CPU.
     """
 
     def __init__(
@@ -60,12 +61,13 @@ class ModelRunner:
         seed: int = 0,
         lora_paths: dict[str, str] | None = None,
         cpu_kernels: str = "auto",
+        packed_weights: bool = True,
     ):
         hf_config = load_hf_config(model_path)
         self._setup(
             hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
             max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
-            device, seed, lora_paths, cpu_kernels,
+            device, seed, lora_paths, cpu_kernels, packed_weights,
         )
         self.model_path = model_path
 
@@ -90,12 +92,13 @@ class ModelRunner:
         tokenizer: Any = None,
         lora_paths: dict[str, str] | None = None,
         cpu_kernels: str = "auto",
+        packed_weights: bool = True,
     ) -> "ModelRunner":
         runner = cls.__new__(cls)
         runner._setup(
             hf_config, state_dict.items(), tokenizer, dtype, max_total_tokens,
             kv_cache_memory_bytes, max_running_requests, context_length, device, seed, lora_paths,
-            cpu_kernels,
+            cpu_kernels, packed_weights,
         )
         runner.model_path = None
         return runner
@@ -114,6 +117,7 @@ class ModelRunner:
         seed: int,
         lora_paths: dict[str, str] | None = None,
         cpu_kernels: str = "auto",
+        packed_weights: bool = True,
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
@@ -124,6 +128,7 @@ class ModelRunner:
         self.dtype = dtype
         self.tokenizer = tokenizer
         self.cpu_kernels = pick_cpu_kernels(cpu_kernels, device)
+        self.packed_weights = packed_weights and device == "cpu" and packed_linear_supported()
         # Sharded at load time when this process is one rank of a tensor-parallel group.
         self.par = get_parallel_context()
         self.model_config, self.model = self._load_model(hf_config, weights)
@@ -140,7 +145,10 @@ class ModelRunner:
         model_config, model = build_model(hf_config, self.par)
         model.load_weights(weights)
         use_cpu_kernels(model, self.cpu_kernels)
-        return model_config, model.to(device=self.device, dtype=self.dtype).eval()
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.packed_weights and self.dtype == torch.bfloat16:
+            logger.debug("Prepacked %d bf16 linear weights for oneDNN", use_packed_weights(model, True))
+        return model_config, model
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:
         """Load a checkpoint of the same architecture in place of the current weights (R4).

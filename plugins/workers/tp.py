@@ -102,6 +102,7 @@ class TpWorker:
             seed=settings.model.random_seed,
             lora_paths=parse_lora_paths(settings.model.lora_paths),
             cpu_kernels=settings.worker.cpu_kernels,
+            packed_weights=settings.worker.packed_weights,
         )
         logger.info(
             "Loaded %s (%s): max_total_num_tokens=%d, context_len=%d",
