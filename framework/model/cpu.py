@@ -133,6 +133,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def packed_linear_unary(x: torch.Tensor, packed: torch.Tensor, op: str) -> torch.Tensor:
+    """`op(x @ W^T)` in one oneDNN call, the activation applied to the fp32 accumulator
+    (`op`: "swish" = SiLU)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, op, [], "")
+
+
+def packed_linear_binary(x: torch.Tensor, other: torch.Tensor, packed: torch.Tensor, op: str) -> torch.Tensor:
+    """`(x @ W^T) op other` in one oneDNN call (`op`: "add" or "mul"; `other` has the output's
+    shape and dtype), rounded to bf16 once."""
+    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, None, op)
+
+
 def to_float32(x: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
     """`x.float()`, but through `copy_`: on this CPU torch's bf16 -> fp32 `.to` takes a slow path
     (~5x slower than `copy_` into an fp32 buffer, measured on [8192, 576]). An fp32 `x` comes back

@@ -28,7 +28,8 @@ from framework.distributed import ParallelContext, check_model_fits
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.attention import TorchNativeAttention
 from framework.model.config import ModelConfig
-from framework.model.cpu import pack_linear_weight, packed_linear, to_float32
+from framework.model.cpu import (pack_linear_weight, packed_linear, packed_linear_binary, packed_linear_unary,
+                                 to_float32)
 from framework.model.cpu_kernels import CpuKernels, FusedOps
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
@@ -143,12 +144,32 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, False, par, par.tp_size)
         self.fused: FusedOps | None = None  # see use_cpu_kernels
+        # Prepacked gate and up halves (use_packed_weights): SiLU, the product and the residual add
+        # then happen inside the three GEMMs.
+        self.packed_gate: torch.Tensor | None = None
+        self.packed_up: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, batch: ModelWorkerBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ModelWorkerBatch, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """MLP(x), plus `residual` when given."""
         if not self.par.gathers_mlp_tokens:
-            return self._mlp(x)
-        counts = batch.global_num_tokens
-        return self.par.own_rows(self._mlp(self.par.gather_rows(x, counts)), counts)
+            if self.packed_gate is not None and x.dtype == torch.bfloat16 and self._plain_layers():
+                return self._packed_mlp(x, residual)
+            out = self._mlp(x)
+        else:
+            counts = batch.global_num_tokens
+            out = self.par.own_rows(self._mlp(self.par.gather_rows(x, counts)), counts)
+        return out if residual is None else out.add_(residual)
+
+    def _plain_layers(self) -> bool:
+        # A LoRA-wrapped projection must run its own forward (the packed copies lack the deltas).
+        return type(self.gate_up_proj) is Linear and type(self.down_proj) is RowParallelLinear
+
+    def _packed_mlp(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        gate = packed_linear_unary(x, self.packed_gate, "swish")
+        act = packed_linear_binary(x, gate, self.packed_up, "mul")
+        if residual is None:
+            return packed_linear(act, self.down_proj.packed, None)
+        return packed_linear_binary(act, residual, self.down_proj.packed, "add")
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -186,11 +207,13 @@ class LlamaDecoderLayer(nn.Module):
             for t in tiles
         ]
         attn_out = attn.backend.forward(q[0] if len(q) == 1 else torch.cat(q), attn.layer_id, meta, kv_pool)
-        out = torch.empty_like(hidden)
+        out = torch.empty_like(hidden) if len(tiles) > 1 else None
         for t in tiles:
-            # The sublayers return fresh tensors, so the residual adds can be in place.
+            # The sublayers return fresh tensors, so the residual adds can be in place (the MLP adds h).
             normed, h = self.post_attention_layernorm.add_and_norm(attn.o_proj(attn_out[t]), hidden[t])
-            torch.add(self.mlp(normed, batch), h, out=out[t])
+            if len(tiles) == 1:
+                return self.mlp(normed, batch, residual=h)
+            out[t] = self.mlp(normed, batch, residual=h)
         return out
 
 
@@ -214,6 +237,11 @@ def use_packed_weights(model: "LlamaForCausalLM", enabled: bool) -> int:
             eligible = enabled and module.weight.dtype == torch.bfloat16 and getattr(module, "shard_size", 1) == 1
             module.packed = pack_linear_weight(module.weight) if eligible else None
             count += eligible
+        elif isinstance(module, LlamaMLP):
+            weight, size = module.gate_up_proj.weight, module.intermediate_size
+            eligible = enabled and weight.dtype == torch.bfloat16 and module.down_proj.shard_size == 1
+            module.packed_gate = pack_linear_weight(weight[:size]) if eligible else None
+            module.packed_up = pack_linear_weight(weight[size:]) if eligible else None
     head = model.lm_head_weight
     model.packed_lm_head = pack_linear_weight(head) if enabled and head.dtype == torch.bfloat16 else None
     return count + (model.packed_lm_head is not None)

@@ -5,6 +5,13 @@
  * is one task: for every KV head, the `group` query heads that share it read each K and V row
  * once. Scores and the softmax are fp32; K/V and q may be bf16 or fp32.
  *
+ * The KV rows are read from DRAM (a decode step reads every running request's whole KV, far more
+ * than the caches hold), and a request's slots are scattered over the pool. So the tokens go in
+ * chunks of CHUNK: the whole slot row of each token (every KV head, contiguous) is prefetched one
+ * chunk ahead, and all KV heads are done chunk by chunk, so each row comes from DRAM once, in
+ * long bursts, and the other heads read it from L1. Measured on a 2-core Xeon (30 layers' pools,
+ * 200 requests, 72,900 tokens): 4.05 -> 3.95 ms a layer (and -> 3.60 with hsum16 below).
+ *
  * Built on first use by framework/model/cpu_kernels.py (cc -O3 -march=native) and called through
  * ctypes, which releases the GIL; the requests are split over `num_threads` pthreads by KV length.
  */
@@ -46,29 +53,58 @@ static inline void load_row(float *dst, const void *p, int d, int bf16) {
     }
 }
 
-#ifdef __AVX512F__
-/* How many tokens ahead the K/V rows are prefetched: slots of one request are scattered over
- * the pool (decode steps allocate one slot per request), so each row can be a cache miss. */
-#define PREFETCH 12
+/* Tokens per chunk: a chunk's slot rows (CHUNK x kv_heads x head_dim, 12 KiB for SmolLM2's bf16
+ * K) stay in L1 while every KV head reads them. */
+#define CHUNK 32
 
-static inline void prefetch_row(const void *p, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+/* Prefetch the slot rows (`row_bytes` from `base + slot * row_bytes`) of tokens [t0, t1). */
+static inline void prefetch_rows(const char *base, const int64_t *slots, int64_t t0, int64_t t1, size_t row_bytes) {
+#ifdef __AVX512F__
+    for (int64_t t = t0; t < t1; t++) {
+        const char *p = base + (size_t)slots[t] * row_bytes;
+        for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
+#else
+    (void)base, (void)slots, (void)t0, (void)t1, (void)row_bytes;
+#endif
 }
 
+#ifdef __AVX512F__
 /* Token t's 64-element row of one head (base: the head's first row; slot rows `row_bytes` apart)
- * as four fp32 vectors, prefetching the row PREFETCH tokens ahead. */
-static inline void load_row64(const char *base, const int64_t *slots, int64_t t, int64_t len, size_t row_bytes,
-                              size_t elem, int bf16, __m512 out[4]) {
-    if (t + PREFETCH < len) prefetch_row(base + (size_t)slots[t + PREFETCH] * row_bytes, 64 * elem);
+ * as four fp32 vectors. */
+static inline void load_row64(const char *base, const int64_t *slots, int64_t t, size_t row_bytes, size_t elem,
+                              int bf16, __m512 out[4]) {
     const char *p = base + (size_t)slots[t] * row_bytes;
     for (int c = 0; c < 4; c++) out[c] = load16(p + c * 16 * elem, bf16);
 }
 #endif
 
-/* scores[g * len + t] = q[g] . k_t for the group's query heads over one KV head; `q` is the
- * query rows in their own dtype (`qf` the same rows as fp32). */
+#ifdef __AVX512F__
+/* Lane i of the result = the sum of the 16 lanes of v[i]: four levels of pairwise shuffles and
+ * adds (45 instructions for 16 sums, against ~8 for each horizontal reduction), which leave
+ * token 4e + j in lane 4j + e; one permute puts them in order. */
+static inline __m512 hsum16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: lanes 0-7 v[2i], 8-15 v[2i+1] */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit quarter j: v[4i + j] */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* in quarter j: lanes 0-1 v[8i + j], 2-3 v[8i + 4 + j] */
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, z);
+}
+#endif
+
+/* scores[g * len + t] = q[g] . k_t for t in [t0, t1), the group's query heads over one KV head;
+ * `q` is the query rows in their own dtype (`qf` the same rows as fp32). */
 static void head_scores(const void *q, const float *qf, int group, const void *k, int64_t kv_stride, int d,
-                        int q_bf16, int kv_bf16, const int64_t *slots, int64_t len, float *scores) {
+                        int q_bf16, int kv_bf16, const int64_t *slots, int64_t t0, int64_t t1, int64_t len,
+                        float *scores) {
     size_t elem = kv_bf16 ? 2 : 4;
 #if defined(__AVX512BF16__)
     if (d == 64 && group <= 8 && q_bf16 && kv_bf16) {
@@ -77,8 +113,21 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
         for (int g = 0; g < group; g++)
             for (int c = 0; c < 2; c++)
                 qv[g][c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q + g * d + c * 32);
-        for (int64_t t = 0; t < len; t++) {
-            if (t + PREFETCH < len) prefetch_row((const uint16_t *)k + (size_t)slots[t + PREFETCH] * kv_stride, 128);
+        int64_t t = t0;
+        /* 16 tokens at a time: 16 dot-product vectors, summed lane-wise by one transpose tree
+         * (hsum16) instead of 16 horizontal reductions */
+        for (; t + 16 <= t1; t += 16) {
+            for (int g = 0; g < group; g++) {
+                __m512 acc[16];
+                for (int u = 0; u < 16; u++) {
+                    const uint16_t *kp = (const uint16_t *)k + (size_t)slots[t + u] * kv_stride;
+                    acc[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)_mm512_loadu_si512(kp));
+                    acc[u] = _mm512_dpbf16_ps(acc[u], qv[g][1], (__m512bh)_mm512_loadu_si512(kp + 32));
+                }
+                _mm512_storeu_ps(scores + g * len + t, hsum16(acc));
+            }
+        }
+        for (; t < t1; t++) {
             const uint16_t *kp = (const uint16_t *)k + (size_t)slots[t] * kv_stride;
             __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp), k1 = (__m512bh)_mm512_loadu_si512(kp + 32);
             for (int g = 0; g < group; g++) {
@@ -95,9 +144,9 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
         __m512 qv[8][4];
         for (int g = 0; g < group; g++)
             for (int c = 0; c < 4; c++) qv[g][c] = _mm512_loadu_ps(qf + g * d + c * 16);
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = t0; t < t1; t++) {
             __m512 kr[4];
-            load_row64((const char *)k, slots, t, len, kv_stride * elem, elem, kv_bf16, kr);
+            load_row64((const char *)k, slots, t, kv_stride * elem, elem, kv_bf16, kr);
             for (int g = 0; g < group; g++) {
                 __m512 acc = _mm512_mul_ps(qv[g][0], kr[0]);
                 acc = _mm512_fmadd_ps(qv[g][1], kr[1], acc);
@@ -112,7 +161,7 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
     (void)q;
     (void)q_bf16;
     float *row = (float *)malloc((size_t)d * sizeof(float));
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         load_row(row, (const char *)k + (size_t)slots[t] * kv_stride * elem, d, kv_bf16);
         for (int g = 0; g < group; g++) {
             float acc = 0.0f;
@@ -123,18 +172,18 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
     free(row);
 }
 
-/* acc[g] = sum_t probs[g * len + t] * v_t */
+/* acc[g] += sum over t in [t0, t1) of probs[g * len + t] * v_t */
 static void head_values(const float *probs, int group, const void *v, int64_t kv_stride, int d, int bf16,
-                        const int64_t *slots, int64_t len, float *acc) {
+                        const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc) {
     size_t elem = bf16 ? 2 : 4;
 #ifdef __AVX512F__
     if (d == 64 && group <= 8) {
         __m512 av[8][4];
         for (int g = 0; g < group; g++)
-            for (int c = 0; c < 4; c++) av[g][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t++) {
+            for (int c = 0; c < 4; c++) av[g][c] = _mm512_loadu_ps(acc + g * d + c * 16);
+        for (int64_t t = t0; t < t1; t++) {
             __m512 vr[4];
-            load_row64((const char *)v, slots, t, len, kv_stride * elem, elem, bf16, vr);
+            load_row64((const char *)v, slots, t, kv_stride * elem, elem, bf16, vr);
             for (int g = 0; g < group; g++) {
                 __m512 p = _mm512_set1_ps(probs[g * len + t]);
                 for (int c = 0; c < 4; c++) av[g][c] = _mm512_fmadd_ps(p, vr[c], av[g][c]);
@@ -146,8 +195,7 @@ static void head_values(const float *probs, int group, const void *v, int64_t kv
     }
 #endif
     float *row = (float *)malloc((size_t)d * sizeof(float));
-    memset(acc, 0, (size_t)group * d * sizeof(float));
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         load_row(row, (const char *)v + (size_t)slots[t] * kv_stride * elem, d, bf16);
         for (int g = 0; g < group; g++) {
             float p = probs[g * len + t];
@@ -195,36 +243,52 @@ static float softmax_numerators(float *scores, int64_t len, float scale) {
 static void *run_span(void *arg) {
     Span *span = (Span *)arg;
     const Args *a = span->a;
-    int d = a->head_dim, group = a->heads / a->kv_heads;
+    int d = a->head_dim, heads = a->heads, group = heads / a->kv_heads;
     int64_t kv_stride = (int64_t)a->kv_heads * d; /* elements per slot */
     size_t kv_elem = a->kv_bf16 ? 2 : 4, q_elem = a->q_bf16 ? 2 : 4;
-    float *qf = (float *)malloc((size_t)group * d * sizeof(float));
-    float *acc = (float *)malloc((size_t)group * d * sizeof(float));
-    float *inv_sum = (float *)malloc((size_t)group * sizeof(float));
-    float *scores = (float *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * group * sizeof(float));
+    size_t slot_bytes = (size_t)kv_stride * kv_elem;
+    float *qf = (float *)malloc((size_t)heads * d * sizeof(float));
+    float *acc = (float *)malloc((size_t)heads * d * sizeof(float));
+    float *inv_sum = (float *)malloc((size_t)heads * sizeof(float));
+    float *scores = (float *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * heads * sizeof(float));
     span->failed = !qf || !acc || !inv_sum || !scores;
     for (int i = span->failed ? span->end : span->begin; i < span->end; i++) {
         int64_t len = a->seq_lens[i];
         const int64_t *slots = a->req_to_token + a->pool_idx[i] * a->row_stride;
-        for (int h = 0; h < a->kv_heads; h++) {
-            size_t q_off = ((size_t)i * a->heads + (size_t)h * group) * d;
-            const char *q = (const char *)a->q + q_off * q_elem;
-            load_row(qf, q, group * d, a->q_bf16);
-            const char *k = (const char *)a->k + (size_t)h * d * kv_elem;
-            const char *v = (const char *)a->v + (size_t)h * d * kv_elem;
-            head_scores(q, qf, group, k, kv_stride, d, a->q_bf16, a->kv_bf16, slots, len, scores);
-            for (int g = 0; g < group; g++) inv_sum[g] = 1.0f / softmax_numerators(scores + g * len, len, a->scale);
-            head_values(scores, group, v, kv_stride, d, a->kv_bf16, slots, len, acc);
-            for (int g = 0; g < group; g++) {
-                float *row = acc + g * d;
-                for (int j = 0; j < d; j++) row[j] *= inv_sum[g];
-            }
-            if (a->q_bf16) {
-                uint16_t *o = (uint16_t *)a->out + q_off;
-                for (int j = 0; j < group * d; j++) o[j] = f32_to_bf16(acc[j]);
-            } else {
-                memcpy((float *)a->out + q_off, acc, (size_t)group * d * sizeof(float));
-            }
+        size_t q_off = (size_t)i * heads * d;
+        const char *q = (const char *)a->q + q_off * q_elem;
+        load_row(qf, q, heads * d, a->q_bf16);
+        /* q . k for every head, chunk by chunk, the next chunk's K rows on their way */
+        prefetch_rows((const char *)a->k, slots, 0, len < CHUNK ? len : CHUNK, slot_bytes);
+        for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
+            int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
+            int64_t t2 = t1 + CHUNK < len ? t1 + CHUNK : len;
+            prefetch_rows(t1 < len ? (const char *)a->k : (const char *)a->v, slots, t1 < len ? t1 : 0,
+                          t1 < len ? t2 : (len < CHUNK ? len : CHUNK), slot_bytes);
+            for (int h = 0; h < a->kv_heads; h++)
+                head_scores(q + (size_t)h * group * d * q_elem, qf + (size_t)h * group * d, group,
+                            (const char *)a->k + (size_t)h * d * kv_elem, kv_stride, d, a->q_bf16, a->kv_bf16, slots,
+                            t0, t1, len, scores + (size_t)h * group * len);
+        }
+        for (int r = 0; r < heads; r++) inv_sum[r] = 1.0f / softmax_numerators(scores + (size_t)r * len, len, a->scale);
+        memset(acc, 0, (size_t)heads * d * sizeof(float));
+        for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
+            int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
+            int64_t t2 = t1 + CHUNK < len ? t1 + CHUNK : len;
+            if (t1 < len) prefetch_rows((const char *)a->v, slots, t1, t2, slot_bytes);
+            for (int h = 0; h < a->kv_heads; h++)
+                head_values(scores + (size_t)h * group * len, group, (const char *)a->v + (size_t)h * d * kv_elem,
+                            kv_stride, d, a->kv_bf16, slots, t0, t1, len, acc + (size_t)h * group * d);
+        }
+        for (int r = 0; r < heads; r++) {
+            float *row = acc + (size_t)r * d;
+            for (int j = 0; j < d; j++) row[j] *= inv_sum[r];
+        }
+        if (a->q_bf16) {
+            uint16_t *o = (uint16_t *)a->out + q_off;
+            for (int j = 0; j < heads * d; j++) o[j] = f32_to_bf16(acc[j]);
+        } else {
+            memcpy((float *)a->out + q_off, acc, (size_t)heads * d * sizeof(float));
         }
     }
     free(qf);
