@@ -292,8 +292,9 @@ def serve_command(peer: str, port: int, folder: str | None = None, dtype: str = 
         env.update(LD_PRELOAD=preload(prefix, env.get("LD_PRELOAD", "")), VLLM_TARGET_DEVICE="cpu",
                    VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
                    VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        cmd = [os.path.join(prefix, "bin", "vllm"), "serve", folder, "--dtype", dtype, "--host", "127.0.0.1",
-               "--port", str(port), "--max-model-len", "2048", "--served-model-name", "default"]
+        # Not the `vllm` script: vllm-cpu's metadata is named vllm-cpu, which that script's --version lookup misses.
+        cmd = [paths.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--dtype", dtype,
+               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--served-model-name", "default"]
         return cmd, env
     server = LlamaServer(paths.llamacpp_server, model or paths.llamacpp_bf16_gguf, parallel=parallel, port=port)
     for path, what in ((server.binary, "llama-server"), (server.model, "GGUF")):
