@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread"]
+# Tried first: the kernels then split their work over torch's own OpenMP threads (kernels/common.h).
+OPENMP_FLAGS = ["-fopenmp"]
 
 
 def cache_dir() -> Path:
@@ -43,10 +45,11 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build(source: Path, compiler: str) -> Path:
+def _build(source: Path, compiler: str, extra_flags: list[str]) -> Path:
+    flags = [*COMPILE_FLAGS, *extra_flags]
     # The shared headers are part of every kernel's key.
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h")))
-    key = hashlib.sha256(text + " ".join([compiler, *COMPILE_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -54,7 +57,7 @@ def _build(source: Path, compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *COMPILE_FLAGS, str(source), "-o", tmp, "-lm"]
+        cmd = [compiler, *flags, str(source), "-o", tmp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)  # atomic: concurrent builders all end with a whole file
     finally:
@@ -71,12 +74,31 @@ def load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.info("No C compiler found: using the PyTorch path instead of the %s kernel", name)
         return None
+    source = KERNEL_DIR / f"{name}.c"
+    if torch_openmp() is not None:
+        try:
+            return ctypes.CDLL(str(_build(source, compiler, OPENMP_FLAGS)))
+        except (OSError, subprocess.SubprocessError) as exc:
+            logger.info("The %s CPU kernel does not build with OpenMP (using pthreads): %s", name,
+                        getattr(exc, "stderr", "") or exc)
     try:
-        return ctypes.CDLL(str(_build(KERNEL_DIR / f"{name}.c", compiler)))
+        return ctypes.CDLL(str(_build(source, compiler, [])))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("Cannot build the %s CPU kernel (using the PyTorch path): %s", name, detail)
         return None
+
+
+@lru_cache(maxsize=None)
+def torch_openmp() -> str | None:
+    """The path of the GNU OpenMP runtime (libgomp.so.1) torch has loaded, or None where there is
+    not exactly one: then an OpenMP-built kernel could bring a second runtime, so none is built."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "libgomp" in line}
+    except OSError:
+        return None
+    return next(iter(libs)) if len(libs) == 1 else None
 
 
 _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

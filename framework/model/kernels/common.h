@@ -11,9 +11,31 @@
 
 #define MAX_THREADS 64
 
-/* fn(span) for each of `count` spans (an array of `span_size`-byte structs, count <= MAX_THREADS):
- * span 0 on the calling thread, the others on their own threads; a span whose thread cannot be
- * started runs on the calling thread too. Returns when all are done. */
+/* fn(span) for each of `count` spans (an array of `span_size`-byte structs, count <= MAX_THREADS);
+ * returns when all are done.
+ *
+ * Built with OpenMP (cpu_kernels.py tries -fopenmp first), the spans run on an OpenMP team. The
+ * kernels are loaded after torch, so the loader binds them to the libgomp torch already loaded
+ * (the same soname): the team is made of torch's own OpenMP threads, hot and never fighting them.
+ * With a thread of our own instead, torch's OpenMP threads still spinning after the previous GEMM
+ * take the second core from it: decode attention ran ~1.8x slower that way on the plain worker.
+ * Without OpenMP: span 0 on the calling thread, the others on their own pthreads (a span whose
+ * thread cannot be started runs on the calling thread too). */
+#ifdef _OPENMP
+#include <omp.h>
+static inline void run_spans(void *(*fn)(void *), void *spans, size_t span_size, int count) {
+    char *base = (char *)spans;
+    if (count <= 1) {
+        if (count == 1) fn(base);
+        return;
+    }
+#pragma omp parallel num_threads(count)
+    {
+        int team = omp_get_num_threads();
+        for (int s = omp_get_thread_num(); s < count; s += team) fn(base + (size_t)s * span_size);
+    }
+}
+#else
 static inline void run_spans(void *(*fn)(void *), void *spans, size_t span_size, int count) {
     pthread_t threads[MAX_THREADS];
     char *base = (char *)spans;
@@ -24,6 +46,7 @@ static inline void run_spans(void *(*fn)(void *), void *spans, size_t span_size,
     for (int s = started; s < count; s++) fn(base + s * span_size);
     for (int s = 1; s < started; s++) pthread_join(threads[s], NULL);
 }
+#endif
 
 #ifdef __AVX512F__
 #include <immintrin.h>
