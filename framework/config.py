@@ -245,7 +245,9 @@ class PluginSelection(_Section):
     policy: str = Field("lpm", description="Scheduling policy plugin (lpm, fcfs, dfs-weight, lof, random, ...).")
     cache: str = Field("radix", description="Prefix cache plugin (radix, chunk, ...).")
     worker: str = Field(
-        "overlap", description="Model worker plugin (tp, overlap, ...); overlap falls back to tp where it cannot run."
+        "tp", description="Model worker plugin (tp, overlap, ...). tp, the plain worker, is the default: on a CPU "
+        "the forward pass needs every core, and overlap's scheduling thread competes with it (docs/workers.md); "
+        "overlap falls back to tp where it cannot run."
     )
     disable: list[str] = Field(default_factory=list, description="Observer/default plugins to leave inactive.")
 

@@ -313,7 +313,7 @@ def test_pipelined_worker_does_not_jump(make_engine, caplog, explicit):
     """On by default, but the overlap worker cannot jump (reference J1): it says so only when the
     setting was asked for explicitly."""
     caplog.set_level("INFO", logger="framework.scheduler")
-    engine = make_engine(scheduler={"enable_jump_forward": True} if explicit else {})
+    engine = make_engine(plugins={"worker": "overlap"}, scheduler={"enable_jump_forward": True} if explicit else {})
     sched = engine.scheduler
     assert sched.settings.scheduler.enable_jump_forward and sched.worker.is_pipelined
     assert not sched.structured.enable_jump_forward

@@ -116,7 +116,7 @@ def test_grammar_outputs_equal_plain_worker_and_satisfy_their_grammar(make_engin
 def test_update_weights_with_a_batch_in_flight(make_engine, tiny_model_folder):
     """A finished request's last batch may still be queued for the forward thread when the weights
     are updated: the update runs behind it and its result is processed (its extra slot freed)."""
-    engine = make_engine()
+    engine = make_engine(plugins={"worker": "overlap"})
     sched = engine.scheduler
     assert isinstance(sched.worker, OverlapWorker)
     before = engine.generate(input_ids=list(range(10, 30)), sampling_params=GREEDY)["output_ids"]
@@ -217,7 +217,7 @@ def test_forward_thread_error_surfaces_and_thread_stops(tiny_model_folder):
 def test_shutdown_after_a_loop_error_releases_a_batch_waiting_for_its_mask(tiny_model_folder):
     """Result processing fails after a grammar batch was launched, so its mask is never filled:
     shutdown must still stop the forward thread, which waits on that batch's event."""
-    engine = Engine(tiny_settings(tiny_model_folder))
+    engine = Engine(tiny_settings(tiny_model_folder, plugins={"worker": "overlap"}))
     worker = engine.scheduler.worker
 
     def exploding(batch, handle):

@@ -43,7 +43,7 @@ def test_exactly_one_of_each_kind_is_active():
         active_by_kind.setdefault(info.kind, []).append(name)
     assert active_by_kind["policy"] == ["fcfs"]
     assert active_by_kind["cache"] == ["chunk"]
-    assert active_by_kind["worker"] == ["overlap"]  # the default
+    assert active_by_kind["worker"] == ["tp"]  # the default
     assert manager.pm.is_blocked("lpm") and manager.pm.is_blocked("radix")
 
 
