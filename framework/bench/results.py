@@ -36,29 +36,43 @@ def _busy_cpu_seconds() -> float | None:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads), from /proc/PID/stat; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class ContentionMeter:
     """How busy the machine was with *other* processes during a measurement.
 
     On a 2-core box a second runnable process slows a 2-thread forward several times
     (perf-anchors §5.6), so every record says how much CPU the rest of the machine used:
-    (machine busy CPU - this process's CPU) / (wall time * cores), 0 = idle, 1 = all cores.
-    For `serving` the server itself counts as "other".
+    (machine busy CPU - this process's CPU) / (wall time * cores), 0 = idle, 1 = all cores,
+    clamped to that range. `pids` are processes measured together with this one (a peer engine's
+    server) whose CPU is not "other" either. For `serving` the server itself counts as "other".
     """
 
-    def __init__(self):
+    def __init__(self, pids: tuple[int, ...] = ()):
+        self.pids = tuple(pids)
         self.start_busy = _busy_cpu_seconds()
-        t = os.times()
-        self.start_own = t.user + t.system
+        self.start_own = self._own()
         self.start_wall = time.perf_counter()
+
+    def _own(self) -> float:
+        t = os.times()
+        return t.user + t.system + sum(process_cpu_seconds(pid) for pid in self.pids)
 
     def other_busy_fraction(self) -> float | None:
         busy = _busy_cpu_seconds()
         if busy is None or self.start_busy is None:
             return None
-        t = os.times()
-        own = t.user + t.system - self.start_own
+        own = self._own() - self.start_own
         wall = max(time.perf_counter() - self.start_wall, 1e-9)
-        return max(0.0, (busy - self.start_busy - own) / (wall * (os.cpu_count() or 1)))
+        return min(1.0, max(0.0, (busy - self.start_busy - own) / (wall * (os.cpu_count() or 1))))
 
 
 def hardware_info(dtype: str | None = None, meter: ContentionMeter | None = None) -> dict[str, Any]:

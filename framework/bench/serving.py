@@ -31,6 +31,7 @@ import numpy as np
 
 from framework.bench.datasets import BenchRequest
 from framework.bench.metrics import RequestResult
+from framework.bench.peers import llamacpp_body
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +96,6 @@ def openai_body(req: BenchRequest, model: str, ignore_eos: bool, extra: dict) ->
     return body
 
 
-def llamacpp_stream_body(req: BenchRequest, ignore_eos: bool, extra: dict) -> dict:
-    body = {"prompt": req.prompt_ids, "n_predict": req.output_len, "temperature": 0, "ignore_eos": ignore_eos,
-            "cache_prompt": False, "stream": True}
-    body.update(extra)
-    return body
-
-
 async def send_request(session, backend: str, base_url: str, req: BenchRequest, *,
                        model: str = "default", ignore_eos: bool = True,
                        extra_body: dict | None = None) -> RequestResult:
@@ -114,7 +108,7 @@ async def send_request(session, backend: str, base_url: str, req: BenchRequest, 
         if backend == "vllm":
             body["prompt"] = req.prompt_ids
     elif backend == "llamacpp":
-        url, body = base_url + "/completion", llamacpp_stream_body(req, ignore_eos, extra)
+        url, body = base_url + "/completion", {**llamacpp_body(req, ignore_eos, stream=True), **extra}
     else:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 

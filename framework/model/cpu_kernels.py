@@ -1,7 +1,8 @@
 """Small C kernels for the CPU, built on first use and called through ctypes.
 
 The source files live in `framework/model/kernels/` (shared helpers in `common.h`). Each is compiled once per machine with the
-system C compiler (`cc -O3 -march=native`) into a cache folder (`BATCHYARD_KERNEL_CACHE`, default
+system C compiler (`cc -O3 -march=native`, with `-fopenmp` where torch runs on libgomp: see
+`torch_openmp`) into a cache folder (`BATCHYARD_KERNEL_CACHE`, default
 `~/.cache/batchyard/kernels`), keyed by a hash of the source, the command and the CPU. Without a
 compiler, or when the build fails, `load` returns None and callers use their PyTorch path: the
 kernels are an optimisation, never a requirement. ctypes releases the GIL during a call.

@@ -63,15 +63,22 @@ class RMSNorm(nn.Module):
         return self(h), h
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy, `use_packed_weights`) when
+    there is one and x is bf16."""
+    if packed is not None and x.dtype == torch.bfloat16:
+        return packed_linear(x, packed, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """nn.Linear that runs on a prepacked copy of its weight when one is set (`use_packed_weights`)."""
 
     packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dtype == torch.bfloat16:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RowParallelLinear(nn.Module):
@@ -92,9 +99,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard_size == 1:
-            if self.packed is not None and x.dtype == torch.bfloat16:
-                return packed_linear(x, self.packed, self.bias)
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.packed)
         # The bias is added once, after the sum of the ranks' partial products.
         y = self.par.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
@@ -316,9 +321,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""
-        if self.packed_lm_head is not None and hidden.dtype == torch.bfloat16:
-            return packed_linear(hidden, self.packed_lm_head, None)
-        return F.linear(hidden, self.lm_head_weight)
+        return linear(hidden, self.lm_head_weight, None, self.packed_lm_head)
 
     # -- weights --------------------------------------------------------------------------------
 

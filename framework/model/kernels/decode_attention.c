@@ -12,8 +12,9 @@
  * long bursts, and the other heads read it from L1. Measured on a 2-core Xeon (30 layers' pools,
  * 200 requests, 72,900 tokens): 4.05 -> 3.95 ms a layer (and -> 3.60 with hsum16 below).
  *
- * Built on first use by framework/model/cpu_kernels.py (cc -O3 -march=native) and called through
- * ctypes, which releases the GIL; the requests are split over `num_threads` pthreads by KV length.
+ * Built on first use by framework/model/cpu_kernels.py (cc -O3 -march=native, -fopenmp where it can)
+ * and called through ctypes, which releases the GIL; the requests are split over `num_threads`
+ * threads by KV length (torch's OpenMP team, else pthreads: run_spans in common.h).
  */
 #include <math.h>
 #include <pthread.h>
@@ -258,13 +259,17 @@ static void *run_span(void *arg) {
         size_t q_off = (size_t)i * heads * d;
         const char *q = (const char *)a->q + q_off * q_elem;
         load_row(qf, q, heads * d, a->q_bf16);
-        /* q . k for every head, chunk by chunk, the next chunk's K rows on their way */
-        prefetch_rows((const char *)a->k, slots, 0, len < CHUNK ? len : CHUNK, slot_bytes);
+        /* q . k for every head, chunk by chunk, the next chunk's K rows on their way (after the
+         * last chunk, the first chunk of V) */
+        int64_t first = len < CHUNK ? len : CHUNK;
+        prefetch_rows((const char *)a->k, slots, 0, first, slot_bytes);
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
             int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
             int64_t t2 = t1 + CHUNK < len ? t1 + CHUNK : len;
-            prefetch_rows(t1 < len ? (const char *)a->k : (const char *)a->v, slots, t1 < len ? t1 : 0,
-                          t1 < len ? t2 : (len < CHUNK ? len : CHUNK), slot_bytes);
+            if (t1 < len)
+                prefetch_rows((const char *)a->k, slots, t1, t2, slot_bytes);
+            else
+                prefetch_rows((const char *)a->v, slots, 0, first, slot_bytes);
             for (int h = 0; h < a->kv_heads; h++)
                 head_scores(q + (size_t)h * group * d * q_elem, qf + (size_t)h * group * d, group,
                             (const char *)a->k + (size_t)h * d * kv_elem, kv_stride, d, a->q_bf16, a->kv_bf16, slots,

@@ -4,7 +4,7 @@
  * for a decode batch ([200, 576]) the op overheads are most of their cost. Each function does
  * one pass, with torch's roundings (fp32 math, bf16 result of every step torch rounds), so the
  * results match the PyTorch path up to the order of a sum. Large inputs split their rows over
- * `num_threads` pthreads. Built and loaded by framework/model/cpu_kernels.py.
+ * `num_threads` threads (run_spans in common.h). Built and loaded by framework/model/cpu_kernels.py.
  */
 #include <math.h>
 #include <pthread.h>
