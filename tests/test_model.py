@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from framework.batch import DraftCheck, ForwardMode, ModelWorkerBatch, SamplingBatchInfo, idle_worker_batch, step_seed
@@ -307,6 +308,46 @@ def test_bf16_prepacked_weights_match_the_plain_gemms(hf_model):
         assert torch.allclose(a, b, atol=0.05), (a - b).abs().max()
     # float32 never packs
     assert _packed_modules(_runner(hf_model, dtype=torch.float32, packed_weights=True)) == 0
+
+
+def test_gemm_row_buckets_are_few_and_tight():
+    rows = [cpu.gemm_rows(m) for m in range(1, 4097)]
+    assert rows[:16] == list(range(1, 17))  # decode batches run at their own size
+    assert all(m <= r <= m + m // 8 for m, r in enumerate(rows, start=1))
+    assert all(a <= b for a, b in zip(rows, rows[1:]))
+    assert len(set(rows[:2048])) == 72
+    assert [cpu.gemm_rows(m) for m in (17, 113, 120, 121, 2047, 2049)] == [18, 120, 120, 128, 2048, 2304]
+
+
+@pytest.mark.skipif(not cpu.packed_linear_supported(), reason="torch's oneDNN has no bf16 on this CPU")
+def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
+    """Every packed GEMM of a pass runs at a row count `warm_packed_gemms` built (oneDNN compiles a
+    kernel per new row count); the padded rows do not change the real ones."""
+    runner = _runner(hf_model, dtype=torch.bfloat16, packed_weights=True)
+    seen: list[tuple] = []  # (rows, input width, output width, post-op) of each GEMM run
+    for name in ("_pointwise", "_pointwise_binary"):
+        real = getattr(cpu, name)
+
+        def record(x, *args, real=real):
+            out = real(x, *args)
+            seen.append((x.shape[0], x.shape[1], out.shape[1], args[-1]))
+            return out
+        monkeypatch.setattr(cpu, name, record)
+    assert runner.model.warm_packed_gemms(max_rows=64, max_head_rows=8) == 32
+    warmed = set(seen)
+    assert {rows for rows, *_ in warmed} == {cpu.gemm_rows(m) for m in range(1, 65)}
+    seen.clear()
+    reqs = _new_reqs(runner, [29, 7, 12])
+    runner.forward(_batch(runner, reqs, [28, 6, 11], ForwardMode.EXTEND))  # 45 rows
+    out = runner.forward(_batch(runner, reqs, [1, 1, 1], ForwardMode.DECODE))
+    rows = {r for r, *_ in seen}
+    assert 48 in rows and 45 not in rows and set(seen) <= warmed, set(seen) - warmed
+    _check_last(hf_model, out, reqs, atol=0.1)
+    x = torch.randn(45, hf_model.config.hidden_size, dtype=torch.bfloat16)
+    weight = runner.model.model.layers[0].self_attn.qkv_proj.weight
+    packed = cpu.pack_linear_weight(weight)
+    assert torch.equal(cpu.packed_linear(x, packed, None), cpu.packed_linear(cpu.pad_rows(x, 48), packed, None)[:45])
+    assert torch.allclose(cpu.packed_linear(x, packed, None).float(), F.linear(x, weight).float(), atol=0.05)
 
 
 # -- logprobs -----------------------------------------------------------------------------------

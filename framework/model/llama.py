@@ -28,8 +28,8 @@ from framework.distributed import ParallelContext, check_model_fits
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.attention import TorchNativeAttention
 from framework.model.config import ModelConfig
-from framework.model.cpu import (pack_linear_weight, packed_linear, packed_linear_binary, packed_linear_unary,
-                                 to_float32)
+from framework.model.cpu import (gemm_rows, pack_linear_weight, packed_linear, packed_linear_binary,
+                                 packed_linear_unary, pad_rows, to_float32)
 from framework.model.cpu_kernels import CpuKernels, FusedOps
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
@@ -170,11 +170,14 @@ class LlamaMLP(nn.Module):
         return type(self.gate_up_proj) is Linear and type(self.down_proj) is RowParallelLinear
 
     def _packed_mlp(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        # The GEMMs run at gemm_rows(m) rows: x (and the residual) are padded once, not per call.
+        m = x.shape[0]
+        x = pad_rows(x, gemm_rows(m))
         gate = packed_linear_unary(x, self.packed_gate, "swish")
         act = packed_linear_binary(x, gate, self.packed_up, "mul")
         if residual is None:
-            return packed_linear(act, self.down_proj.packed, None)
-        return packed_linear_binary(act, residual, self.down_proj.packed, "add")
+            return packed_linear(act, self.down_proj.packed, None)[:m]
+        return packed_linear_binary(act, pad_rows(residual, x.shape[0]), self.down_proj.packed, "add")[:m]
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -254,6 +257,9 @@ def use_packed_weights(model: "LlamaForCausalLM", enabled: bool) -> int:
 
 # Rows of the token-wise part of a layer processed at once (see LlamaDecoderLayer).
 PREFILL_TILE = 2048
+# The LM head runs on one row per sequence (more with logprobs): its kernels are built ahead up to
+# this many rows (`warm_packed_gemms`), the rest on first use.
+WARM_HEAD_ROWS = 256
 
 
 def token_tiles(num_tokens: int) -> list[slice]:
@@ -318,6 +324,31 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             hidden = layer(hidden, rope, batch, meta, kv_pool)
         return self.model.norm(hidden)
+
+    @torch.inference_mode()
+    def warm_packed_gemms(self, max_rows: int = PREFILL_TILE, max_head_rows: int = WARM_HEAD_ROWS) -> int:
+        """Run the prepacked GEMMs once at every `gemm_rows` bucket up to `max_rows` rows (the LM
+        head up to `max_head_rows`), so oneDNN builds their kernels now rather than inside the
+        first requests (~1 s for SmolLM2 here); returns the number of buckets. The kernels depend
+        on the shapes only, so one layer stands for all. No-op without packed weights."""
+        if self.packed_lm_head is None:
+            return 0
+        layer = self.model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        hidden = self.config.hidden_size
+        dtype = self.packed_lm_head.dtype
+        buckets = sorted({gemm_rows(m) for m in range(1, max_rows + 1)})
+        for rows in buckets:
+            x = torch.zeros((rows, hidden), dtype=dtype)
+            if attn.qkv_proj.packed is not None:
+                attn.qkv_proj(x)
+            if attn.o_proj.packed is not None:
+                attn.o_proj(torch.zeros((rows, attn.q_size), dtype=dtype))
+            if mlp.packed_gate is not None and mlp._plain_layers():
+                mlp._packed_mlp(x, x)
+            if rows <= max_head_rows:
+                self.compute_logits(x)
+        return len(buckets)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""

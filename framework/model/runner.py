@@ -7,6 +7,7 @@ back logits (and logprobs) or sampled ids. The scheduler allocates slots in the 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Iterable
 
 import torch
@@ -148,6 +149,12 @@ class ModelRunner:
         model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.packed_weights and self.dtype == torch.bfloat16:
             logger.debug("Prepacked %d bf16 linear weights for oneDNN", use_packed_weights(model, True))
+            warm = getattr(model, "warm_packed_gemms", None)
+            if warm is not None:
+                start = time.perf_counter()
+                buckets = warm()
+                logger.info("Built the oneDNN GEMM kernels for %d row counts in %.1f s", buckets,
+                            time.perf_counter() - start)
         return model_config, model
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:
