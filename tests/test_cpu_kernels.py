@@ -267,3 +267,47 @@ def test_fused_masked_argmax_matches_masking_then_argmax(dtype):
     assert torch.equal(KERNELS.fused.argmax_masked(logits, mask), expected)
     strided = torch.randn(9, 2 * vocab, generator=gen).to(dtype)[:, 5 : 5 + vocab]
     assert torch.equal(KERNELS.fused.argmax_masked(strided, mask), apply_vocab_mask(strided, mask).argmax(dim=-1))
+
+
+# -- skinny GEMMs (kernels/skinny_gemm.c) ----------------------------------------------------------
+
+SKINNY = KERNELS.skinny if KERNELS is not None else None
+needs_skinny = pytest.mark.skipif(SKINNY is None, reason="no C compiler or no AVX512-BF16 on this CPU")
+
+
+def _bf16(gen, *shape, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows,n_out,k", [(1, 960, 576), (5, 37, 100), (16, 576, 1536), (2, 16, 32)])
+def test_skinny_linear_matches_fp32(rows, n_out, k):
+    """Plain and residual-add epilogues against fp32 GEMMs of the same bf16 inputs: one bf16
+    rounding of the fp32 sum (k = 100: a tail past the 32-element loop; n_out = 37: a partial block)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n_out)
+    x = _bf16(gen, rows, 2 * k)[:, :k]  # strided rows
+    w, add = _bf16(gen, n_out, k, scale=0.05), _bf16(gen, rows, n_out)
+    ref = x.float() @ w.float().T
+    torch.testing.assert_close(SKINNY.linear(x, w).float(), ref, atol=1e-3, rtol=2**-7)
+    torch.testing.assert_close(SKINNY.linear(x, w, add=add).float(), ref + add.float(), atol=1e-3, rtol=2**-7)
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (7, 13, 64)])  # 13: a partial block of 8
+def test_skinny_gate_up_matches_the_two_gemm_roundings(rows, d, k):
+    gen = torch.Generator().manual_seed(d)
+    x, w = _bf16(gen, rows, k), _bf16(gen, 2 * d, k, scale=0.1)
+    gate, up = x.float() @ w[:d].float().T, x.float() @ w[d:].float().T
+    ref = F.silu(gate).to(torch.bfloat16).float() * up
+    torch.testing.assert_close(SKINNY.gate_up(x, w).float(), ref, atol=1e-3, rtol=2**-7)
+
+
+@needs_skinny
+def test_skinny_refuses_what_it_cannot_do():
+    x, w = torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert not SKINNY.supports(x, w)
+    assert not SKINNY.supports(x[:4].float(), w) and not SKINNY.supports(x[:4], w.t())
+    with pytest.raises(ValueError, match="at most 16"):
+        SKINNY.linear(x, w)
+    with pytest.raises(ValueError, match="added tensor"):
+        SKINNY.linear(x[:2], w, add=torch.zeros(2, 31, dtype=torch.bfloat16))

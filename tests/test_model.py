@@ -335,7 +335,9 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
         monkeypatch.setattr(cpu, name, record)
     assert runner.model.warm_packed_gemms(max_rows=64, max_head_rows=8) == 32
     warmed = set(seen)
-    assert {rows for rows, *_ in warmed} == {cpu.gemm_rows(m) for m in range(1, 65)}
+    # one row goes to the skinny kernel where there is one
+    first = llama.SKINNY_ROWS + 1 if runner.cpu_kernels and runner.cpu_kernels.skinny else 1
+    assert {rows for rows, *_ in warmed} == {cpu.gemm_rows(m) for m in range(first, 65)}
     seen.clear()
     reqs = _new_reqs(runner, [29, 7, 12])
     runner.forward(_batch(runner, reqs, [28, 6, 11], ForwardMode.EXTEND))  # 45 rows
@@ -348,6 +350,44 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
     packed = cpu.pack_linear_weight(weight)
     assert torch.equal(cpu.packed_linear(x, packed, None), cpu.packed_linear(cpu.pad_rows(x, 48), packed, None)[:45])
     assert torch.allclose(cpu.packed_linear(x, packed, None).float(), F.linear(x, weight).float(), atol=0.05)
+
+
+@pytest.mark.skipif(not cpu.packed_linear_supported(), reason="torch's oneDNN has no bf16 on this CPU")
+def test_single_row_gemms_run_on_the_skinny_kernel(hf_model, monkeypatch):
+    """A decode step of one request runs its GEMMs (and the LM head) on the skinny kernel where
+    there is one, two requests stay on oneDNN; the logits stay close to fp32 transformers."""
+    runner = _runner(hf_model, dtype=torch.bfloat16, packed_weights=True)
+    if runner.cpu_kernels is None or runner.cpu_kernels.skinny is None:
+        pytest.skip("no skinny GEMM kernel here (no C compiler or no AVX512-BF16)")
+
+    def spy(runner) -> list[int]:
+        calls: list[int] = []
+        skinny = runner.cpu_kernels.skinny
+        for name in ("linear", "gate_up"):
+            real = getattr(skinny, name)
+            monkeypatch.setattr(skinny, name, lambda x, *a, real=real, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+        return calls
+
+    calls = spy(runner)
+    layers = hf_model.config.num_hidden_layers
+    reqs = _new_reqs(runner, [9])
+    runner.forward(_batch(runner, reqs, [8], ForwardMode.EXTEND))
+    assert calls == [1]  # 8 rows on oneDNN, the LM head's one row here
+    calls.clear()
+    out = runner.forward(_batch(runner, reqs, [1], ForwardMode.DECODE))
+    assert len(calls) == 4 * layers + 1 and set(calls) == {1}  # qkv, o, gate_up, down; the LM head
+    _check_last(hf_model, out, reqs, atol=0.1)
+    calls.clear()
+    reqs = _new_reqs(runner, [6, 7])
+    runner.forward(_batch(runner, reqs, [5, 6], ForwardMode.EXTEND))
+    runner.forward(_batch(runner, reqs, [1, 1], ForwardMode.DECODE))
+    assert calls == []  # two rows everywhere
+    off = _runner(hf_model, dtype=torch.bfloat16, packed_weights=False)  # worker.packed_weights off: oneDNN only
+    calls = spy(off)
+    reqs = _new_reqs(off, [9])
+    off.forward(_batch(off, reqs, [8], ForwardMode.EXTEND))
+    off.forward(_batch(off, reqs, [1], ForwardMode.DECODE))
+    assert calls == []
 
 
 # -- logprobs -----------------------------------------------------------------------------------

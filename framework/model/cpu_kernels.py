@@ -215,12 +215,71 @@ class FusedOps:
         return q
 
 
+class SkinnyGemm:
+    """bf16 GEMMs of at most MAX_ROWS rows on the nn.Linear weights (kernels/skinny_gemm.c)."""
+
+    MAX_ROWS = 16
+    _EPILOGUES = {"none": 0, "add": 1, "gate_up": 2}
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._gemm = lib.skinny_gemm_bf16
+        self._gemm.restype = _INT
+        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+
+    def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether x [rows, k] @ weight^T runs here: bf16 rows with unit stride, at most MAX_ROWS
+        of them, and a contiguous bf16 weight."""
+        return (
+            x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= self.MAX_ROWS and x.stride(1) == 1
+            and weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.device.type == "cpu"
+        )
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T (+ `add`, [rows, n_out] bf16 with unit stride), rounded to bf16 once."""
+        rows, k = x.shape
+        n_out = weight.shape[0]
+        y = torch.empty((rows, n_out), dtype=torch.bfloat16)
+        epilogue = "none" if add is None else "add"
+        self._run(x, weight, add, y, n_out, epilogue)
+        return y
+
+    def gate_up(self, x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+        """bf16(bf16(silu(x @ gate^T)) * (x @ up^T)) for the [gate; up] weight [2 * d, k] -> [rows, d]."""
+        n_out = gate_up_weight.shape[0] // 2
+        y = torch.empty((x.shape[0], n_out), dtype=torch.bfloat16)
+        self._run(x, gate_up_weight, None, y, n_out, "gate_up")
+        return y
+
+    def _run(self, x, weight, other, y, n_out: int, epilogue: str) -> None:
+        rows, k = x.shape
+        if other is not None and (other.dtype != torch.bfloat16 or other.stride(1) != 1 or other.shape != y.shape):
+            raise ValueError(f"skinny GEMM: the added tensor must be bf16 {tuple(y.shape)} with unit stride")
+        rc = self._gemm(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), None if other is None else other.data_ptr(),
+            0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), rows, k, n_out,
+            self._EPILOGUES[epilogue], torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"skinny GEMM kernel refused {rows} rows (at most {self.MAX_ROWS})")
+
+
+def load_skinny_gemm() -> SkinnyGemm | None:
+    """The skinny GEMM kernel, or None where it cannot be built or the CPU lacks AVX512-BF16."""
+    lib = load("skinny_gemm")
+    if lib is None:
+        return None
+    lib.skinny_supported.restype = _INT
+    return SkinnyGemm(lib) if lib.skinny_supported() else None
+
+
 @dataclass
 class CpuKernels:
     """The kernels a model uses (see `pick`)."""
 
     decode_attention: Any  # ctypes function
     fused: FusedOps
+    # bf16 decode-sized GEMMs; None on CPUs without AVX512-BF16 (oneDNN does them then)
+    skinny: SkinnyGemm | None = None
 
 
 def pick(setting: str, device: str) -> CpuKernels | None:
@@ -231,7 +290,7 @@ def pick(setting: str, device: str) -> CpuKernels | None:
     if str(device) == "cpu":
         decode, fused = load_decode_kernel(), load("fused_ops")
         if decode is not None and fused is not None:
-            kernels = CpuKernels(decode, FusedOps(fused))
+            kernels = CpuKernels(decode, FusedOps(fused), load_skinny_gemm())
     if kernels is None and setting == "on":
         raise RuntimeError(
             f"worker.cpu_kernels = 'on' but the C kernels are unavailable on {device!r} (they need a CPU "

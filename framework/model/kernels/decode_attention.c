@@ -10,7 +10,7 @@
  * chunks of CHUNK: the whole slot row of each token (every KV head, contiguous) is prefetched one
  * chunk ahead, and all KV heads are done chunk by chunk, so each row comes from DRAM once, in
  * long bursts, and the other heads read it from L1. Measured on a 2-core Xeon (30 layers' pools,
- * 200 requests, 72,900 tokens): 4.05 -> 3.95 ms a layer (and -> 3.60 with hsum16 below).
+ * 200 requests, 72,900 tokens): 4.05 -> 3.95 ms a layer (and -> 3.60 with hsum16, common.h).
  *
  * Built on first use by framework/model/cpu_kernels.py (cc -O3 -march=native, -fopenmp where it can)
  * and called through ctypes, which releases the GIL; the requests are split over `num_threads`
@@ -77,27 +77,6 @@ static inline void load_row64(const char *base, const int64_t *slots, int64_t t,
                               int bf16, __m512 out[4]) {
     const char *p = base + (size_t)slots[t] * row_bytes;
     for (int c = 0; c < 4; c++) out[c] = load16(p + c * 16 * elem, bf16);
-}
-#endif
-
-#ifdef __AVX512F__
-/* Lane i of the result = the sum of the 16 lanes of v[i]: four levels of pairwise shuffles and
- * adds (45 instructions for 16 sums, against ~8 for each horizontal reduction), which leave
- * token 4e + j in lane 4j + e; one permute puts them in order. */
-static inline __m512 hsum16(const __m512 v[16]) {
-    __m512 w[8], x[4], y[2];
-    for (int i = 0; i < 8; i++) /* 256-bit halves: lanes 0-7 v[2i], 8-15 v[2i+1] */
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++) /* 128-bit quarter j: v[4i + j] */
-        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++) /* in quarter j: lanes 0-1 v[8i + j], 2-3 v[8i + 4 + j] */
-        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
-    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    return _mm512_permutexvar_ps(order, z);
 }
 #endif
 
