@@ -296,5 +296,9 @@ def pick(setting: str, device: str) -> CpuKernels | None:
             f"worker.cpu_kernels = 'on' but the C kernels are unavailable on {device!r} (they need a CPU "
             "device and a C compiler: set CC or install gcc; the log has the build error); use 'auto' or 'off'"
         )
-    logger.info("CPU kernels: %s", "C (decode attention, fused bf16 ops)" if kernels else "PyTorch only")
+    if kernels is None:
+        logger.info("CPU kernels: PyTorch only")
+    else:
+        logger.info("CPU kernels: C (decode attention, fused bf16 ops%s)",
+                    ", single-row bf16 GEMMs" if kernels.skinny else "; no AVX512-BF16: oneDNN does every GEMM")
     return kernels
