@@ -311,3 +311,7 @@ def test_skinny_refuses_what_it_cannot_do():
         SKINNY.linear(x, w)
     with pytest.raises(ValueError, match="added tensor"):
         SKINNY.linear(x[:2], w, add=torch.zeros(2, 31, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="does not fit"):
+        SKINNY.linear(x[:2, :32], w)
+    with pytest.raises(ValueError, match="does not fit"):
+        SKINNY.gate_up(x[:2], w[:31])

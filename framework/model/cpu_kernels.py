@@ -236,8 +236,7 @@ class SkinnyGemm:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight^T (+ `add`, [rows, n_out] bf16 with unit stride), rounded to bf16 once."""
-        rows, k = x.shape
-        n_out = weight.shape[0]
+        rows, n_out = x.shape[0], weight.shape[0]
         y = torch.empty((rows, n_out), dtype=torch.bfloat16)
         epilogue = "none" if add is None else "add"
         self._run(x, weight, add, y, n_out, epilogue)
@@ -252,6 +251,8 @@ class SkinnyGemm:
 
     def _run(self, x, weight, other, y, n_out: int, epilogue: str) -> None:
         rows, k = x.shape
+        if weight.shape[1] != k or weight.shape[0] != (2 * n_out if epilogue == "gate_up" else n_out):
+            raise ValueError(f"skinny GEMM: weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
         if other is not None and (other.dtype != torch.bfloat16 or other.stride(1) != 1 or other.shape != y.shape):
             raise ValueError(f"skinny GEMM: the added tensor must be bf16 {tuple(y.shape)} with unit stride")
         rc = self._gemm(
