@@ -139,7 +139,7 @@ def gemm_rows(rows: int) -> int:
     oneDNN builds (JIT-compiles) a new kernel for every new row count, 0.4 ms at 5 rows and 2-5 ms
     at 100-360 rows for each of a layer's five GEMM shapes (measured here), and a server sees a new
     row count with nearly every prefill: unpadded, a 112-token prefill took 53-69 ms instead of
-    43. Padded, the kernels are built once per bucket (~70 buckets up to 2,048 rows) and reused.
+    43. Padded, the kernels are built once per bucket (72 buckets up to 2,048 rows) and reused.
     """
     if rows <= EXACT_GEMM_ROWS:
         return rows
