@@ -229,10 +229,8 @@ class SkinnyGemm:
     def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether x [rows, k] @ weight^T runs here: bf16 rows with unit stride, at most MAX_ROWS
         of them, and a contiguous bf16 weight."""
-        return (
-            x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= self.MAX_ROWS and x.stride(1) == 1
-            and weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.device.type == "cpu"
-        )
+        return (FusedOps.supports(x) and 0 < x.shape[0] <= self.MAX_ROWS
+                and weight.dtype == torch.bfloat16 and weight.is_contiguous())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight^T (+ `add`, [rows, n_out] bf16 with unit stride), rounded to bf16 once."""

@@ -75,8 +75,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy, `use_packed_weights`) when
     there is one and x is bf16; a single bf16 row without bias on the `skinny` kernel when given."""
     if packed is not None and x.dtype == torch.bfloat16:
-        if (skinny is not None and bias is None and x.dim() == 2 and x.shape[0] <= SKINNY_ROWS
-                and skinny.supports(x, weight)):
+        if skinny is not None and bias is None and x.shape[0] <= SKINNY_ROWS and skinny.supports(x, weight):
             return skinny.linear(x, weight)
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)

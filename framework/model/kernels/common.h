@@ -69,12 +69,14 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 #ifdef __AVX512F__
+/* 16 bf16 values as fp32 lanes (exact). */
+static inline __m512 widen_bf16x16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* 16 values at p (bf16 or fp32) as fp32 lanes. */
 static inline __m512 load16(const void *p, int bf16) {
-    if (bf16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)p);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    if (bf16) return widen_bf16x16(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_loadu_ps((const float *)p);
 }
 
@@ -91,9 +93,7 @@ static inline __m256i to_bf16x16(__m512 x) {
 static inline void store16_bf16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, to_bf16x16(x)); }
 
 /* x rounded to bf16 and widened back: the value torch holds after a bf16 op. */
-static inline __m512 round_bf16x16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(x)), 16));
-}
+static inline __m512 round_bf16x16(__m512 x) { return widen_bf16x16(to_bf16x16(x)); }
 
 /* exp(x) for 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6
  * polynomial (relative error ~2e-7); -inf gives 0. */

@@ -78,10 +78,6 @@ static inline __m512 silu16(__m512 x) {
     return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-static inline __m512 bf16_round16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-
 static void *run_blocks(void *arg) {
     const Blocks *b = (const Blocks *)arg;
     const Gemm *g = b->g;
@@ -106,19 +102,17 @@ static void *run_blocks(void *arg) {
             uint16_t *y = g->y + m * g->y_stride + n0;
             if (g->epilogue == GATE_UP) {
                 /* lanes 0-7 gate, 8-15 up */
-                __m512 gate = bf16_round16(silu16(acc));
+                __m512 gate = round_bf16x16(silu16(acc));
                 __m512 up = _mm512_shuffle_f32x4(acc, acc, 0xEE);
                 __m512 out = _mm512_mul_ps(up, gate);
-                _mm256_mask_storeu_epi16(y, (__mmask16)(store & 0xFF), (__m256i)_mm512_cvtneps_pbh(out));
+                _mm256_mask_storeu_epi16(y, (__mmask16)(store & 0xFF), to_bf16x16(out));
                 continue;
             }
             if (g->epilogue == ADD) {
                 const uint16_t *o = g->other + m * g->other_stride + n0;
-                __m512 ov = _mm512_castsi512_ps(
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(store, o)), 16));
-                acc = _mm512_add_ps(acc, ov);
+                acc = _mm512_add_ps(acc, widen_bf16x16(_mm256_maskz_loadu_epi16(store, o)));
             }
-            _mm256_mask_storeu_epi16(y, store, (__m256i)_mm512_cvtneps_pbh(acc));
+            _mm256_mask_storeu_epi16(y, store, to_bf16x16(acc));
         }
     }
     return NULL;
