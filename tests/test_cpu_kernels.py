@@ -279,11 +279,24 @@ def _bf16(gen, *shape, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def skinny_path(request):
+    """Each skinny test runs on the AMX tiles (where there are) and on the AVX512-BF16 path."""
+    if request.param == "amx" and not SKINNY.amx:
+        pytest.skip("no AMX tiles here")
+    SKINNY.use_amx = request.param == "amx"
+    yield request.param
+    SKINNY.use_amx = SKINNY.amx
+
+
 @needs_skinny
-@pytest.mark.parametrize("rows,n_out,k", [(1, 960, 576), (5, 37, 100), (16, 576, 1536), (2, 16, 32)])
-def test_skinny_linear_matches_fp32(rows, n_out, k):
+@pytest.mark.parametrize("rows,n_out,k", [(1, 960, 576), (5, 37, 100), (16, 576, 1536), (2, 16, 32),
+                                          (3, 40, 64), (9, 48, 96)])
+def test_skinny_linear_matches_fp32(rows, n_out, k, skinny_path):
     """Plain and residual-add epilogues against fp32 GEMMs of the same bf16 inputs: one bf16
-    rounding of the fp32 sum (k = 100: a tail past the 32-element loop; n_out = 37: a partial block)."""
+    rounding of the fp32 sum (k = 100: a tail past the 32-element loop, and AMX tiles take 32 k at
+    a time, so it runs on AVX512-BF16; n_out = 37 and 40: a partial block, done by AVX512-BF16
+    after the tiles; 48: three blocks, a pair and a single one on the tiles)."""
     gen = torch.Generator().manual_seed(rows * 1000 + n_out)
     x = _bf16(gen, rows, 2 * k)[:, :k]  # strided rows
     w, add = _bf16(gen, n_out, k, scale=0.05), _bf16(gen, rows, n_out)
@@ -293,8 +306,8 @@ def test_skinny_linear_matches_fp32(rows, n_out, k):
 
 
 @needs_skinny
-@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (7, 13, 64)])  # 13: a partial block of 8
-def test_skinny_gate_up_matches_the_two_gemm_roundings(rows, d, k):
+@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (7, 13, 64), (4, 24, 64)])  # 13, 24: partial blocks
+def test_skinny_gate_up_matches_the_two_gemm_roundings(rows, d, k, skinny_path):
     gen = torch.Generator().manual_seed(d)
     x, w = _bf16(gen, rows, k), _bf16(gen, 2 * d, k, scale=0.1)
     gate, up = x.float() @ w[:d].float().T, x.float() @ w[d:].float().T
@@ -303,7 +316,7 @@ def test_skinny_gate_up_matches_the_two_gemm_roundings(rows, d, k):
 
 
 @needs_skinny
-def test_skinny_refuses_what_it_cannot_do():
+def test_skinny_refuses_what_it_cannot_do(skinny_path):
     x, w = torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     assert not SKINNY.supports(x, w)
     assert not SKINNY.supports(x[:4].float(), w) and not SKINNY.supports(x[:4], w.t())

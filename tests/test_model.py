@@ -39,9 +39,10 @@ def _tiny_hf(cls=LlamaForCausalLM, config=None, seed=0):
     return cls(config or _tiny_config()).eval()
 
 
-def _runner(hf_model, max_total_tokens=2048, dtype=torch.float32, cpu_kernels="auto", **kw) -> ModelRunner:
+def _runner(hf_model, max_total_tokens=2048, dtype=torch.float32, cpu_kernels="auto", max_running_requests=16,
+            **kw) -> ModelRunner:
     runner = ModelRunner.from_hf_model(hf_model, dtype=dtype, max_total_tokens=max_total_tokens,
-                                       max_running_requests=16, cpu_kernels=cpu_kernels, **kw)
+                                       max_running_requests=max_running_requests, cpu_kernels=cpu_kernels, **kw)
     pool = runner.token_to_kv_pool
     gen = torch.Generator().manual_seed(1)
     pool.free_slots = pool.free_slots[torch.randperm(pool.free_slots.numel(), generator=gen)]
@@ -335,8 +336,8 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
         monkeypatch.setattr(cpu, name, record)
     assert runner.model.warm_packed_gemms(max_rows=64, max_head_rows=8) == 32
     warmed = set(seen)
-    # one row goes to the skinny kernel where there is one
-    first = llama.SKINNY_ROWS + 1 if runner.cpu_kernels and runner.cpu_kernels.skinny else 1
+    # the rows the skinny kernel takes (one, or up to 16 on AMX tiles) never reach oneDNN
+    first = runner.cpu_kernels.skinny.rows + 1 if runner.cpu_kernels and runner.cpu_kernels.skinny else 1
     assert {rows for rows, *_ in warmed} == {cpu.gemm_rows(m) for m in range(first, 65)}
     seen.clear()
     reqs = _new_reqs(runner, [29, 7, 12])
@@ -353,10 +354,11 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
 
 
 @pytest.mark.skipif(not cpu.packed_linear_supported(), reason="torch's oneDNN has no bf16 on this CPU")
-def test_single_row_gemms_run_on_the_skinny_kernel(hf_model, monkeypatch):
-    """A decode step of one request runs its GEMMs (and the LM head) on the skinny kernel where
-    there is one, two requests stay on oneDNN; the logits stay close to fp32 transformers."""
-    runner = _runner(hf_model, dtype=torch.bfloat16, packed_weights=True)
+def test_decode_gemms_run_on_the_skinny_kernel(hf_model, monkeypatch):
+    """A decode step of up to `skinny.rows` requests (one, or 16 on AMX tiles) runs its GEMMs (and
+    the LM head) on the skinny kernel where there is one, one request more stays on oneDNN; the
+    logits stay close to fp32 transformers."""
+    runner = _runner(hf_model, dtype=torch.bfloat16, packed_weights=True, max_running_requests=64)
     if runner.cpu_kernels is None or runner.cpu_kernels.skinny is None:
         pytest.skip("no skinny GEMM kernel here (no C compiler or no AVX512-BF16)")
 
@@ -370,18 +372,28 @@ def test_single_row_gemms_run_on_the_skinny_kernel(hf_model, monkeypatch):
 
     calls = spy(runner)
     layers = hf_model.config.num_hidden_layers
-    reqs = _new_reqs(runner, [9])
-    runner.forward(_batch(runner, reqs, [8], ForwardMode.EXTEND))
-    assert calls == [1]  # 8 rows on oneDNN, the LM head's one row here
+    most = runner.cpu_kernels.skinny.rows
+    reqs = _new_reqs(runner, [21])
+    runner.forward(_batch(runner, reqs, [20], ForwardMode.EXTEND))
+    assert calls == [1]  # 20 rows on oneDNN, the LM head's one row here
     calls.clear()
     out = runner.forward(_batch(runner, reqs, [1], ForwardMode.DECODE))
     assert len(calls) == 4 * layers + 1 and set(calls) == {1}  # qkv, o, gate_up, down; the LM head
     _check_last(hf_model, out, reqs, atol=0.1)
+    if most > 1:
+        lens = [5 + i for i in range(most)]
+        reqs = _new_reqs(runner, lens)
+        runner.forward(_batch(runner, reqs, [n - 1 for n in lens], ForwardMode.EXTEND))
+        calls.clear()
+        out = runner.forward(_batch(runner, reqs, [1] * most, ForwardMode.DECODE))
+        assert len(calls) == 4 * layers + 1 and set(calls) == {most}
+        _check_last(hf_model, out, reqs, atol=0.1)
     calls.clear()
-    reqs = _new_reqs(runner, [6, 7])
-    runner.forward(_batch(runner, reqs, [5, 6], ForwardMode.EXTEND))
-    runner.forward(_batch(runner, reqs, [1, 1], ForwardMode.DECODE))
-    assert calls == []  # two rows everywhere
+    lens = [5 + i for i in range(most + 1)]
+    reqs = _new_reqs(runner, lens)
+    runner.forward(_batch(runner, reqs, [n - 1 for n in lens], ForwardMode.EXTEND))
+    runner.forward(_batch(runner, reqs, [1] * (most + 1), ForwardMode.DECODE))
+    assert calls == []  # one row more than the kernel takes, everywhere
     off = _runner(hf_model, dtype=torch.bfloat16, packed_weights=False)  # worker.packed_weights off: oneDNN only
     calls = spy(off)
     reqs = _new_reqs(off, [9])

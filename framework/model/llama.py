@@ -63,19 +63,13 @@ class RMSNorm(nn.Module):
         return self(h), h
 
 
-# Rows up to which a bf16 GEMM runs on the skinny C kernel instead of oneDNN (where both are
-# there, see use_cpu_kernels). Measured here (Xeon with AMX, a decode step's 150 GEMMs): 1 row
-# 10.3 ms against oneDNN's 12.3, 2 rows 12.1 vs 12.3, 3 rows 13.4 vs 12.3; oneDNN's fixed cost
-# per call is what the kernel saves, and AMX tiles win as soon as there is arithmetic to do.
-SKINNY_ROWS = 1
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None, skinny: SkinnyGemm | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy, `use_packed_weights`) when
-    there is one and x is bf16; a single bf16 row without bias on the `skinny` kernel when given."""
+    there is one and x is bf16; up to `skinny.rows` bf16 rows without bias on the `skinny` kernel
+    when given."""
     if packed is not None and x.dtype == torch.bfloat16:
-        if skinny is not None and bias is None and x.shape[0] <= SKINNY_ROWS and skinny.supports(x, weight):
+        if skinny is not None and bias is None and x.shape[0] <= skinny.rows and skinny.supports(x, weight):
             return skinny.linear(x, weight)
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
@@ -184,7 +178,7 @@ class LlamaMLP(nn.Module):
     def _packed_mlp(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         m = x.shape[0]
         skinny = self.skinny
-        if (skinny is not None and m <= SKINNY_ROWS and skinny.supports(x, self.gate_up_proj.weight)
+        if (skinny is not None and m <= skinny.rows and skinny.supports(x, self.gate_up_proj.weight)
                 and (residual is None or residual.stride(1) == 1)):
             act = skinny.gate_up(x, self.gate_up_proj.weight)
             return skinny.linear(act, self.down_proj.weight, add=residual)
