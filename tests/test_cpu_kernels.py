@@ -279,24 +279,11 @@ def _bf16(gen, *shape, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
 
 
-@pytest.fixture(params=["amx", "avx512"])
-def skinny_path(request):
-    """Each skinny test runs on the AMX tiles (where there are) and on the AVX512-BF16 path."""
-    if request.param == "amx" and not SKINNY.amx:
-        pytest.skip("no AMX tiles here")
-    SKINNY.use_amx = request.param == "amx"
-    yield request.param
-    SKINNY.use_amx = SKINNY.amx
-
-
 @needs_skinny
-@pytest.mark.parametrize("rows,n_out,k", [(1, 960, 576), (5, 37, 100), (16, 576, 1536), (2, 16, 32),
-                                          (3, 40, 64), (9, 48, 96)])
-def test_skinny_linear_matches_fp32(rows, n_out, k, skinny_path):
+@pytest.mark.parametrize("rows,n_out,k", [(1, 960, 576), (5, 37, 100), (16, 576, 1536), (2, 16, 32)])
+def test_skinny_linear_matches_fp32(rows, n_out, k):
     """Plain and residual-add epilogues against fp32 GEMMs of the same bf16 inputs: one bf16
-    rounding of the fp32 sum (k = 100: a tail past the 32-element loop, and AMX tiles take 32 k at
-    a time, so it runs on AVX512-BF16; n_out = 37 and 40: a partial block, done by AVX512-BF16
-    after the tiles; 48: three blocks, a pair and a single one on the tiles)."""
+    rounding of the fp32 sum (k = 100: a tail past the 32-element loop; n_out = 37: a partial block)."""
     gen = torch.Generator().manual_seed(rows * 1000 + n_out)
     x = _bf16(gen, rows, 2 * k)[:, :k]  # strided rows
     w, add = _bf16(gen, n_out, k, scale=0.05), _bf16(gen, rows, n_out)
@@ -306,8 +293,8 @@ def test_skinny_linear_matches_fp32(rows, n_out, k, skinny_path):
 
 
 @needs_skinny
-@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (7, 13, 64), (4, 24, 64)])  # 13, 24: partial blocks
-def test_skinny_gate_up_matches_the_two_gemm_roundings(rows, d, k, skinny_path):
+@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (7, 13, 64)])  # 13: a partial block of 8
+def test_skinny_gate_up_matches_the_two_gemm_roundings(rows, d, k):
     gen = torch.Generator().manual_seed(d)
     x, w = _bf16(gen, rows, k), _bf16(gen, 2 * d, k, scale=0.1)
     gate, up = x.float() @ w[:d].float().T, x.float() @ w[d:].float().T
@@ -316,7 +303,7 @@ def test_skinny_gate_up_matches_the_two_gemm_roundings(rows, d, k, skinny_path):
 
 
 @needs_skinny
-def test_skinny_refuses_what_it_cannot_do(skinny_path):
+def test_skinny_refuses_what_it_cannot_do():
     x, w = torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     assert not SKINNY.supports(x, w)
     assert not SKINNY.supports(x[:4].float(), w) and not SKINNY.supports(x[:4], w.t())
@@ -328,3 +315,64 @@ def test_skinny_refuses_what_it_cannot_do(skinny_path):
         SKINNY.linear(x[:2, :32], w)
     with pytest.raises(ValueError, match="does not fit"):
         SKINNY.gate_up(x[:2], w[:31])
+
+
+# -- AMX GEMMs (kernels/amx_gemm.c) ----------------------------------------------------------------
+
+AMX = KERNELS.amx if KERNELS is not None else None
+needs_amx = pytest.mark.skipif(AMX is None, reason="no C compiler or no AMX tiles on this CPU")
+
+
+@needs_amx
+def test_amx_pack_lays_out_16_columns_by_32_k_per_tile():
+    w = torch.arange(40 * 64, dtype=torch.float32).view(40, 64).to(torch.bfloat16)
+    packed = AMX.pack(w)
+    assert packed.shape == (48, 64)  # 40 columns rounded up to 3 blocks of 16
+    tiles = packed.view(3, 32, 16, 2)  # [block][k pair][column][k in the pair]
+    expected = torch.cat([w, torch.zeros(8, 64, dtype=w.dtype)]).view(3, 16, 32, 2).transpose(1, 2)
+    assert torch.equal(tiles, expected)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows,n_out,k", [(1, 960, 576), (16, 576, 1536), (17, 40, 64), (33, 48, 96), (200, 96, 64),
+                                          (5, 16, 32)])
+def test_amx_linear_matches_fp32(rows, n_out, k):
+    """Plain and residual-add epilogues against fp32 GEMMs of the same bf16 inputs, one bf16
+    rounding of the fp32 sum: one row group and several (17, 33, 200: the last one partial),
+    partial column blocks (40) and odd block counts (48: three blocks, a pair and a single)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n_out)
+    x = _bf16(gen, rows, 2 * k)[:, :k]  # strided rows
+    w, add = _bf16(gen, n_out, k, scale=0.05), _bf16(gen, rows, n_out)
+    ref = x.float() @ w.float().T
+    packed = AMX.pack(w)
+    torch.testing.assert_close(AMX.linear(x, packed, n_out).float(), ref, atol=1e-3, rtol=2**-7)
+    torch.testing.assert_close(AMX.linear(x, packed, n_out, add=add).float(), ref + add.float(), atol=1e-3, rtol=2**-7)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (40, 32, 64)])
+def test_amx_gate_up_matches_the_two_gemm_roundings(rows, d, k):
+    gen = torch.Generator().manual_seed(d)
+    x, w = _bf16(gen, rows, k), _bf16(gen, 2 * d, k, scale=0.1)
+    gate, up = x.float() @ w[:d].float().T, x.float() @ w[d:].float().T
+    ref = F.silu(gate).to(torch.bfloat16).float() * up
+    torch.testing.assert_close(AMX.gate_up(x, AMX.pack(w), d).float(), ref, atol=1e-3, rtol=2**-7)
+
+
+@needs_amx
+def test_amx_refuses_what_it_cannot_do():
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert not AMX.packs(w[:, :48].contiguous()) and not AMX.packs(w.float()) and not AMX.packs(w.t())
+    with pytest.raises(ValueError, match="cannot pack"):
+        AMX.pack(w[:, :48].contiguous())  # k not a multiple of 32
+    packed, x = AMX.pack(w), torch.zeros(3, 64, dtype=torch.bfloat16)
+    assert AMX.supports(x, packed) and not AMX.supports(x[:, :32], packed) and not AMX.supports(x.float(), packed)
+    assert not AMX.supports(torch.zeros(AMX.rows + 1, 64, dtype=torch.bfloat16), packed)
+    with pytest.raises(ValueError, match="does not fit"):
+        AMX.linear(x[:, :32], packed, 32)
+    with pytest.raises(ValueError, match="does not fit"):
+        AMX.gate_up(x, AMX.pack(torch.zeros(24, 64, dtype=torch.bfloat16)), 12)  # not whole blocks
+    with pytest.raises(ValueError, match="does not fit"):
+        AMX.linear(x, packed, 16)  # packed from 32 columns
+    with pytest.raises(ValueError, match="added tensor"):
+        AMX.linear(x, packed, 32, add=torch.zeros(3, 31, dtype=torch.bfloat16))

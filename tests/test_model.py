@@ -334,10 +334,14 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
             seen.append((x.shape[0], x.shape[1], out.shape[1], args[-1]))
             return out
         monkeypatch.setattr(cpu, name, record)
+    kernels = runner.cpu_kernels
+    if kernels is not None and kernels.amx is not None:
+        monkeypatch.setattr(kernels.amx, "rows", 8)  # (512) so that oneDNN gets the rest here
     assert runner.model.warm_packed_gemms(max_rows=64, max_head_rows=8) == 32
     warmed = set(seen)
-    # the rows the skinny kernel takes (one, or up to 16 on AMX tiles) never reach oneDNN
-    first = runner.cpu_kernels.skinny.rows + 1 if runner.cpu_kernels and runner.cpu_kernels.skinny else 1
+    # the rows a C GEMM kernel takes (AMX tiles: up to amx.rows, else the skinny kernel's one) never reach oneDNN
+    small = kernels.amx or kernels.skinny if kernels is not None else None
+    first = small.rows + 1 if small is not None else 1
     assert {rows for rows, *_ in warmed} == {cpu.gemm_rows(m) for m in range(first, 65)}
     seen.clear()
     reqs = _new_reqs(runner, [29, 7, 12])
@@ -354,25 +358,27 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
 
 
 @pytest.mark.skipif(not cpu.packed_linear_supported(), reason="torch's oneDNN has no bf16 on this CPU")
-def test_decode_gemms_run_on_the_skinny_kernel(hf_model, monkeypatch):
-    """A decode step of up to `skinny.rows` requests (one, or 16 on AMX tiles) runs its GEMMs (and
-    the LM head) on the skinny kernel where there is one, one request more stays on oneDNN; the
-    logits stay close to fp32 transformers."""
+def test_decode_gemms_run_on_the_c_gemm_kernels(hf_model, monkeypatch):
+    """A pass of up to `rows` rows (AMX tiles: `amx.rows`, cut to 4 here; else the skinny kernel's
+    single row) runs its GEMMs (and the LM head) on the C kernel where there is one, a row more
+    on oneDNN; the logits stay close to fp32 transformers."""
     runner = _runner(hf_model, dtype=torch.bfloat16, packed_weights=True, max_running_requests=64)
-    if runner.cpu_kernels is None or runner.cpu_kernels.skinny is None:
-        pytest.skip("no skinny GEMM kernel here (no C compiler or no AVX512-BF16)")
+    if runner.cpu_kernels is None or not (runner.cpu_kernels.amx or runner.cpu_kernels.skinny):
+        pytest.skip("no C GEMM kernel here (no C compiler, or neither AMX nor AVX512-BF16)")
+    kernel = runner.cpu_kernels.amx or runner.cpu_kernels.skinny
+    if kernel is runner.cpu_kernels.amx:
+        monkeypatch.setattr(kernel, "rows", 4)
 
-    def spy(runner) -> list[int]:
+    def spy(kernel) -> list[int]:
         calls: list[int] = []
-        skinny = runner.cpu_kernels.skinny
         for name in ("linear", "gate_up"):
-            real = getattr(skinny, name)
-            monkeypatch.setattr(skinny, name, lambda x, *a, real=real, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+            real = getattr(kernel, name)
+            monkeypatch.setattr(kernel, name, lambda x, *a, real=real, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
         return calls
 
-    calls = spy(runner)
+    calls = spy(kernel)
     layers = hf_model.config.num_hidden_layers
-    most = runner.cpu_kernels.skinny.rows
+    most = kernel.rows
     reqs = _new_reqs(runner, [21])
     runner.forward(_batch(runner, reqs, [20], ForwardMode.EXTEND))
     assert calls == [1]  # 20 rows on oneDNN, the LM head's one row here
@@ -395,7 +401,7 @@ def test_decode_gemms_run_on_the_skinny_kernel(hf_model, monkeypatch):
     runner.forward(_batch(runner, reqs, [1] * (most + 1), ForwardMode.DECODE))
     assert calls == []  # one row more than the kernel takes, everywhere
     off = _runner(hf_model, dtype=torch.bfloat16, packed_weights=False)  # worker.packed_weights off: oneDNN only
-    calls = spy(off)
+    calls = spy(off.cpu_kernels.amx or off.cpu_kernels.skinny)
     reqs = _new_reqs(off, [9])
     off.forward(_batch(off, reqs, [8], ForwardMode.EXTEND))
     off.forward(_batch(off, reqs, [1], ForwardMode.DECODE))

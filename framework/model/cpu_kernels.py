@@ -216,28 +216,23 @@ class FusedOps:
 
 
 class SkinnyGemm:
-    """bf16 GEMMs of at most MAX_ROWS rows on the nn.Linear weights (kernels/skinny_gemm.c).
+    """bf16 GEMMs of at most MAX_ROWS rows on the nn.Linear weights (kernels/skinny_gemm.c), for
+    CPUs with AVX512-BF16 but no AMX tiles (AmxGemm does them there).
 
-    `rows` is how many rows the model gives it (the rest go to oneDNN): on AMX tiles where the CPU
-    and the OS allow them, every decode batch up to MAX_ROWS, else a single row. Measured on a
-    2-core Xeon with AMX, a decode step's 151 GEMMs (SmolLM2-135M, LM head included), oneDNN /
-    this kernel's AVX512-BF16 path / its AMX path: 1 row 13.8 / 12.2 / 9.3 ms, 4 rows 14.5 / 17.1 /
-    10.1, 16 rows 15.4 / 33.8 / 11.9. The dot products alone (AVX512-BF16) lose to oneDNN's AMX
-    from 3 rows on; where there are no tiles oneDNN has the same dot products.
+    `rows` is how many rows the model gives it: measured on a 2-core Xeon (AMX), a decode step's
+    150 GEMMs: 1 row 10.3 ms against oneDNN's 12.3, 2 rows 12.1 vs 12.3, 3 rows 13.4 vs 12.3;
+    oneDNN's fixed cost per call is what the kernel saves, and its tiles win as soon as there is
+    arithmetic to do.
     """
 
     MAX_ROWS = 16
+    rows = 1
     _EPILOGUES = {"none": 0, "add": 1, "gate_up": 2}
 
     def __init__(self, lib: ctypes.CDLL):
         self._gemm = lib.skinny_gemm_bf16
         self._gemm.restype = _INT
-        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT, _INT]
-        lib.skinny_amx.restype = _INT
-        self.amx = bool(lib.skinny_amx())
-        # AMX tiles for calls whose k is a multiple of 32 (tests switch it off to check the other path)
-        self.use_amx = self.amx
-        self.rows = self.MAX_ROWS if self.amx else 1
+        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
 
     def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether x [rows, k] @ weight^T runs here: bf16 rows with unit stride, at most MAX_ROWS
@@ -269,7 +264,7 @@ class SkinnyGemm:
         rc = self._gemm(
             x.data_ptr(), x.stride(0), weight.data_ptr(), None if other is None else other.data_ptr(),
             0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), rows, k, n_out,
-            self._EPILOGUES[epilogue], int(self.use_amx), torch.get_num_threads(),
+            self._EPILOGUES[epilogue], torch.get_num_threads(),
         )
         if rc != 0:
             raise ValueError(f"skinny GEMM kernel refused {rows} rows (at most {self.MAX_ROWS})")
@@ -284,22 +279,103 @@ def load_skinny_gemm() -> SkinnyGemm | None:
     return SkinnyGemm(lib) if lib.skinny_supported() else None
 
 
+class AmxGemm:
+    """bf16 GEMMs on AMX tiles from weights packed for them (kernels/amx_gemm.c).
+
+    `pack` makes the tile-layout copy of a [n, k] weight once (k a multiple of 32); `rows` is the
+    most rows the model gives the kernel (oneDNN does larger GEMMs). Measured on a 2-core Xeon
+    with AMX, a decode step's 151 GEMMs of SmolLM2-135M (LM head included), oneDNN's packed
+    kernels / these: see docs/performance.md.
+    """
+
+    rows = 512
+    _EPILOGUES = {"none": 0, "add": 1, "gate_up": 2}
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._gemm = lib.amx_gemm_bf16
+        self._gemm.restype = _INT
+        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+        self._pack = lib.amx_pack_bf16
+        self._pack.restype = None
+        self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
+
+    @staticmethod
+    def packs(weight: torch.Tensor) -> bool:
+        """Whether `weight` can be packed: a contiguous bf16 [n, k] with k a multiple of 32."""
+        return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.is_contiguous()
+                and weight.shape[1] % 32 == 0 and weight.shape[1] > 0 and weight.shape[0] > 0)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The tile-layout copy of `weight` (see `packs`), with n rounded up to 16 (zero rows)."""
+        if not self.packs(weight):
+            raise ValueError(f"AMX GEMM: cannot pack a {weight.dtype} weight {tuple(weight.shape)} (needs "
+                             "contiguous bf16 with k a multiple of 32)")
+        n, k = weight.shape
+        packed = torch.empty(((n + 15) // 16 * 16, k), dtype=torch.bfloat16)
+        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def supports(self, x: torch.Tensor, packed: torch.Tensor) -> bool:
+        """Whether x [rows, k] runs against `packed` here: bf16 rows with unit stride, at most `rows`."""
+        return FusedOps.supports(x) and 0 < x.shape[0] <= self.rows and x.shape[1] == packed.shape[1]
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T (+ `add`, [rows, n_out] bf16 with unit stride) for the weight [n_out, k]
+        that `packed` was made from, rounded to bf16 once."""
+        y = torch.empty((x.shape[0], n_out), dtype=torch.bfloat16)
+        self._run(x, packed, add, y, n_out, "none" if add is None else "add")
+        return y
+
+    def gate_up(self, x: torch.Tensor, packed: torch.Tensor, d: int) -> torch.Tensor:
+        """bf16(bf16(silu(x @ gate^T)) * (x @ up^T)) for the packed [gate; up] weight [2 * d, k],
+        d a multiple of 16."""
+        y = torch.empty((x.shape[0], d), dtype=torch.bfloat16)
+        self._run(x, packed, None, y, d, "gate_up")
+        return y
+
+    def _run(self, x, packed, other, y, n_out: int, epilogue: str) -> None:
+        rows, k = x.shape
+        columns = 2 * n_out if epilogue == "gate_up" else (n_out + 15) // 16 * 16
+        if packed.shape[1] != k or packed.shape[0] != columns or (epilogue == "gate_up" and n_out % 16):
+            raise ValueError(f"AMX GEMM: packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
+        if other is not None and (other.dtype != torch.bfloat16 or other.stride(1) != 1 or other.shape != y.shape):
+            raise ValueError(f"AMX GEMM: the added tensor must be bf16 {tuple(y.shape)} with unit stride")
+        rc = self._gemm(
+            x.data_ptr(), x.stride(0), packed.data_ptr(), None if other is None else other.data_ptr(),
+            0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), rows, k, n_out,
+            self._EPILOGUES[epilogue], torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"AMX GEMM kernel refused x {tuple(x.shape)}")
+
+
+def load_amx_gemm() -> AmxGemm | None:
+    """The AMX GEMM kernel, or None where it cannot be built or the CPU or OS gives no AMX tiles."""
+    lib = load("amx_gemm")
+    if lib is None:
+        return None
+    lib.amx_gemm_supported.restype = _INT
+    return AmxGemm(lib) if lib.amx_gemm_supported() else None
+
+
 @dataclass
 class CpuKernels:
     """The kernels a model uses (see `pick`)."""
 
     decode_attention: Any  # ctypes function
     fused: FusedOps
-    # bf16 decode-sized GEMMs; None on CPUs without AVX512-BF16 (oneDNN does them then)
+    # bf16 decode-sized GEMMs: on AMX tiles where there are (`amx`), else single rows on AVX512-BF16
+    # (`skinny`); oneDNN does the rest, and every GEMM where neither is there
     skinny: SkinnyGemm | None = None
+    amx: AmxGemm | None = None
 
 
-def skinny_note(skinny: SkinnyGemm | None) -> str:
-    if skinny is None:
-        return "; no AVX512-BF16: oneDNN does every GEMM"
-    if skinny.amx:
-        return f", bf16 GEMMs of up to {skinny.rows} rows on AMX tiles"
-    return ", single-row bf16 GEMMs"
+def gemm_note(kernels: CpuKernels) -> str:
+    if kernels.amx is not None:
+        return f", bf16 GEMMs of up to {kernels.amx.rows} rows on AMX tiles"
+    if kernels.skinny is not None:
+        return ", single-row bf16 GEMMs"
+    return "; no AVX512-BF16: oneDNN does every GEMM"
 
 
 def pick(setting: str, device: str) -> CpuKernels | None:
@@ -310,7 +386,7 @@ def pick(setting: str, device: str) -> CpuKernels | None:
     if str(device) == "cpu":
         decode, fused = load_decode_kernel(), load("fused_ops")
         if decode is not None and fused is not None:
-            kernels = CpuKernels(decode, FusedOps(fused), load_skinny_gemm())
+            kernels = CpuKernels(decode, FusedOps(fused), load_skinny_gemm(), load_amx_gemm())
     if kernels is None and setting == "on":
         raise RuntimeError(
             f"worker.cpu_kernels = 'on' but the C kernels are unavailable on {device!r} (they need a CPU "
@@ -320,5 +396,5 @@ def pick(setting: str, device: str) -> CpuKernels | None:
         logger.info("CPU kernels: PyTorch only")
     else:
         logger.info("CPU kernels: C (decode attention, fused bf16 ops%s)",
-                    skinny_note(kernels.skinny))
+                    gemm_note(kernels))
     return kernels

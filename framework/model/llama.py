@@ -30,7 +30,7 @@ from framework.model.attention import TorchNativeAttention
 from framework.model.config import ModelConfig
 from framework.model.cpu import (gemm_rows, pack_linear_weight, packed_linear, packed_linear_binary,
                                  packed_linear_unary, pad_rows, to_float32)
-from framework.model.cpu_kernels import CpuKernels, FusedOps, SkinnyGemm
+from framework.model.cpu_kernels import CpuKernels, FusedOps
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
 
@@ -63,14 +63,19 @@ class RMSNorm(nn.Module):
         return self(h), h
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None, skinny: SkinnyGemm | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy, `use_packed_weights`) when
-    there is one and x is bf16; up to `skinny.rows` bf16 rows without bias on the `skinny` kernel
-    when given."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
+           kernels: CpuKernels | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy for oneDNN,
+    `use_packed_weights`) when there is one and x is bf16. Without a bias, decode-sized GEMMs run
+    on `kernels` instead: on `tiles` (weight's AMX copy) up to `amx.rows` rows, else a single row
+    on the skinny kernel."""
     if packed is not None and x.dtype == torch.bfloat16:
-        if skinny is not None and bias is None and x.shape[0] <= skinny.rows and skinny.supports(x, weight):
-            return skinny.linear(x, weight)
+        if kernels is not None and bias is None:
+            if tiles is not None and kernels.amx.supports(x, tiles):
+                return kernels.amx.linear(x, tiles, weight.shape[0])
+            skinny = kernels.skinny
+            if skinny is not None and x.shape[0] <= skinny.rows and skinny.supports(x, weight):
+                return skinny.linear(x, weight)
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
@@ -79,10 +84,11 @@ class Linear(nn.Linear):
     """nn.Linear that runs on a prepacked copy of its weight when one is set (`use_packed_weights`)."""
 
     packed: torch.Tensor | None = None
-    skinny: SkinnyGemm | None = None  # see use_cpu_kernels
+    tiles: torch.Tensor | None = None  # the AMX copy, see use_packed_weights
+    kernels: CpuKernels | None = None  # see use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.skinny)
+        return linear(x, self.weight, self.bias, self.packed, self.kernels, self.tiles)
 
 
 class RowParallelLinear(nn.Module):
@@ -100,11 +106,12 @@ class RowParallelLinear(nn.Module):
         self.par = par
         self.shard_size = shard_size
         self.packed: torch.Tensor | None = None  # see use_packed_weights
-        self.skinny: SkinnyGemm | None = None  # see use_cpu_kernels
+        self.tiles: torch.Tensor | None = None  # the AMX copy, see use_packed_weights
+        self.kernels: CpuKernels | None = None  # see use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard_size == 1:
-            return linear(x, self.weight, self.bias, self.packed, self.skinny)
+            return linear(x, self.weight, self.bias, self.packed, self.kernels, self.tiles)
         # The bias is added once, after the sum of the ranks' partial products.
         y = self.par.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
@@ -154,7 +161,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, False, par, par.tp_size)
         self.fused: FusedOps | None = None  # see use_cpu_kernels
-        self.skinny: SkinnyGemm | None = None  # see use_cpu_kernels
+        self.kernels: CpuKernels | None = None  # see use_cpu_kernels
         # Prepacked gate and up halves (use_packed_weights): SiLU, the product and the residual add
         # then happen inside the three GEMMs.
         self.packed_gate: torch.Tensor | None = None
@@ -177,11 +184,18 @@ class LlamaMLP(nn.Module):
 
     def _packed_mlp(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         m = x.shape[0]
-        skinny = self.skinny
-        if (skinny is not None and m <= skinny.rows and skinny.supports(x, self.gate_up_proj.weight)
-                and (residual is None or residual.stride(1) == 1)):
-            act = skinny.gate_up(x, self.gate_up_proj.weight)
-            return skinny.linear(act, self.down_proj.weight, add=residual)
+        kernels = self.kernels
+        if kernels is not None and (residual is None or residual.stride(1) == 1):
+            gate_up, down = self.gate_up_proj.tiles, self.down_proj.tiles
+            # (the gate-up epilogue takes whole blocks of 16 columns)
+            if (gate_up is not None and down is not None and self.intermediate_size % 16 == 0
+                    and kernels.amx.supports(x, gate_up)):
+                act = kernels.amx.gate_up(x, gate_up, self.intermediate_size)
+                return kernels.amx.linear(act, down, self.down_proj.out_features, add=residual)
+            skinny = kernels.skinny
+            if skinny is not None and m <= skinny.rows and skinny.supports(x, self.gate_up_proj.weight):
+                act = skinny.gate_up(x, self.gate_up_proj.weight)
+                return skinny.linear(act, self.down_proj.weight, add=residual)
         # The GEMMs run at gemm_rows(m) rows: x (and the residual) are padded once, not per call.
         x = pad_rows(x, gemm_rows(m))
         gate = packed_linear_unary(x, self.packed_gate, "swish")
@@ -238,27 +252,33 @@ class LlamaDecoderLayer(nn.Module):
 
 def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     """Run `model`'s decode attention, RMSNorms, SiLU*up and RoPE + KV writes with the C kernels
-    (None: PyTorch), and its single-row bf16 GEMMs with the skinny kernel where there is one (the
-    prepacked weights must be on too: `worker.packed_weights`)."""
-    skinny = kernels.skinny if kernels else None
+    (None: PyTorch), and its decode-sized bf16 GEMMs with the AMX or skinny kernel where there is
+    one (the prepacked weights must be on too: `worker.packed_weights`)."""
     for module in model.modules():
         if isinstance(module, (RMSNorm, LlamaMLP, LlamaAttention)):
             module.fused = kernels.fused if kernels else None
         if isinstance(module, (Linear, RowParallelLinear, LlamaMLP, LlamaForCausalLM)):
-            module.skinny = skinny
+            module.kernels = kernels
     model.attn_backend.use_decode_kernel(kernels.decode_attention if kernels else None)
 
 
 def use_packed_weights(model: "LlamaForCausalLM", enabled: bool) -> int:
-    """Give every bf16 linear layer of `model` (and the LM head) a prepacked copy of its weight, or
-    drop them (`enabled` False); returns how many were packed. The packed copies are not
-    parameters: they cost memory beside the weights (~270 MB for SmolLM2) and are rebuilt with the
-    model (`update_weights` builds a new one)."""
+    """Give every bf16 linear layer of `model` (and the LM head) a prepacked copy of its weight for
+    oneDNN, and one in the AMX tiles' layout where the model has the AMX kernel (`use_cpu_kernels`
+    first), or drop them (`enabled` False); returns how many weights were packed for oneDNN. The
+    copies are not parameters: they cost memory beside the weights (~270 MB each for SmolLM2) and
+    are rebuilt with the model (`update_weights` builds a new one)."""
+    amx = model.kernels.amx if enabled and model.kernels is not None else None
+
+    def tiles(weight: torch.Tensor) -> torch.Tensor | None:
+        return amx.pack(weight) if amx is not None and amx.packs(weight) else None
+
     count = 0
     for module in model.modules():
         if isinstance(module, (Linear, RowParallelLinear)):
             eligible = enabled and module.weight.dtype == torch.bfloat16 and getattr(module, "shard_size", 1) == 1
             module.packed = pack_linear_weight(module.weight) if eligible else None
+            module.tiles = tiles(module.weight) if eligible else None
             count += eligible
         elif isinstance(module, LlamaMLP):
             weight, size = module.gate_up_proj.weight, module.intermediate_size
@@ -266,7 +286,9 @@ def use_packed_weights(model: "LlamaForCausalLM", enabled: bool) -> int:
             module.packed_gate = pack_linear_weight(weight[:size]) if eligible else None
             module.packed_up = pack_linear_weight(weight[size:]) if eligible else None
     head = model.lm_head_weight
-    model.packed_lm_head = pack_linear_weight(head) if enabled and head.dtype == torch.bfloat16 else None
+    eligible = enabled and head.dtype == torch.bfloat16
+    model.packed_lm_head = pack_linear_weight(head) if eligible else None
+    model.lm_head_tiles = tiles(head) if eligible else None
     return count + (model.packed_lm_head is not None)
 
 
@@ -310,7 +332,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # see use_packed_weights
-        self.skinny: SkinnyGemm | None = None  # see use_cpu_kernels
+        self.lm_head_tiles: torch.Tensor | None = None  # the AMX copy, see use_packed_weights
+        self.kernels: CpuKernels | None = None  # see use_cpu_kernels
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -368,7 +391,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""
-        return linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.skinny)
+        return linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.kernels, self.lm_head_tiles)
 
     # -- weights --------------------------------------------------------------------------------
 

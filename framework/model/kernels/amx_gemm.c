@@ -1,0 +1,235 @@
+/* bf16 GEMMs on AMX tiles from weights packed in the tiles' layout, for CPUs with AMX-BF16 (Xeon
+ * Sapphire Rapids and later).
+ *
+ * y[m, n] = x[m, :] . w[n, :], with the weight packed once at load (amx_pack_bf16) so that every
+ * tile of it, 16 output columns by 32 k, is one contiguous KiB: packed[b][k / 2][16][2] holds
+ * w[16 b + j][2 p + e] at [b][p][j][e]. x is read as it lies, 16 rows to a tile. At decode sizes
+ * the GEMM streams the weight once from DRAM; oneDNN's AMX kernels are slower there (measured on
+ * a 2-core Xeon, a decode step's GEMMs of SmolLM2-135M: see cpu_kernels.AmxGemm).
+ *
+ * Tiles: 0-3 sums, [16 rows][16 columns] fp32, for two row groups x two column blocks; 4, 5: the
+ * row groups' x for 32 k; 6, 7: the column blocks' weights for the same 32 k. A pair of column
+ * blocks goes over every pair of row groups while the pair's weights (32 x k bf16) stay in L2.
+ * Epilogues, all in fp32 before one bf16 rounding (as kernels/skinny_gemm.c):
+ *   plain:    y = bf16(acc)
+ *   add:      y = bf16(acc + other[m, n])          (residual add)
+ *   gate_up:  packed is [gate; up] (2 * n_out columns), y = bf16(bf16(silu(gate)) * up)
+ *
+ * Built on first use by framework/model/cpu_kernels.py (cc -O3 -march=native, -fopenmp where it
+ * can) and called through ctypes. Without AMX-BF16 at build time, or where Linux does not let the
+ * process use the tiles, amx_gemm_supported returns 0 and the model keeps its other GEMMs.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+enum { PLAIN = 0, ADD = 1, GATE_UP = 2 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux lets a process use the AMX tiles once it has asked for their state (arch_prctl). */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_usable(void) {
+    static int usable = -1;
+    if (usable < 0) usable = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return usable;
+}
+#else
+#define HAVE_AMX 0
+#endif
+
+int amx_gemm_supported(void) {
+#if HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* packed[b][p][j][e] = w[16 b + j][2 p + e] for w [n, k] (k even); rows past n are zeros. */
+void amx_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    int64_t blocks = (n + 15) / 16, pairs = k / 2;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t j = 0; j < 16; j++) {
+            int64_t row = 16 * b + j;
+            uint16_t *dst = packed + b * pairs * 32 + j * 2;
+            if (row >= n) {
+                for (int64_t p = 0; p < pairs; p++) dst[p * 32] = dst[p * 32 + 1] = 0;
+                continue;
+            }
+            const uint16_t *src = w + row * k;
+            for (int64_t p = 0; p < pairs; p++) {
+                dst[p * 32] = src[2 * p];
+                dst[p * 32 + 1] = src[2 * p + 1];
+            }
+        }
+}
+
+#if HAVE_AMX
+typedef struct {
+    const uint16_t *x, *packed, *other;
+    const uint16_t *x_tail; /* the last row group, zero-padded to 16 rows (NULL: none partial) */
+    uint16_t *y;
+    int64_t rows, k, n_out, x_stride, y_stride, other_stride;
+    int epilogue;
+} Gemm;
+
+typedef struct {
+    const Gemm *g;
+    int64_t begin, end; /* units: a pair of column blocks (gate_up: a gate block and its up block) */
+} Units;
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* x / (1 + exp(-x)) */
+static inline __m512 silu16(__m512 x) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+/* Row m's outputs n0.. (the lanes in `store`): + other[m] for add, rounded to bf16 and stored. */
+static inline void finish(const Gemm *g, int64_t m, int64_t n0, __mmask16 store, __m512 acc) {
+    if (g->epilogue == ADD)
+        acc = _mm512_add_ps(acc, widen_bf16x16(_mm256_maskz_loadu_epi16(store, g->other + m * g->other_stride + n0)));
+    _mm256_mask_storeu_epi16(g->y + m * g->y_stride + n0, store, to_bf16x16(acc));
+}
+
+/* Row group `group`'s x: 16 rows from x itself, or the zero-padded copy of the last group. */
+static inline const uint16_t *group_rows(const Gemm *g, int64_t group, size_t *stride) {
+    if (g->x_tail && (group + 1) * 16 > g->rows) {
+        *stride = (size_t)g->k * 2;
+        return g->x_tail;
+    }
+    *stride = (size_t)g->x_stride * 2;
+    return g->x + group * 16 * g->x_stride;
+}
+
+/* The outputs of row group `group` for the column blocks whose sums are in sums[0] and (`two`)
+ * sums[1]: columns n0.. and n1.. */
+static void store_group(const Gemm *g, int64_t group, float sums[2][256], int two, int64_t n0, int64_t n1) {
+    __mmask16 keep0 = 0xFFFF, keep1 = 0xFFFF;
+    if (n0 + 16 > g->n_out) keep0 = (__mmask16)((1u << (g->n_out - n0)) - 1);
+    if (two && n1 + 16 > g->n_out) keep1 = (__mmask16)((1u << (g->n_out - n1)) - 1);
+    int64_t first = group * 16, last = first + 16 < g->rows ? first + 16 : g->rows;
+    for (int64_t m = first; m < last; m++) {
+        __m512 acc = _mm512_loadu_ps(sums[0] + (m - first) * 16);
+        if (g->epilogue == GATE_UP) {
+            __m512 up = _mm512_loadu_ps(sums[1] + (m - first) * 16);
+            finish(g, m, n0, keep0, _mm512_mul_ps(up, round_bf16x16(silu16(acc))));
+            continue;
+        }
+        finish(g, m, n0, keep0, acc);
+        if (two) finish(g, m, n1, keep1, _mm512_loadu_ps(sums[1] + (m - first) * 16));
+    }
+}
+
+static void *run_units(void *arg) {
+    const Units *u = (const Units *)arg;
+    const Gemm *g = u->g;
+    const int64_t tile_elems = 512, block_elems = g->k * 16; /* a weight tile; a column block */
+    const int64_t groups = (g->rows + 15) / 16, blocks = (g->n_out + 15) / 16;
+    int gate_up = g->epilogue == GATE_UP;
+    float sums[4][256];
+    configure();
+    for (int64_t unit = u->begin; unit < u->end; unit++) {
+        int64_t b0 = gate_up ? unit : 2 * unit, b1 = gate_up ? unit + blocks : 2 * unit + 1;
+        int two = gate_up || b1 < blocks;
+        const uint16_t *w0 = g->packed + b0 * block_elems, *w1 = g->packed + b1 * block_elems;
+        for (int64_t group = 0; group < groups; group += 2) {
+            int two_groups = group + 1 < groups;
+            size_t s0 = 0, s1 = 0;
+            const uint16_t *x0 = group_rows(g, group, &s0);
+            const uint16_t *x1 = two_groups ? group_rows(g, group + 1, &s1) : NULL;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t c = 0; c < g->k; c += 32) {
+                _tile_loadd(6, w0 + c / 32 * tile_elems, 64);
+                _tile_loadd(4, x0 + c, s0);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) {
+                    _tile_loadd(7, w1 + c / 32 * tile_elems, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two_groups) {
+                    _tile_loadd(5, x1 + c, s1);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            store_group(g, group, sums, two, b0 * 16, gate_up ? b0 * 16 : b1 * 16);
+            if (two_groups) {
+                _tile_stored(2, sums[2], 64);
+                _tile_stored(3, sums[3], 64);
+                store_group(g, group + 1, sums + 2, two, b0 * 16, gate_up ? b0 * 16 : b1 * 16);
+            }
+        }
+    }
+    _tile_release();
+    return NULL;
+}
+#endif
+
+/* y = epilogue(x @ w^T), see the top of the file. x: [rows, k] (row stride x_stride, k a multiple
+ * of 32), packed: amx_pack_bf16 of w [n_out, k] ([2 * n_out, k] for gate_up, n_out a multiple of
+ * 16 then), y: [rows, n_out] (row stride y_stride), other: [rows, n_out] for add. Returns 0, or -1
+ * when the call is not supported (no AMX, k or n_out as above, no memory). */
+int amx_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *other,
+                  int64_t other_stride, uint16_t *y, int64_t y_stride, int64_t rows, int64_t k, int64_t n_out,
+                  int epilogue, int num_threads) {
+#if HAVE_AMX
+    if (rows < 1 || k < 32 || k % 32 || n_out < 1 || (epilogue == GATE_UP && n_out % 16) || !amx_usable())
+        return -1;
+    Gemm g = {x, packed, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue};
+    uint16_t *tail = NULL;
+    if (rows % 16) {
+        int64_t first = rows / 16 * 16;
+        tail = (uint16_t *)calloc((size_t)16 * k, sizeof(uint16_t));
+        if (!tail) return -1;
+        for (int64_t m = first; m < rows; m++) memcpy(tail + (m - first) * k, x + m * x_stride, (size_t)k * 2);
+        g.x_tail = tail;
+    }
+    int64_t blocks = (n_out + 15) / 16, units = epilogue == GATE_UP ? blocks : (blocks + 1) / 2;
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > units) num_threads = (int)units;
+    if (num_threads < 1) num_threads = 1;
+    Units spans[MAX_THREADS];
+    for (int s = 0; s < num_threads; s++) {
+        spans[s].g = &g;
+        spans[s].begin = units * s / num_threads;
+        spans[s].end = units * (s + 1) / num_threads;
+    }
+    run_spans(run_units, spans, sizeof spans[0], num_threads);
+    free(tail);
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)packed, (void)other, (void)other_stride, (void)y, (void)y_stride;
+    (void)rows, (void)k, (void)n_out, (void)epilogue, (void)num_threads;
+    return -1;
+#endif
+}
