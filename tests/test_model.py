@@ -337,12 +337,14 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
     kernels = runner.cpu_kernels
     if kernels is not None and kernels.amx is not None:
         monkeypatch.setattr(kernels.amx, "rows", 8)  # (512) so that oneDNN gets the rest here
-    assert runner.model.warm_packed_gemms(max_rows=64, max_head_rows=8) == 32
-    warmed = set(seen)
     # the rows a C GEMM kernel takes (AMX tiles: up to amx.rows, else the skinny kernel's one) never reach oneDNN
     small = kernels.amx or kernels.skinny if kernels is not None else None
     first = small.rows + 1 if small is not None else 1
-    assert {rows for rows, *_ in warmed} == {cpu.gemm_rows(m) for m in range(first, 65)}
+    assert runner.model.c_gemm_rows() == first - 1
+    buckets = {cpu.gemm_rows(m) for m in range(first, 65)}
+    assert runner.model.warm_packed_gemms(max_rows=64, max_head_rows=8) == len(buckets)
+    warmed = set(seen)
+    assert {rows for rows, *_ in warmed} == buckets
     seen.clear()
     reqs = _new_reqs(runner, [29, 7, 12])
     runner.forward(_batch(runner, reqs, [28, 6, 11], ForwardMode.EXTEND))  # 45 rows

@@ -368,15 +368,16 @@ class LlamaForCausalLM(nn.Module):
     def warm_packed_gemms(self, max_rows: int = PREFILL_TILE, max_head_rows: int = WARM_HEAD_ROWS) -> int:
         """Run the prepacked GEMMs once at every `gemm_rows` bucket up to `max_rows` rows (the LM
         head up to `max_head_rows`), so oneDNN builds their kernels now rather than inside the
-        first requests (~1 s for SmolLM2 here); returns the number of buckets. The kernels depend
-        on the shapes only, so one layer stands for all. No-op without packed weights."""
+        first requests (~1 s for SmolLM2 here); returns the number of buckets. Row counts a C
+        kernel takes (`c_gemm_rows`) need no warming. The kernels depend on the shapes only, so
+        one layer stands for all. No-op without packed weights."""
         if self.packed_lm_head is None:
             return 0
         layer = self.model.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
         hidden = self.config.hidden_size
         dtype = self.packed_lm_head.dtype
-        buckets = sorted({gemm_rows(m) for m in range(1, max_rows + 1)})
+        buckets = sorted({gemm_rows(m) for m in range(self.c_gemm_rows() + 1, max_rows + 1)})
         for rows in buckets:
             x = torch.zeros((rows, hidden), dtype=dtype)
             if attn.qkv_proj.packed is not None:
@@ -388,6 +389,15 @@ class LlamaForCausalLM(nn.Module):
             if rows <= max_head_rows:
                 self.compute_logits(x)
         return len(buckets)
+
+    def c_gemm_rows(self) -> int:
+        """Up to how many rows the bf16 GEMMs run on a C kernel rather than oneDNN (`linear`)."""
+        kernels = self.kernels
+        if kernels is None or self.packed_lm_head is None:
+            return 0
+        if kernels.amx is not None and self.lm_head_tiles is not None:
+            return kernels.amx.rows
+        return kernels.skinny.rows if kernels.skinny is not None else 0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""
