@@ -376,3 +376,56 @@ def test_amx_refuses_what_it_cannot_do():
         AMX.linear(x, packed, 16)  # packed from 32 columns
     with pytest.raises(ValueError, match="added tensor"):
         AMX.linear(x, packed, 32, add=torch.zeros(3, 31, dtype=torch.bfloat16))
+
+
+# -- prefill attention on AMX tiles (kernels/extend_attention.c) -------------------------------------
+
+EXTEND = KERNELS.extend_attention if KERNELS is not None else None
+needs_extend = pytest.mark.skipif(EXTEND is None, reason="no C compiler or no AMX tiles on this CPU")
+
+
+def _extend_reference(q, k_pool, v_pool, slots, prefix_len):
+    """fp32 causal attention of q [L, heads, 64] over the pool's slots, the prefix all visible."""
+    heads, kv_heads = q.shape[1], k_pool.shape[1]
+    k = k_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+    v = v_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+    seq_len = slots.numel()
+    visible = torch.arange(seq_len).unsqueeze(0) <= torch.arange(prefix_len, seq_len).unsqueeze(1)
+    scores = (q.float().transpose(0, 1) @ k.transpose(1, 2)) / 8.0
+    return (torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v).transpose(0, 1)
+
+
+@needs_extend
+@pytest.mark.parametrize("ext_len,prefix_len,heads,kv_heads", [(37, 0, 9, 3), (2, 0, 4, 4), (16, 0, 9, 3),
+                                                                 (100, 45, 9, 3), (17, 300, 8, 1), (300, 7, 6, 2)])
+def test_extend_attention_matches_fp32(ext_len, prefix_len, heads, kv_heads):
+    """Against fp32 attention of the same bf16 inputs, within bf16 rounding (P is rounded to bf16
+    before P V, as torch's flash attention does): query blocks cut at 16, key blocks at 32, a
+    cached prefix, grouped-query heads, slots scattered over the pool; rows are read with the
+    pass's stride and written into a strided output."""
+    gen = torch.Generator().manual_seed(ext_len * 7 + prefix_len)
+    pool = 1200
+    k_pool, v_pool = _bf16(gen, pool, kv_heads, 64), _bf16(gen, pool, kv_heads, 64)
+    slots = torch.randperm(pool, generator=gen)[: prefix_len + ext_len]
+    q = _bf16(gen, ext_len, heads + 1, 64, scale=2.0)[:, :heads]  # strided rows
+    out = torch.full((ext_len, heads + 2, 64), float("nan"), dtype=torch.bfloat16)
+    rc = EXTEND(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(),
+                prefix_len + ext_len, prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads, 64, 0.125, 2)
+    assert rc == 0
+    ref = _extend_reference(q, k_pool, v_pool, slots, prefix_len)
+    torch.testing.assert_close(out[:, :heads].float(), ref, atol=2e-2, rtol=2e-2)
+    assert out[:, heads:].isnan().all()  # nothing written past the heads
+
+
+@needs_extend
+def test_extend_attention_refuses_what_it_cannot_do():
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    pool, slots = torch.zeros(8, 1, 64, dtype=torch.bfloat16), torch.arange(4)
+
+    def call(heads=2, kv_heads=1, head_dim=64, seq_len=4, prefix_len=0):
+        out = torch.zeros_like(q)
+        return EXTEND(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.data_ptr(), slots.data_ptr(), seq_len,
+                      prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads, head_dim, 0.125, 2)
+
+    assert call() == 0
+    assert call(head_dim=32) == -1 and call(heads=3, kv_heads=2) == -1 and call(prefix_len=4) == -1

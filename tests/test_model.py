@@ -144,6 +144,28 @@ def test_extend_with_prefix_matches_hf(hf_model, runner):
         assert out.input_token_logprobs[i] == pytest.approx(expected, abs=ATOL)
 
 
+def test_bf16_prefill_attention_runs_on_the_amx_kernel():
+    """With head_dim 64 in bf16, multi-token requests (a plain prefill and one over a cached
+    prefix) are attended by the AMX kernel where there is one; the logits stay close to fp32
+    transformers."""
+    hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                      num_key_value_heads=1))
+    runner = _runner(hf, dtype=torch.bfloat16, packed_weights=True)
+    backend = runner.model.attn_backend
+    if backend.extend_kernel is None:
+        pytest.skip("no prefill attention kernel here (no C compiler or no AMX tiles)")
+    calls: list[int] = []
+    real = backend.extend_kernel
+    backend.extend_kernel = lambda *args: calls.append(args[5]) or real(*args)  # the KV length
+    reqs = _new_reqs(runner, [40, 23])
+    out = runner.forward(_batch(runner, reqs, [21, 23], ForwardMode.EXTEND))
+    _check_last(hf, out, reqs, atol=0.1)
+    out = runner.forward(_batch(runner, reqs[:1], [19], ForwardMode.EXTEND))  # over a 21-token prefix
+    _check_last(hf, out, reqs[:1], atol=0.1)
+    layers = hf.config.num_hidden_layers
+    assert calls == [21, 23] * layers + [40] * layers
+
+
 def test_decode_steps_match_hf(hf_model, runner):
     prompt_lens = [3, 17, 9, 40, 1]
     num_steps = 4

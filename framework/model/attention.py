@@ -16,7 +16,10 @@ Paths:
 * both use a grouped-query matmul-softmax-matmul: q is viewed as [n, kv_heads, group, head_dim]
   so the KV heads are never expanded, which on CPU is much faster than SDPA's single-query path;
 * multi-token requests (prefill, possibly on top of a cached prefix) go through
-  `scaled_dot_product_attention` one request at a time, causal with the prefix fully visible.
+  `scaled_dot_product_attention` one request at a time, causal with the prefix fully visible;
+  in bf16 with head_dim 64 on a CPU with AMX, the C kernel framework/model/kernels/
+  extend_attention.c does them instead, straight from the pool (`use_extend_kernel`; 1.5-2.5x
+  faster than SDPA at 64-1,024 tokens, measured on a 2-core Xeon).
 """
 
 from __future__ import annotations
@@ -179,12 +182,18 @@ class TorchNativeAttention:
         self._dense: list[_DenseGroup] | None = None
         self.enable_dense_decode = True
         self.decode_kernel = None  # see use_decode_kernel
+        self.extend_kernel = None  # see use_extend_kernel
 
     def use_decode_kernel(self, kernel) -> None:
         """Attend one-token requests with `kernel` (cpu_kernels.CpuKernels.decode_attention; None:
         PyTorch)."""
         self.decode_kernel = kernel
         self._dense = None
+
+    def use_extend_kernel(self, kernel) -> None:
+        """Attend bf16 multi-token requests with `kernel` (cpu_kernels.CpuKernels.extend_attention,
+        AMX tiles, head_dim 64; None: PyTorch's SDPA)."""
+        self.extend_kernel = kernel if self.head_dim == 64 else None
 
     def prepare(self, batch: ModelWorkerBatch, req_to_token_pool: ReqToTokenPool) -> AttentionMetadata:
         """Split the batch into one-token and multi-token requests and build their KV indices."""
@@ -491,6 +500,16 @@ class TorchNativeAttention:
 
     def _extend_one(self, q, k_buf, v_buf, req: _ExtendReq) -> torch.Tensor:
         """Causal attention of one request's new tokens over its prefix and themselves."""
+        if (self.extend_kernel is not None and q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
+                and q.stride(2) == 1 and q.stride(1) == self.head_dim):
+            out = torch.empty_like(q)
+            rc = self.extend_kernel(
+                q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), req.kv_indices.data_ptr(),
+                req.prefix_len + req.extend_len, req.prefix_len, out.data_ptr(), out.stride(0), self.num_heads,
+                self.num_kv_heads, self.head_dim, self.scaling, torch.get_num_threads(),
+            )
+            if rc == 0:
+                return out
         k = k_buf.index_select(0, req.kv_indices).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, S, D]
         v = v_buf.index_select(0, req.kv_indices).transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, heads, L, D]

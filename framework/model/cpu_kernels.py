@@ -105,6 +105,21 @@ def torch_openmp() -> str | None:
 _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
+def load_extend_kernel():
+    """`extend_attention` of kernels/extend_attention.c (prefill attention on AMX tiles, see
+    TorchNativeAttention.use_extend_kernel), or None where it cannot be built or there is no AMX."""
+    lib = load("extend_attention")
+    if lib is None:
+        return None
+    lib.extend_attention_supported.restype = _INT
+    if not lib.extend_attention_supported():
+        return None
+    fn = lib.extend_attention
+    fn.restype = _INT
+    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT, _INT, _FLOAT, _INT]
+    return fn
+
+
 def load_decode_kernel():
     """`decode_attention` of kernels/decode_attention.c (see TorchNativeAttention), or None."""
     lib = load("decode_attention")
@@ -368,11 +383,14 @@ class CpuKernels:
     # (`skinny`); oneDNN does the rest, and every GEMM where neither is there
     skinny: SkinnyGemm | None = None
     amx: AmxGemm | None = None
+    # bf16 prefill attention on AMX tiles (ctypes function); None: PyTorch's SDPA
+    extend_attention: Any = None
 
 
 def gemm_note(kernels: CpuKernels) -> str:
+    prefill = ", bf16 prefill attention" if kernels.extend_attention is not None else ""
     if kernels.amx is not None:
-        return f", bf16 GEMMs of up to {kernels.amx.rows} rows on AMX tiles"
+        return f", bf16 GEMMs of up to {kernels.amx.rows} rows{prefill} on AMX tiles"
     if kernels.skinny is not None:
         return ", single-row bf16 GEMMs"
     return "; no AVX512-BF16: oneDNN does every GEMM"
@@ -386,7 +404,7 @@ def pick(setting: str, device: str) -> CpuKernels | None:
     if str(device) == "cpu":
         decode, fused = load_decode_kernel(), load("fused_ops")
         if decode is not None and fused is not None:
-            kernels = CpuKernels(decode, FusedOps(fused), load_skinny_gemm(), load_amx_gemm())
+            kernels = CpuKernels(decode, FusedOps(fused), load_skinny_gemm(), load_amx_gemm(), load_extend_kernel())
     if kernels is None and setting == "on":
         raise RuntimeError(
             f"worker.cpu_kernels = 'on' but the C kernels are unavailable on {device!r} (they need a CPU "

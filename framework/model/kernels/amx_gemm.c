@@ -23,27 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "common.h"
 
 enum { PLAIN = 0, ADD = 1, GATE_UP = 2 };
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-#define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Linux lets a process use the AMX tiles once it has asked for their state (arch_prctl). */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-static int amx_usable(void) {
-    static int usable = -1;
-    if (usable < 0) usable = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return usable;
-}
-#else
-#define HAVE_AMX 0
-#endif
 
 int amx_gemm_supported(void) {
 #if HAVE_AMX
@@ -86,34 +69,24 @@ typedef struct {
     int64_t begin, end; /* units: a pair of column blocks (gate_up: a gate block and its up block) */
 } Units;
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* The epilogues run once per output, so they matter at a few hundred rows: one instruction for
+ * the bf16 rounding (bf16_bits, amx.h) and a reciprocal refined by one Newton step (~23 bits)
+ * for the SiLU instead of a division (the epilogues took a third of a decode step's GEMM time at
+ * 256 rows with common.h's to_bf16x16 and a division). */
 
 /* x / (1 + exp(-x)) */
 static inline __m512 silu16(__m512 x) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f))); /* r (2 - d r) */
+    return _mm512_mul_ps(x, r);
 }
 
 /* Row m's outputs n0.. (the lanes in `store`): + other[m] for add, rounded to bf16 and stored. */
 static inline void finish(const Gemm *g, int64_t m, int64_t n0, __mmask16 store, __m512 acc) {
     if (g->epilogue == ADD)
         acc = _mm512_add_ps(acc, widen_bf16x16(_mm256_maskz_loadu_epi16(store, g->other + m * g->other_stride + n0)));
-    _mm256_mask_storeu_epi16(g->y + m * g->y_stride + n0, store, to_bf16x16(acc));
+    _mm256_mask_storeu_epi16(g->y + m * g->y_stride + n0, store, bf16_bits(acc));
 }
 
 /* Row group `group`'s x: 16 rows from x itself, or the zero-padded copy of the last group. */
@@ -137,7 +110,7 @@ static void store_group(const Gemm *g, int64_t group, float sums[2][256], int tw
         __m512 acc = _mm512_loadu_ps(sums[0] + (m - first) * 16);
         if (g->epilogue == GATE_UP) {
             __m512 up = _mm512_loadu_ps(sums[1] + (m - first) * 16);
-            finish(g, m, n0, keep0, _mm512_mul_ps(up, round_bf16x16(silu16(acc))));
+            finish(g, m, n0, keep0, _mm512_mul_ps(up, widen_bf16x16(bf16_bits(silu16(acc)))));
             continue;
         }
         finish(g, m, n0, keep0, acc);
@@ -152,7 +125,7 @@ static void *run_units(void *arg) {
     const int64_t groups = (g->rows + 15) / 16, blocks = (g->n_out + 15) / 16;
     int gate_up = g->epilogue == GATE_UP;
     float sums[4][256];
-    configure();
+    amx_configure();
     for (int64_t unit = u->begin; unit < u->end; unit++) {
         int64_t b0 = gate_up ? unit : 2 * unit, b1 = gate_up ? unit + blocks : 2 * unit + 1;
         int two = gate_up || b1 < blocks;

@@ -1,0 +1,257 @@
+/* Prefill (extend) attention of one request on AMX tiles, straight from the paged KV pool, for
+ * bf16 models with head_dim 64 on CPUs with AMX-BF16.
+ *
+ * The request's ext_len new tokens sit at positions prefix_len.. of its seq_len KV slots
+ * (kv_indices); query i sees keys 0..prefix_len + i. Flash-attention style: for each query head
+ * and block of 16 queries, the keys go by in blocks of 32 with an online softmax, so no [L, S]
+ * score matrix is ever stored.
+ *   S = Q K^T: Q's tile is 16 query rows x 32 of head_dim, read in place; K is first copied out of
+ *       the pool once per KV head into the tiles' layout (K^T, head_dim in pairs), 1 KiB a tile.
+ *   O += P V: P (the block's probabilities, fp32 softmax rounded to bf16, as torch's flash
+ *       attention does for bf16) is one tile of 16 x 32; V is copied once per KV head into the
+ *       tiles' layout too (tokens in pairs).
+ * The running max, sum and O stay fp32; O is scaled once per key block and divided by the sum at
+ * the end. Queries sharing a KV head (grouped-query attention) read the same copies.
+ *
+ * Work: the copies are split over the threads by KV head, then the (query head, query block)
+ * pairs, longest first, dealt to the threads in turn. Built on first use by
+ * framework/model/cpu_kernels.py (cc -O3 -march=native, -fopenmp where it can) and called through
+ * ctypes. Where there is no AMX, extend_attention_supported returns 0 and PyTorch's SDPA stays.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx.h"
+#include "common.h"
+
+#define HEAD_DIM 64
+#define TILE_ELEMS 512 /* bf16 elements of a 16 x 64-byte tile */
+
+int extend_attention_supported(void) {
+#if HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+#if HAVE_AMX
+typedef struct {
+    const uint16_t *q, *k, *v;
+    const int64_t *kv_indices;
+    uint16_t *out;
+    uint16_t *kt, *vt; /* the tile copies of K and V, every KV head */
+    int64_t q_stride, out_stride, seq_len, prefix_len, ext_len, kv_blocks; /* kv_blocks: of 32 keys */
+    int heads, kv_heads;
+    float scale;
+} Ext;
+
+typedef struct {
+    const Ext *e;
+    int first, step; /* KV heads first, first + step, ... (copies); work items likewise (attention) */
+    int failed;      /* no memory for the span's scratch */
+} Share;
+
+/* K^T tile (32-key block b, half `half` of it: keys 16 half.., head_dim pairs 16 c..) of KV head h:
+ * [16 head_dim pairs][16 keys][2]. */
+static inline uint16_t *k_tile(const Ext *e, int h, int64_t b, int half, int c) {
+    return e->kt + (((h * e->kv_blocks + b) * 2 + half) * 2 + c) * TILE_ELEMS;
+}
+
+/* V tile (32-key block b, head_dim columns 16 c..) of KV head h: [16 key pairs][16 columns][2]. */
+static inline uint16_t *v_tile(const Ext *e, int h, int64_t b, int c) {
+    return e->vt + ((h * e->kv_blocks + b) * 4 + c) * TILE_ELEMS;
+}
+
+/* Copy KV head h's keys and values into the tiles' layout; keys past seq_len are zeros. */
+static void copy_head(const Ext *e, int h) {
+    const int64_t slot = (int64_t)e->kv_heads * HEAD_DIM;
+    static const uint16_t zeros[HEAD_DIM];
+    /* K: a key's 16 head_dim pairs 16 c.. go down column key % 16 of tile (b, half, c) */
+    const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+    /* V: two keys' 16 columns interleaved, one 64-byte tile row */
+    uint16_t order[32];
+    for (int j = 0; j < 32; j++) order[j] = (uint16_t)(j % 2 ? 32 + j / 2 : j / 2);
+    const __m512i interleave = _mm512_loadu_si512(order);
+    for (int64_t t = 0; t < e->kv_blocks * 32; t += 2) {
+        const uint16_t *k0 = t < e->seq_len ? e->k + e->kv_indices[t] * slot + h * HEAD_DIM : zeros;
+        const uint16_t *k1 = t + 1 < e->seq_len ? e->k + e->kv_indices[t + 1] * slot + h * HEAD_DIM : zeros;
+        const uint16_t *v0 = t < e->seq_len ? e->v + e->kv_indices[t] * slot + h * HEAD_DIM : zeros;
+        const uint16_t *v1 = t + 1 < e->seq_len ? e->v + e->kv_indices[t + 1] * slot + h * HEAD_DIM : zeros;
+        int64_t b = t / 32;
+        int key = (int)(t % 32);
+        for (int c = 0; c < 2; c++) {
+            _mm512_i32scatter_epi32((int *)k_tile(e, h, b, key / 16, c) + key % 16, rows,
+                                    _mm512_loadu_si512(k0 + 32 * c), 4);
+            _mm512_i32scatter_epi32((int *)k_tile(e, h, b, key / 16, c) + key % 16 + 1, rows,
+                                    _mm512_loadu_si512(k1 + 32 * c), 4);
+        }
+        for (int c = 0; c < 4; c++) {
+            __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + 16 * c)));
+            __m512i bb = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v1 + 16 * c)));
+            _mm512_storeu_si512(v_tile(e, h, b, c) + (key / 2) * 32, _mm512_permutex2var_epi16(a, interleave, bb));
+        }
+    }
+}
+
+static void *run_copies(void *arg) {
+    Share *s = (Share *)arg;
+    for (int h = s->first; h < s->e->kv_heads; h += s->step) copy_head(s->e, h);
+    return NULL;
+}
+
+/* Query head g, queries i0..i0+15 (fewer at the end). The block's scores over all the keys it
+ * sees are computed first (tile after tile, the tiles never waiting on vector code), then the
+ * exact softmax of each row, then P V into four tiles that are stored once: no online rescaling,
+ * and only three hand-overs between the tiles and the vector registers per block. `scores` and
+ * `probs` hold 16 rows of up to kv_blocks * 32 keys (and a cache line). */
+static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM], float *scores, uint16_t *probs) {
+    const int h = g / (e->heads / e->kv_heads);
+    const int rows = e->ext_len - i0 < 16 ? (int)(e->ext_len - i0) : 16;
+    const uint16_t *q = e->q + i0 * e->q_stride + g * HEAD_DIM;
+    size_t q_bytes = (size_t)e->q_stride * 2;
+    if (rows < 16) { /* past the request's last query: zeros, never read beyond q */
+        memset(q_pad, 0, 16 * HEAD_DIM * sizeof(uint16_t));
+        for (int r = 0; r < rows; r++) memcpy(q_pad + r * HEAD_DIM, q + r * e->q_stride, HEAD_DIM * 2);
+        q = q_pad;
+        q_bytes = HEAD_DIM * 2;
+    }
+    /* row r sees keys [0, prefix_len + i0 + r] */
+    const int64_t blocks = (e->prefix_len + i0 + rows + 31) / 32, width = blocks * 32;
+    /* row strides a cache line past width: a power of two would put a tile's 16 rows in one L1 set */
+    const int64_t ld = width + 16, ldp = width + 32;
+    _tile_loadd(4, q, q_bytes);
+    _tile_loadd(5, q + 32, q_bytes);
+    for (int64_t b = 0; b < blocks; b++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(7, k_tile(e, h, b, 0, 0), 64);
+        _tile_dpbf16ps(0, 4, 7);
+        _tile_loadd(7, k_tile(e, h, b, 0, 1), 64);
+        _tile_dpbf16ps(0, 5, 7);
+        _tile_loadd(7, k_tile(e, h, b, 1, 0), 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(7, k_tile(e, h, b, 1, 1), 64);
+        _tile_dpbf16ps(1, 5, 7);
+        _tile_stored(0, scores + b * 32, ld * 4);
+        _tile_stored(1, scores + b * 32 + 16, ld * 4);
+    }
+    const __m512 scale = _mm512_set1_ps(e->scale);
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    float inv_sum[16];
+    for (int r = 0; r < 16; r++) {
+        float *s = scores + r * ld;
+        uint16_t *p = probs + r * ldp;
+        if (r >= rows) { /* padding rows: P = 0 */
+            memset(p, 0, (size_t)width * 2);
+            continue;
+        }
+        const int64_t seen = e->prefix_len + i0 + r + 1; /* keys [0, seen) */
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < seen; j += 16) {
+            __mmask16 m = seen - j >= 16 ? 0xFFFF : (__mmask16)((1u << (seen - j)) - 1);
+            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_loadu_ps(s + j));
+        }
+        /* exp(scale * s - scale * max), 0 past `seen` */
+        const __m512 shift = _mm512_set1_ps(-_mm512_reduce_max_ps(vmax) * e->scale);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < width; j += 32) {
+            __m512 x[2];
+            for (int u = 0; u < 2; u++) {
+                __mmask16 m = _mm512_cmplt_epi32_mask(lanes, _mm512_set1_epi32((int)(seen - j - 16 * u < 16 ? (seen - j - 16 * u > 0 ? seen - j - 16 * u : 0) : 16)));
+                x[u] = _mm512_maskz_mov_ps(m, exp16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16 * u), scale, shift)));
+                vsum = _mm512_add_ps(vsum, x[u]);
+            }
+            _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
+        }
+        inv_sum[r] = 1.0f / _mm512_reduce_add_ps(vsum);
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b < blocks; b++) {
+        _tile_loadd(6, probs + b * 32, ldp * 2);
+        _tile_loadd(7, v_tile(e, h, b, 0), 64);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(7, v_tile(e, h, b, 1), 64);
+        _tile_dpbf16ps(1, 6, 7);
+        _tile_loadd(7, v_tile(e, h, b, 2), 64);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(7, v_tile(e, h, b, 3), 64);
+        _tile_dpbf16ps(3, 6, 7);
+    }
+    float o[16 * HEAD_DIM];
+    _tile_stored(0, o, HEAD_DIM * 4);
+    _tile_stored(1, o + 16, HEAD_DIM * 4);
+    _tile_stored(2, o + 32, HEAD_DIM * 4);
+    _tile_stored(3, o + 48, HEAD_DIM * 4);
+    for (int r = 0; r < rows; r++) {
+        __m512 inv = _mm512_set1_ps(inv_sum[r]);
+        uint16_t *dst = e->out + (i0 + r) * e->out_stride + g * HEAD_DIM;
+        for (int c = 0; c < HEAD_DIM; c += 16)
+            _mm256_storeu_si256((__m256i *)(dst + c), bf16_bits(_mm512_mul_ps(_mm512_loadu_ps(o + r * HEAD_DIM + c), inv)));
+    }
+}
+
+static void *run_attention(void *arg) {
+    Share *s = (Share *)arg;
+    const Ext *e = s->e;
+    int64_t q_blocks = (e->ext_len + 15) / 16, items = q_blocks * e->heads;
+    uint16_t q_pad[16 * HEAD_DIM];
+    float *scores = (float *)aligned_alloc(64, (size_t)16 * (e->kv_blocks * 32 + 16) * sizeof(float));
+    uint16_t *probs = (uint16_t *)aligned_alloc(64, (size_t)16 * (e->kv_blocks * 32 + 32) * sizeof(uint16_t));
+    s->failed = !scores || !probs;
+    if (!s->failed) {
+        amx_configure();
+        /* item n: query block q_blocks - 1 - n / heads (the longest first), head n % heads */
+        for (int64_t n = s->first; n < items; n += s->step)
+            attend(e, (int)(n % e->heads), (q_blocks - 1 - n / e->heads) * 16, q_pad, scores, probs);
+        _tile_release();
+    }
+    free(scores);
+    free(probs);
+    return NULL;
+}
+#endif
+
+/* out[i, g * 64 ..] = attention of query i (q + i * q_stride, head g at g * 64) over the KV slots
+ * kv_indices[0 .. prefix_len + i]; k, v: the pool, [slots, kv_heads, 64] bf16. Returns 0, or -1
+ * when the call is not supported (no AMX, head_dim not 64, heads not a multiple of kv_heads, no
+ * memory). */
+int extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
+                     const int64_t *kv_indices, int64_t seq_len, int64_t prefix_len, uint16_t *out,
+                     int64_t out_stride, int heads, int kv_heads, int head_dim, float scale, int num_threads) {
+#if HAVE_AMX
+    int64_t ext_len = seq_len - prefix_len;
+    if (head_dim != HEAD_DIM || kv_heads < 1 || heads % kv_heads || ext_len < 1 || prefix_len < 0 || !amx_usable())
+        return -1;
+    int64_t kv_blocks = (seq_len + 31) / 32;
+    size_t copy_elems = (size_t)kv_heads * kv_blocks * 32 * HEAD_DIM;
+    uint16_t *kt = (uint16_t *)aligned_alloc(64, copy_elems * 2), *vt = (uint16_t *)aligned_alloc(64, copy_elems * 2);
+    if (!kt || !vt) {
+        free(kt);
+        free(vt);
+        return -1;
+    }
+    Ext e = {q, k, v, kv_indices, out, kt, vt, q_stride, out_stride, seq_len, prefix_len, ext_len, kv_blocks,
+             heads, kv_heads, scale};
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads < 1) num_threads = 1;
+    Share shares[MAX_THREADS];
+    for (int s = 0; s < num_threads; s++) shares[s] = (Share){&e, s, num_threads, 0};
+    run_spans(run_copies, shares, sizeof shares[0], num_threads < kv_heads ? num_threads : kv_heads);
+    run_spans(run_attention, shares, sizeof shares[0], num_threads);
+    free(kt);
+    free(vt);
+    int failed = 0;
+    for (int s = 0; s < num_threads; s++) failed |= shares[s].failed;
+    return failed ? -1 : 0;
+#else
+    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_indices, (void)seq_len, (void)prefix_len, (void)out;
+    (void)out_stride, (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)num_threads;
+    return -1;
+#endif
+}
