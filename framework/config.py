@@ -132,7 +132,7 @@ class WorkerSettings(_Section):
     cpu_kernels: Literal["auto", "on", "off"] = Field(
         "auto",
         description="C kernels for decode attention, the bf16 element-wise ops (RMSNorm, SiLU*up) and, "
-        "with packed_weights, bf16 GEMMs of up to 512 rows on AMX tiles (else single rows with AVX512-BF16), "
+        "with packed_weights, bf16 GEMMs of up to 1,024 rows on AMX tiles (else single rows with AVX512-BF16), "
         "built on first use with the system compiler: on (start-up fails if they cannot be built), off "
         "(PyTorch only), or auto (on for a CPU device when they build, else off).",
     )
@@ -143,7 +143,7 @@ class WorkerSettings(_Section):
         "(prepacked once at load) so no GEMM reorders it per call; ~1.3-2x faster decode-sized GEMMs, "
         "~270 MB more memory for SmolLM2. Their kernels are built at load for bucketed row counts (~1 s). "
         "With the C kernels on a CPU with AMX, a second copy in the AMX tiles' layout (~270 MB more) for "
-        "GEMMs of up to 512 rows. Needs AVX512-BF16 or AMX; ignored elsewhere.",
+        "GEMMs of up to 1,024 rows. Needs AVX512-BF16 or AMX; ignored elsewhere.",
     )
     num_threads: int | None = Field(None, gt=0, description="Intra-op threads for the forward pass; empty: all cores.")
     heap_trim_idle_s: float = Field(

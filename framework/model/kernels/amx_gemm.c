@@ -99,32 +99,43 @@ static inline const uint16_t *group_rows(const Gemm *g, int64_t group, size_t *s
     return g->x + group * 16 * g->x_stride;
 }
 
-/* The outputs of row group `group` for the column blocks whose sums are in sums[0] and (`two`)
- * sums[1]: columns n0.. and n1.. */
-static void store_group(const Gemm *g, int64_t group, float sums[2][256], int two, int64_t n0, int64_t n1) {
+/* One pass of the tiles: up to two row groups (rows first_row.., at most 32) by up to two column
+ * blocks (n0.., n1..), and their sums once stored: sums[2 * group + block][row % 16][column]. */
+typedef struct {
+    float sums[4][256];
+    int64_t first_row, rows, n0, n1;
+    int two; /* the second column block is there */
+} Pass;
+
+/* Outputs of the pass's rows [r0, r1). */
+static void finish_rows(const Gemm *g, const Pass *p, int64_t r0, int64_t r1) {
     __mmask16 keep0 = 0xFFFF, keep1 = 0xFFFF;
-    if (n0 + 16 > g->n_out) keep0 = (__mmask16)((1u << (g->n_out - n0)) - 1);
-    if (two && n1 + 16 > g->n_out) keep1 = (__mmask16)((1u << (g->n_out - n1)) - 1);
-    int64_t first = group * 16, last = first + 16 < g->rows ? first + 16 : g->rows;
-    for (int64_t m = first; m < last; m++) {
-        __m512 acc = _mm512_loadu_ps(sums[0] + (m - first) * 16);
+    if (p->n0 + 16 > g->n_out) keep0 = (__mmask16)((1u << (g->n_out - p->n0)) - 1);
+    if (p->two && p->n1 + 16 > g->n_out) keep1 = (__mmask16)((1u << (g->n_out - p->n1)) - 1);
+    for (int64_t r = r0; r < r1; r++) {
+        const float *s0 = p->sums[2 * (r / 16)] + (r % 16) * 16, *s1 = p->sums[2 * (r / 16) + 1] + (r % 16) * 16;
+        int64_t m = p->first_row + r;
+        __m512 acc = _mm512_loadu_ps(s0);
         if (g->epilogue == GATE_UP) {
-            __m512 up = _mm512_loadu_ps(sums[1] + (m - first) * 16);
-            finish(g, m, n0, keep0, _mm512_mul_ps(up, widen_bf16x16(bf16_bits(silu16(acc)))));
+            finish(g, m, p->n0, keep0, _mm512_mul_ps(_mm512_loadu_ps(s1), widen_bf16x16(bf16_bits(silu16(acc)))));
             continue;
         }
-        finish(g, m, n0, keep0, acc);
-        if (two) finish(g, m, n1, keep1, _mm512_loadu_ps(sums[1] + (m - first) * 16));
+        finish(g, m, p->n0, keep0, acc);
+        if (p->two) finish(g, m, p->n1, keep1, _mm512_loadu_ps(s1));
     }
 }
 
+/* The epilogue of each pass runs during the next pass's tile products, a few rows after every
+ * 32 k: the vector work fills the time the tiles take, instead of following it (at a few hundred
+ * rows the epilogues took a third of the time after the tiles). Two Pass buffers alternate. */
 static void *run_units(void *arg) {
     const Units *u = (const Units *)arg;
     const Gemm *g = u->g;
     const int64_t tile_elems = 512, block_elems = g->k * 16; /* a weight tile; a column block */
-    const int64_t groups = (g->rows + 15) / 16, blocks = (g->n_out + 15) / 16;
+    const int64_t groups = (g->rows + 15) / 16, blocks = (g->n_out + 15) / 16, steps = g->k / 32;
     int gate_up = g->epilogue == GATE_UP;
-    float sums[4][256];
+    Pass passes[2], *pending = NULL;
+    int next = 0;
     amx_configure();
     for (int64_t unit = u->begin; unit < u->end; unit++) {
         int64_t b0 = gate_up ? unit : 2 * unit, b1 = gate_up ? unit + blocks : 2 * unit + 1;
@@ -135,6 +146,13 @@ static void *run_units(void *arg) {
             size_t s0 = 0, s1 = 0;
             const uint16_t *x0 = group_rows(g, group, &s0);
             const uint16_t *x1 = two_groups ? group_rows(g, group + 1, &s1) : NULL;
+            Pass *pass = &passes[next];
+            pass->first_row = group * 16;
+            pass->rows = (group + 2) * 16 < g->rows ? 32 : g->rows - group * 16;
+            pass->n0 = b0 * 16;
+            pass->n1 = gate_up ? b0 * 16 : b1 * 16;
+            pass->two = two;
+            int64_t done = 0, per_step = pending ? (pending->rows + steps - 1) / steps : 0;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
@@ -152,17 +170,24 @@ static void *run_units(void *arg) {
                     _tile_dpbf16ps(2, 5, 6);
                     if (two) _tile_dpbf16ps(3, 5, 7);
                 }
+                if (pending && done < pending->rows) {
+                    int64_t upto = done + per_step < pending->rows ? done + per_step : pending->rows;
+                    finish_rows(g, pending, done, upto);
+                    done = upto;
+                }
             }
-            _tile_stored(0, sums[0], 64);
-            _tile_stored(1, sums[1], 64);
-            store_group(g, group, sums, two, b0 * 16, gate_up ? b0 * 16 : b1 * 16);
+            if (pending) finish_rows(g, pending, done, pending->rows);
+            _tile_stored(0, pass->sums[0], 64);
+            _tile_stored(1, pass->sums[1], 64);
             if (two_groups) {
-                _tile_stored(2, sums[2], 64);
-                _tile_stored(3, sums[3], 64);
-                store_group(g, group + 1, sums + 2, two, b0 * 16, gate_up ? b0 * 16 : b1 * 16);
+                _tile_stored(2, pass->sums[2], 64);
+                _tile_stored(3, pass->sums[3], 64);
             }
+            pending = pass;
+            next ^= 1;
         }
     }
+    if (pending) finish_rows(g, pending, 0, pending->rows);
     _tile_release();
     return NULL;
 }
