@@ -461,7 +461,8 @@ class TorchNativeAttention:
             )
         for req in meta.extend_reqs:
             rows = slice(req.token_start, req.token_start + req.extend_len)
-            out[rows] = self._extend_one(q[rows], k_buf, v_buf, req)
+            if not self._extend_kernel(q[rows], k_buf, v_buf, req, out[rows]):
+                out[rows] = self._extend_one(q[rows], k_buf, v_buf, req)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _decode(self, q, k_buf, v_buf, group: _DecodeGroup) -> torch.Tensor:
@@ -498,18 +499,22 @@ class TorchNativeAttention:
             raise MemoryError("decode attention kernel: out of memory for its scratch buffers")
         return out
 
+    def _extend_kernel(self, q, k_buf, v_buf, req: _ExtendReq, out: torch.Tensor) -> bool:
+        """`_extend_one` by the AMX kernel (`use_extend_kernel`) into `out` ([L, heads, D] rows of
+        the pass's output); False where the kernel does not take it (PyTorch's turn then)."""
+        if (self.extend_kernel is None or q.dtype != torch.bfloat16 or k_buf.dtype != torch.bfloat16
+                or q.stride(2) != 1 or q.stride(1) != self.head_dim or out.stride(2) != 1
+                or out.stride(1) != self.head_dim):
+            return False
+        rc = self.extend_kernel(
+            q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), req.kv_indices.data_ptr(),
+            req.prefix_len + req.extend_len, req.prefix_len, out.data_ptr(), out.stride(0), self.num_heads,
+            self.num_kv_heads, self.head_dim, self.scaling, torch.get_num_threads(),
+        )
+        return rc == 0
+
     def _extend_one(self, q, k_buf, v_buf, req: _ExtendReq) -> torch.Tensor:
         """Causal attention of one request's new tokens over its prefix and themselves."""
-        if (self.extend_kernel is not None and q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
-                and q.stride(2) == 1 and q.stride(1) == self.head_dim):
-            out = torch.empty_like(q)
-            rc = self.extend_kernel(
-                q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), req.kv_indices.data_ptr(),
-                req.prefix_len + req.extend_len, req.prefix_len, out.data_ptr(), out.stride(0), self.num_heads,
-                self.num_kv_heads, self.head_dim, self.scaling, torch.get_num_threads(),
-            )
-            if rc == 0:
-                return out
         k = k_buf.index_select(0, req.kv_indices).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, S, D]
         v = v_buf.index_select(0, req.kv_indices).transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, heads, L, D]
