@@ -117,6 +117,7 @@ static inline void load_row64(const char *base, const int64_t *slots, int64_t t,
 static void head_scores(const void *q, const float *qf, int group, const void *k, int64_t kv_stride, int d,
                         int q_bf16, int kv_bf16, const int64_t *slots, int64_t t0, int64_t t1, int64_t len,
                         float *scores, Prefetcher *pf, int pf_lines) {
+    (void)pf, (void)pf_lines; /* used by the AVX512-BF16 path only */
     size_t elem = kv_bf16 ? 2 : 4;
 #if defined(__AVX512BF16__)
     if (d == 64 && group <= 8 && q_bf16 && kv_bf16) {
@@ -189,6 +190,7 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
 static void head_values(const float *probs, int group, const void *v, int64_t kv_stride, int d, int bf16,
                         const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf,
                         int pf_lines) {
+    (void)pf, (void)pf_lines; /* used by the AVX-512 path only */
     size_t elem = bf16 ? 2 : 4;
 #ifdef __AVX512F__
     if (d == 64 && group <= 8) {
