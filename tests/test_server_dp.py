@@ -108,6 +108,12 @@ def test_shortest_queue_skips_the_busy_replica_and_abort_reaches_it(server, http
             for k in range(4):
                 out = http.post("/generate", json={"text": f"short {k}", "sampling_params": GREEDY})
                 assert out.status_code == 200, out.text
+                # The reply can reach us before the controller has read the replica's finish report
+                # (it travels replica -> controller, the output replica -> detokenizer -> us). A stats
+                # round trip comes back on the replica's same socket after that report, so once it is
+                # here the router has counted the short request finished (else the next one could
+                # see a tie with the loaded replica: a race this test hit ~1 run in 5).
+                replica_stats(http)
             snapshot = replica_stats(http)
             counts = [a - b for a, b in zip(received(snapshot), before)]
             # Each short request finished before the next was sent, so the idle replica stayed the

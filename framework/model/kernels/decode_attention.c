@@ -281,6 +281,18 @@ static void *run_span(void *arg) {
          * drain, so the arithmetic waited on the memory instead of overlapping it */
         int64_t first = len < CHUNK ? len : CHUNK;
         const int row_lines = (int)((slot_bytes + 63) / 64);
+        /* whether head_scores / head_values take the prefetches into their loops (their
+         * AVX512-BF16 / AVX-512 paths for head_dim 64) */
+#if defined(__AVX512BF16__)
+        const int spread_k = d == 64 && group <= 8 && a->q_bf16 && a->kv_bf16;
+#else
+        const int spread_k = 0;
+#endif
+#ifdef __AVX512F__
+        const int spread_v = d == 64 && group <= 8;
+#else
+        const int spread_v = 0;
+#endif
         prefetch_rows((const char *)a->k, slots, 0, first, slot_bytes);
         Prefetcher pf;
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
@@ -293,6 +305,7 @@ static void *run_span(void *arg) {
             /* calls of prefetch_some: per KV head, per 16 tokens and query head */
             int64_t calls = (int64_t)a->kv_heads * ((t1 - t0) / 16) * group;
             int pf_lines = calls ? (int)(((pf.end - pf.t) * row_lines + calls - 1) / calls) : 0;
+            if (!spread_k) prefetch_some(&pf, -1); /* that path does not take prefetches: all now */
             for (int h = 0; h < a->kv_heads; h++)
                 head_scores(q + (size_t)h * group * d * q_elem, qf + (size_t)h * group * d, group,
                             (const char *)a->k + (size_t)h * d * kv_elem, kv_stride, d, a->q_bf16, a->kv_bf16, slots,
@@ -308,6 +321,7 @@ static void *run_span(void *arg) {
             /* calls of prefetch_some: per KV head and token */
             int64_t calls = (int64_t)a->kv_heads * (t1 - t0);
             int pf_lines = (int)(((pf.end - pf.t) * row_lines + calls - 1) / calls);
+            if (!spread_v) prefetch_some(&pf, -1);
             for (int h = 0; h < a->kv_heads; h++)
                 head_values(scores + (size_t)h * group * len, group, (const char *)a->v + (size_t)h * d * kv_elem,
                             kv_stride, d, a->kv_bf16, slots, t0, t1, len, acc + (size_t)h * group * d, &pf, pf_lines);
