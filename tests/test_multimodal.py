@@ -316,3 +316,20 @@ def test_http_profile(http, llava_server):
     assert resp.status_code == 200, resp.text
     traces = list(llava_server.profile_dir.iterdir())
     assert len(traces) == 1 and traces[0].stat().st_size > 0 and str(traces[0]) in resp.text
+
+
+def test_llava_serves_in_bfloat16_with_packed_weights(llava_folder):
+    """bf16 with the packed weights on (the default): the language model's linear layers get
+    their packed copies (the llava wrapper has no LM head of its own) and a request with an image
+    is served."""
+    from framework.engine import Engine
+
+    with Engine(tiny_settings(llava_folder, model={"path": llava_folder, "dtype": "bfloat16"})) as engine:
+        runner = engine.scheduler.worker.runner
+        lm = runner.model.language_model
+        if runner.packed_weights:
+            assert lm.packed_lm_head is not None
+            assert lm.model.layers[0].self_attn.qkv_proj.packed is not None
+        out = engine.generate(image_prompt(), GREEDY, image_data=png_data_url(1))
+        assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+        assert_no_leak(engine)

@@ -148,8 +148,9 @@ class ModelRunner:
         use_cpu_kernels(model, self.cpu_kernels)
         model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.packed_weights and self.dtype == torch.bfloat16:
-            logger.debug("Prepacked %d bf16 linear weights for oneDNN", use_packed_weights(model, True))
-            warm = getattr(model, "warm_packed_gemms", None)
+            text = getattr(model, "language_model", model)  # llava: the packed copies are its language model's
+            logger.debug("Prepacked %d bf16 linear weights for oneDNN", use_packed_weights(text, True))
+            warm = getattr(text, "warm_packed_gemms", None)
             if warm is not None:
                 start = time.perf_counter()
                 buckets = warm()
