@@ -429,3 +429,17 @@ def test_extend_attention_refuses_what_it_cannot_do():
 
     assert call() == 0
     assert call(head_dim=32) == -1 and call(heads=3, kv_heads=2) == -1 and call(prefix_len=4) == -1
+
+
+def test_kernel_cache_key_names_the_cpu_features():
+    """The kernels are built with -march=native, and under a hypervisor CPUs with different
+    features can share one model name: the build key hashes the feature flags too."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if "\nflags" not in text or "model name" not in text:
+        pytest.skip("this cpuinfo names no model or no flags")
+    cpu = cpu_kernels._cpu_id()
+    assert cpu.startswith("model name") and "\nflags" in cpu

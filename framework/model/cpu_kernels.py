@@ -39,9 +39,18 @@ def cache_dir() -> Path:
 
 
 def _cpu_id() -> str:
+    """The first CPU's model name and feature flags: the kernels are built with -march=native, and
+    under a hypervisor different CPUs can share one model name ("Intel(R) Xeon(R) Processor")."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("model name", "flags"))), "")
+            lines: dict[str, str] = {}
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags"):
+                    lines.setdefault(key, line)
+                if len(lines) == 2:
+                    break
+            return "".join(lines.values())
     except OSError:
         return platform.processor()
 
