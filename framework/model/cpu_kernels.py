@@ -239,6 +239,23 @@ class FusedOps:
         return q
 
 
+# The epilogue codes of skinny_gemm.c and amx_gemm.c.
+_GEMM_EPILOGUES = {"none": 0, "add": 1, "gate_up": 2}
+
+
+def _run_gemm(fn, name: str, x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor | None, y: torch.Tensor,
+              n_out: int, epilogue: str) -> int:
+    """Call a C GEMM `fn` (skinny_gemm_bf16 / amx_gemm_bf16: the same arguments) for
+    y = epilogue(x @ weight^T); `other` is the added tensor of the "add" epilogue. Returns its code."""
+    if other is not None and (other.dtype != torch.bfloat16 or other.stride(1) != 1 or other.shape != y.shape):
+        raise ValueError(f"{name}: the added tensor must be bf16 {tuple(y.shape)} with unit stride")
+    return fn(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if other is None else other.data_ptr(),
+        0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), x.shape[0], x.shape[1], n_out,
+        _GEMM_EPILOGUES[epilogue], torch.get_num_threads(),
+    )
+
+
 class SkinnyGemm:
     """bf16 GEMMs of at most MAX_ROWS rows on the nn.Linear weights (kernels/skinny_gemm.c), for
     CPUs with AVX512-BF16 but no AMX tiles (AmxGemm does them there).
@@ -251,7 +268,6 @@ class SkinnyGemm:
 
     MAX_ROWS = 16
     rows = 1
-    _EPILOGUES = {"none": 0, "add": 1, "gate_up": 2}
 
     def __init__(self, lib: ctypes.CDLL):
         self._gemm = lib.skinny_gemm_bf16
@@ -283,14 +299,7 @@ class SkinnyGemm:
         rows, k = x.shape
         if weight.shape[1] != k or weight.shape[0] != (2 * n_out if epilogue == "gate_up" else n_out):
             raise ValueError(f"skinny GEMM: weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
-        if other is not None and (other.dtype != torch.bfloat16 or other.stride(1) != 1 or other.shape != y.shape):
-            raise ValueError(f"skinny GEMM: the added tensor must be bf16 {tuple(y.shape)} with unit stride")
-        rc = self._gemm(
-            x.data_ptr(), x.stride(0), weight.data_ptr(), None if other is None else other.data_ptr(),
-            0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), rows, k, n_out,
-            self._EPILOGUES[epilogue], torch.get_num_threads(),
-        )
-        if rc != 0:
+        if _run_gemm(self._gemm, "skinny GEMM", x, weight, other, y, n_out, epilogue) != 0:
             raise ValueError(f"skinny GEMM kernel refused {rows} rows (at most {self.MAX_ROWS})")
 
 
@@ -315,7 +324,6 @@ class AmxGemm:
     """
 
     rows = 1024
-    _EPILOGUES = {"none": 0, "add": 1, "gate_up": 2}
 
     def __init__(self, lib: ctypes.CDLL):
         self._gemm = lib.amx_gemm_bf16
@@ -360,18 +368,11 @@ class AmxGemm:
         return y
 
     def _run(self, x, packed, other, y, n_out: int, epilogue: str) -> None:
-        rows, k = x.shape
+        k = x.shape[1]
         columns = 2 * n_out if epilogue == "gate_up" else (n_out + 15) // 16 * 16
         if packed.shape[1] != k or packed.shape[0] != columns or (epilogue == "gate_up" and n_out % 16):
             raise ValueError(f"AMX GEMM: packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
-        if other is not None and (other.dtype != torch.bfloat16 or other.stride(1) != 1 or other.shape != y.shape):
-            raise ValueError(f"AMX GEMM: the added tensor must be bf16 {tuple(y.shape)} with unit stride")
-        rc = self._gemm(
-            x.data_ptr(), x.stride(0), packed.data_ptr(), None if other is None else other.data_ptr(),
-            0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), rows, k, n_out,
-            self._EPILOGUES[epilogue], torch.get_num_threads(),
-        )
-        if rc != 0:
+        if _run_gemm(self._gemm, "AMX GEMM", x, packed, other, y, n_out, epilogue) != 0:
             raise ValueError(f"AMX GEMM kernel refused x {tuple(x.shape)}")
 
 

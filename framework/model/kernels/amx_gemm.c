@@ -213,15 +213,10 @@ int amx_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
         g.x_tail = tail;
     }
     int64_t blocks = (n_out + 15) / 16, units = epilogue == GATE_UP ? blocks : (blocks + 1) / 2;
-    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if (num_threads > units) num_threads = (int)units;
-    if (num_threads < 1) num_threads = 1;
+    num_threads = span_threads(num_threads, units);
     Units spans[MAX_THREADS];
-    for (int s = 0; s < num_threads; s++) {
-        spans[s].g = &g;
-        spans[s].begin = units * s / num_threads;
-        spans[s].end = units * (s + 1) / num_threads;
-    }
+    for (int s = 0; s < num_threads; s++)
+        spans[s] = (Units){&g, units * s / num_threads, units * (s + 1) / num_threads};
     run_spans(run_units, spans, sizeof spans[0], num_threads);
     free(tail);
     return 0;

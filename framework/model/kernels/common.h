@@ -21,6 +21,14 @@
  * take the second core from it: decode attention ran ~1.8x slower that way on the plain worker.
  * Without OpenMP: span 0 on the calling thread, the others on their own pthreads (a span whose
  * thread cannot be started runs on the calling thread too). */
+/* The threads for `items` units of work: num_threads within [1, min(items, MAX_THREADS)]. Span s
+ * of them takes items [items * s / threads, items * (s + 1) / threads). */
+static inline int span_threads(int num_threads, int64_t items) {
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > items) num_threads = (int)items;
+    return num_threads < 1 ? 1 : num_threads;
+}
+
 #ifdef _OPENMP
 #include <omp.h>
 static inline void run_spans(void *(*fn)(void *), void *spans, size_t span_size, int count) {

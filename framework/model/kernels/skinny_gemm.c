@@ -130,15 +130,10 @@ int skinny_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, con
     Gemm g = {x, w, other, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue};
     int64_t per_block = epilogue == GATE_UP ? 8 : 16;
     int64_t blocks = (n_out + per_block - 1) / per_block;
-    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if (num_threads > blocks) num_threads = (int)blocks;
-    if (num_threads < 1) num_threads = 1;
+    num_threads = span_threads(num_threads, blocks);
     Blocks spans[MAX_THREADS];
-    for (int s = 0; s < num_threads; s++) {
-        spans[s].g = &g;
-        spans[s].begin = blocks * s / num_threads;
-        spans[s].end = blocks * (s + 1) / num_threads;
-    }
+    for (int s = 0; s < num_threads; s++)
+        spans[s] = (Blocks){&g, blocks * s / num_threads, blocks * (s + 1) / num_threads};
     run_spans(run_blocks, spans, sizeof spans[0], num_threads);
     return 0;
 #else
