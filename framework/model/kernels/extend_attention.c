@@ -2,16 +2,18 @@
  * bf16 models with head_dim 64 on CPUs with AMX-BF16.
  *
  * The request's ext_len new tokens sit at positions prefix_len.. of its seq_len KV slots
- * (kv_indices); query i sees keys 0..prefix_len + i. Flash-attention style: for each query head
- * and block of 16 queries, the keys go by in blocks of 32 with an online softmax, so no [L, S]
- * score matrix is ever stored.
+ * (kv_indices); query i sees keys 0..prefix_len + i. For each query head and block of 16 queries
+ * (`attend`): the scores against every key the block sees, the exact softmax of each row, then
+ * P V. Only one block's scores are held at a time (16 rows of at most seq_len, per thread), never
+ * an [L, S] matrix.
  *   S = Q K^T: Q's tile is 16 query rows x 32 of head_dim, read in place; K is first copied out of
  *       the pool once per KV head into the tiles' layout (K^T, head_dim in pairs), 1 KiB a tile.
- *   O += P V: P (the block's probabilities, fp32 softmax rounded to bf16, as torch's flash
- *       attention does for bf16) is one tile of 16 x 32; V is copied once per KV head into the
- *       tiles' layout too (tokens in pairs).
- * The running max, sum and O stay fp32; O is scaled once per key block and divided by the sum at
- * the end. Queries sharing a KV head (grouped-query attention) read the same copies.
+ *   O = P V: P (the probabilities, fp32 softmax rounded to bf16, as torch's flash attention does
+ *       for bf16) goes 16 x 32 a tile; V is copied once per KV head into the tiles' layout too
+ *       (tokens in pairs). O sums in four fp32 tiles and is divided by the row sums at the end.
+ * Queries sharing a KV head (grouped-query attention) read the same copies. An online softmax
+ * per 32-key block was tried first and was slower than SDPA: every block handed its scores from
+ * the tiles to the vector registers and back, and the tiles' latency was never hidden.
  *
  * Work: the copies are split over the threads by KV head, then the (query head, query block)
  * pairs, longest first, dealt to the threads in turn. Built on first use by
