@@ -461,7 +461,7 @@ class TorchNativeAttention:
             )
         for req in meta.extend_reqs:
             rows = slice(req.token_start, req.token_start + req.extend_len)
-            if not self._extend_kernel(q[rows], k_buf, v_buf, req, out[rows]):
+            if not self._kernel_extend(q[rows], k_buf, v_buf, req, out[rows]):
                 out[rows] = self._extend_one(q[rows], k_buf, v_buf, req)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
@@ -499,7 +499,7 @@ class TorchNativeAttention:
             raise MemoryError("decode attention kernel: out of memory for its scratch buffers")
         return out
 
-    def _extend_kernel(self, q, k_buf, v_buf, req: _ExtendReq, out: torch.Tensor) -> bool:
+    def _kernel_extend(self, q, k_buf, v_buf, req: _ExtendReq, out: torch.Tensor) -> bool:
         """`_extend_one` by the AMX kernel (`use_extend_kernel`) into `out` ([L, heads, D] rows of
         the pass's output); False where the kernel does not take it (PyTorch's turn then)."""
         if (self.extend_kernel is None or q.dtype != torch.bfloat16 or k_buf.dtype != torch.bfloat16
