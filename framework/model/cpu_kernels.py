@@ -399,7 +399,8 @@ class CpuKernels:
     extend_attention: Any = None
 
 
-def gemm_note(kernels: CpuKernels) -> str:
+def kernels_note(kernels: CpuKernels) -> str:
+    """The GEMM and prefill-attention kernels in use, for the start-up log line."""
     prefill = ", bf16 prefill attention" if kernels.extend_attention is not None else ""
     if kernels.amx is not None:
         return f", bf16 GEMMs of up to {kernels.amx.rows} rows{prefill} on AMX tiles"
@@ -425,6 +426,5 @@ def pick(setting: str, device: str) -> CpuKernels | None:
     if kernels is None:
         logger.info("CPU kernels: PyTorch only")
     else:
-        logger.info("CPU kernels: C (decode attention, fused bf16 ops%s)",
-                    gemm_note(kernels))
+        logger.info("CPU kernels: C (decode attention, fused bf16 ops%s)", kernels_note(kernels))
     return kernels

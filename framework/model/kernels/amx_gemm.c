@@ -26,8 +26,6 @@
 #include "amx.h"
 #include "common.h"
 
-enum { PLAIN = 0, ADD = 1, GATE_UP = 2 };
-
 int amx_gemm_supported(void) {
 #if HAVE_AMX
     return amx_usable();
@@ -109,9 +107,7 @@ typedef struct {
 
 /* Outputs of the pass's rows [r0, r1). */
 static void finish_rows(const Gemm *g, const Pass *p, int64_t r0, int64_t r1) {
-    __mmask16 keep0 = 0xFFFF, keep1 = 0xFFFF;
-    if (p->n0 + 16 > g->n_out) keep0 = (__mmask16)((1u << (g->n_out - p->n0)) - 1);
-    if (p->two && p->n1 + 16 > g->n_out) keep1 = (__mmask16)((1u << (g->n_out - p->n1)) - 1);
+    const __mmask16 keep0 = first_lanes(g->n_out - p->n0), keep1 = first_lanes(g->n_out - p->n1);
     for (int64_t r = r0; r < r1; r++) {
         const float *s0 = p->sums[2 * (r / 16)] + (r % 16) * 16, *s1 = p->sums[2 * (r / 16) + 1] + (r % 16) * 16;
         int64_t m = p->first_row + r;

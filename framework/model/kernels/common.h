@@ -11,6 +11,17 @@
 
 #define MAX_THREADS 64
 
+/* The threads for `items` units of work: num_threads within [1, min(items, MAX_THREADS)]. Span s
+ * of them takes items [items * s / threads, items * (s + 1) / threads). */
+static inline int span_threads(int num_threads, int64_t items) {
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > items) num_threads = (int)items;
+    return num_threads < 1 ? 1 : num_threads;
+}
+
+/* The epilogue codes of the GEMM kernels (skinny_gemm.c, amx_gemm.c; cpu_kernels._GEMM_EPILOGUES). */
+enum { PLAIN = 0, ADD = 1, GATE_UP = 2 };
+
 /* fn(span) for each of `count` spans (an array of `span_size`-byte structs, count <= MAX_THREADS);
  * returns when all are done.
  *
@@ -21,14 +32,6 @@
  * take the second core from it: decode attention ran ~1.8x slower that way on the plain worker.
  * Without OpenMP: span 0 on the calling thread, the others on their own pthreads (a span whose
  * thread cannot be started runs on the calling thread too). */
-/* The threads for `items` units of work: num_threads within [1, min(items, MAX_THREADS)]. Span s
- * of them takes items [items * s / threads, items * (s + 1) / threads). */
-static inline int span_threads(int num_threads, int64_t items) {
-    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if (num_threads > items) num_threads = (int)items;
-    return num_threads < 1 ? 1 : num_threads;
-}
-
 #ifdef _OPENMP
 #include <omp.h>
 static inline void run_spans(void *(*fn)(void *), void *spans, size_t span_size, int count) {
@@ -77,6 +80,11 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 #ifdef __AVX512F__
+/* The first n lanes of 16 (none for n <= 0, all for n >= 16). */
+static inline __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
 /* 16 bf16 values as fp32 lanes (exact). */
 static inline __m512 widen_bf16x16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

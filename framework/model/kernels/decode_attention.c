@@ -77,25 +77,17 @@ static inline void prefetch_rows(const char *base, const int64_t *slots, int64_t
 }
 
 /* The next chunk's rows, prefetched a few lines at a time from inside the loops over the
- * current chunk. */
+ * current chunk: `lines` at each of the loops' `calls` prefetch_next calls. */
 typedef struct {
     const char *base;
     const int64_t *slots;
     int64_t t, end;
     size_t row_bytes, off;
+    int lines;
 } Prefetcher;
 
-static inline void prefetch_start(Prefetcher *pf, const char *base, const int64_t *slots, int64_t t0, int64_t t1,
-                                  size_t row_bytes) {
-    pf->base = base, pf->slots = slots, pf->t = t0, pf->end = t1, pf->row_bytes = row_bytes, pf->off = 0;
-    if (t1 > t0 && slots[t1 - 1] - slots[t0] != t1 - 1 - t0) { /* scattered slots: all at once, into L1 */
-        prefetch_rows(base, slots, t0, t1, row_bytes);
-        pf->t = t1;
-    }
-}
-
 /* Prefetch the next `lines` cache lines of the range (all of them: lines < 0). */
-static inline void prefetch_some(Prefetcher *pf, int lines) {
+static inline void prefetch_lines(Prefetcher *pf, int lines) {
 #ifdef __AVX512F__
     while (pf->t < pf->end && lines-- != 0) {
         _mm_prefetch(pf->base + (size_t)pf->slots[pf->t] * pf->row_bytes + pf->off, _MM_HINT_T1);
@@ -105,6 +97,22 @@ static inline void prefetch_some(Prefetcher *pf, int lines) {
 #else
     (void)pf, (void)lines;
 #endif
+}
+
+static inline void prefetch_next(Prefetcher *pf) { prefetch_lines(pf, pf->lines); }
+
+/* The range [t0, t1), spread over `calls` calls of prefetch_next. With no calls to spread them
+ * over (a path without them, or a chunk too short), or slots that are not one contiguous run,
+ * the whole range goes now, in one burst into L1 (spread prefetches lost 6 % there). */
+static inline void prefetch_start(Prefetcher *pf, const char *base, const int64_t *slots, int64_t t0, int64_t t1,
+                                  size_t row_bytes, int64_t calls) {
+    pf->base = base, pf->slots = slots, pf->t = t0, pf->end = t1, pf->row_bytes = row_bytes, pf->off = 0;
+    int64_t lines = (t1 - t0) * (int64_t)((row_bytes + 63) / 64);
+    pf->lines = calls > 0 ? (int)((lines + calls - 1) / calls) : 0;
+    if (t1 > t0 && (calls <= 0 || slots[t1 - 1] - slots[t0] != t1 - 1 - t0)) {
+        prefetch_rows(base, slots, t0, t1, row_bytes);
+        pf->t = t1;
+    }
 }
 
 #ifdef __AVX512F__
@@ -121,8 +129,8 @@ static inline void load_row64(const char *base, const int64_t *slots, int64_t t,
  * `q` is the query rows in their own dtype (`qf` the same rows as fp32). */
 static void head_scores(const void *q, const float *qf, int group, const void *k, int64_t kv_stride, int d,
                         int q_bf16, int kv_bf16, const int64_t *slots, int64_t t0, int64_t t1, int64_t len,
-                        float *scores, Prefetcher *pf, int pf_lines) {
-    (void)pf, (void)pf_lines; /* used by the AVX512-BF16 path only */
+                        float *scores, Prefetcher *pf) {
+    (void)pf; /* used by the AVX512-BF16 path only */
     size_t elem = kv_bf16 ? 2 : 4;
 #if defined(__AVX512BF16__)
     if (d == 64 && group <= 8 && q_bf16 && kv_bf16) {
@@ -137,7 +145,7 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
         for (; t + 16 <= t1; t += 16) {
             for (int g = 0; g < group; g++) {
                 __m512 acc[16];
-                prefetch_some(pf, pf_lines);
+                prefetch_next(pf);
                 for (int u = 0; u < 16; u++) {
                     const uint16_t *kp = (const uint16_t *)k + (size_t)slots[t + u] * kv_stride;
                     acc[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)_mm512_loadu_si512(kp));
@@ -193,9 +201,8 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
 
 /* acc[g] += sum over t in [t0, t1) of probs[g * len + t] * v_t */
 static void head_values(const float *probs, int group, const void *v, int64_t kv_stride, int d, int bf16,
-                        const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf,
-                        int pf_lines) {
-    (void)pf, (void)pf_lines; /* used by the AVX-512 path only */
+                        const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
+    (void)pf; /* used by the AVX-512 path only */
     size_t elem = bf16 ? 2 : 4;
 #ifdef __AVX512F__
     if (d == 64 && group <= 8) {
@@ -204,7 +211,7 @@ static void head_values(const float *probs, int group, const void *v, int64_t kv
             for (int c = 0; c < 4; c++) av[g][c] = _mm512_loadu_ps(acc + g * d + c * 16);
         for (int64_t t = t0; t < t1; t++) {
             __m512 vr[4];
-            prefetch_some(pf, pf_lines);
+            prefetch_next(pf);
             load_row64((const char *)v, slots, t, kv_stride * elem, elem, bf16, vr);
             for (int g = 0; g < group; g++) {
                 __m512 p = _mm512_set1_ps(probs[g * len + t]);
@@ -281,13 +288,10 @@ static void *run_span(void *arg) {
         const char *q = (const char *)a->q + q_off * q_elem;
         load_row(qf, q, heads * d, a->q_bf16);
         /* q . k for every head, chunk by chunk, the next chunk's K rows on their way (after the
-         * last chunk, the first chunk of V), a few lines at a time from inside the loops: a burst
-         * of prefetches for a whole chunk stalls the loads behind it until the line fill buffers
-         * drain, so the arithmetic waited on the memory instead of overlapping it */
+         * last chunk, the first chunk of V), spread over the loops (Prefetcher) */
         int64_t first = len < CHUNK ? len : CHUNK;
-        const int row_lines = (int)((slot_bytes + 63) / 64);
-        /* whether head_scores / head_values take the prefetches into their loops (their
-         * AVX512-BF16 / AVX-512 paths for head_dim 64) */
+        /* whether head_scores / head_values call prefetch_next (their AVX512-BF16 / AVX-512
+         * paths for head_dim 64) */
 #if defined(__AVX512BF16__)
         const int spread_k = d == 64 && group <= 8 && a->q_bf16 && a->kv_bf16;
 #else
@@ -303,34 +307,30 @@ static void *run_span(void *arg) {
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
             int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
             int64_t t2 = t1 + CHUNK < len ? t1 + CHUNK : len;
+            /* calls of prefetch_next: per KV head, per 16 tokens and query head */
+            int64_t calls = spread_k ? (int64_t)a->kv_heads * ((t1 - t0) / 16) * group : 0;
             if (t1 < len)
-                prefetch_start(&pf, (const char *)a->k, slots, t1, t2, slot_bytes);
+                prefetch_start(&pf, (const char *)a->k, slots, t1, t2, slot_bytes, calls);
             else
-                prefetch_start(&pf, (const char *)a->v, slots, 0, first, slot_bytes);
-            /* calls of prefetch_some: per KV head, per 16 tokens and query head */
-            int64_t calls = (int64_t)a->kv_heads * ((t1 - t0) / 16) * group;
-            int pf_lines = calls ? (int)(((pf.end - pf.t) * row_lines + calls - 1) / calls) : 0;
-            if (!spread_k) prefetch_some(&pf, -1); /* that path does not take prefetches: all now */
+                prefetch_start(&pf, (const char *)a->v, slots, 0, first, slot_bytes, calls);
             for (int h = 0; h < a->kv_heads; h++)
                 head_scores(q + (size_t)h * group * d * q_elem, qf + (size_t)h * group * d, group,
                             (const char *)a->k + (size_t)h * d * kv_elem, kv_stride, d, a->q_bf16, a->kv_bf16, slots,
-                            t0, t1, len, scores + (size_t)h * group * len, &pf, pf_lines);
-            prefetch_some(&pf, -1);
+                            t0, t1, len, scores + (size_t)h * group * len, &pf);
+            prefetch_lines(&pf, -1);
         }
         for (int r = 0; r < heads; r++) inv_sum[r] = 1.0f / softmax_numerators(scores + (size_t)r * len, len, a->scale);
         memset(acc, 0, (size_t)heads * d * sizeof(float));
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
             int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
             int64_t t2 = t1 + CHUNK < len ? t1 + CHUNK : len;
-            prefetch_start(&pf, (const char *)a->v, slots, t1, t1 < len ? t2 : t1, slot_bytes);
-            /* calls of prefetch_some: per KV head and token */
-            int64_t calls = (int64_t)a->kv_heads * (t1 - t0);
-            int pf_lines = (int)(((pf.end - pf.t) * row_lines + calls - 1) / calls);
-            if (!spread_v) prefetch_some(&pf, -1);
+            /* calls of prefetch_next: per KV head and token */
+            int64_t calls = spread_v ? (int64_t)a->kv_heads * (t1 - t0) : 0;
+            prefetch_start(&pf, (const char *)a->v, slots, t1, t2, slot_bytes, calls);
             for (int h = 0; h < a->kv_heads; h++)
                 head_values(scores + (size_t)h * group * len, group, (const char *)a->v + (size_t)h * d * kv_elem,
-                            kv_stride, d, a->kv_bf16, slots, t0, t1, len, acc + (size_t)h * group * d, &pf, pf_lines);
-            prefetch_some(&pf, -1);
+                            kv_stride, d, a->kv_bf16, slots, t0, t1, len, acc + (size_t)h * group * d, &pf);
+            prefetch_lines(&pf, -1);
         }
         for (int r = 0; r < heads; r++) {
             float *row = acc + (size_t)r * d;
@@ -358,9 +358,7 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
                      int num_threads) {
     Args a = {q, k, v, req_to_token, pool_idx, seq_lens, out, row_stride, heads, kv_heads, head_dim,
               q_bf16, kv_bf16, scale};
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if (num_threads > n) num_threads = n > 0 ? n : 1;
+    num_threads = span_threads(num_threads, n);
     int64_t total = 0;
     for (int i = 0; i < n; i++) total += seq_lens[i];
     /* Contiguous spans of about equal KV length. */

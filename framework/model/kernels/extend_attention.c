@@ -141,7 +141,6 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
         _tile_stored(1, scores + b * 32 + 16, ld * 4);
     }
     const __m512 scale = _mm512_set1_ps(e->scale);
-    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     float inv_sum[16];
     for (int r = 0; r < 16; r++) {
         float *s = scores + r * ld;
@@ -153,8 +152,7 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
         const int64_t seen = e->prefix_len + i0 + r + 1; /* keys [0, seen) */
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < seen; j += 16) {
-            __mmask16 m = seen - j >= 16 ? 0xFFFF : (__mmask16)((1u << (seen - j)) - 1);
-            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_loadu_ps(s + j));
+            vmax = _mm512_mask_max_ps(vmax, first_lanes(seen - j), vmax, _mm512_loadu_ps(s + j));
         }
         /* exp(scale * s - scale * max), 0 past `seen` */
         const __m512 shift = _mm512_set1_ps(-_mm512_reduce_max_ps(vmax) * e->scale);
@@ -162,8 +160,8 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
         for (int64_t j = 0; j < width; j += 32) {
             __m512 x[2];
             for (int u = 0; u < 2; u++) {
-                __mmask16 m = _mm512_cmplt_epi32_mask(lanes, _mm512_set1_epi32((int)(seen - j - 16 * u < 16 ? (seen - j - 16 * u > 0 ? seen - j - 16 * u : 0) : 16)));
-                x[u] = _mm512_maskz_mov_ps(m, exp16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16 * u), scale, shift)));
+                __m512 e = exp16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16 * u), scale, shift));
+                x[u] = _mm512_maskz_mov_ps(first_lanes(seen - j - 16 * u), e);
                 vsum = _mm512_add_ps(vsum, x[u]);
             }
             _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
@@ -240,11 +238,10 @@ int extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, con
     }
     Ext e = {q, k, v, kv_indices, out, kt, vt, q_stride, out_stride, seq_len, prefix_len, ext_len, kv_blocks,
              heads, kv_heads, scale};
-    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if (num_threads < 1) num_threads = 1;
+    num_threads = span_threads(num_threads, (ext_len + 15) / 16 * heads);
     Share shares[MAX_THREADS];
     for (int s = 0; s < num_threads; s++) shares[s] = (Share){&e, s, num_threads, 0};
-    run_spans(run_copies, shares, sizeof shares[0], num_threads < kv_heads ? num_threads : kv_heads);
+    run_spans(run_copies, shares, sizeof shares[0], span_threads(num_threads, kv_heads));
     run_spans(run_attention, shares, sizeof shares[0], num_threads);
     free(kt);
     free(vt);

@@ -27,8 +27,6 @@
 
 #include "common.h"
 
-enum { PLAIN = 0, ADD = 1, GATE_UP = 2 };
-
 /* The most rows of x a call takes. */
 #define MAX_ROWS 16
 
@@ -96,7 +94,7 @@ static void *run_blocks(void *arg) {
                 w_rows[j] = g->w + n * g->k;
             }
         }
-        __mmask16 store = (__mmask16)((1u << valid) - 1);
+        __mmask16 store = first_lanes(valid);
         for (int64_t m = 0; m < g->rows; m++) {
             __m512 acc = dot16(g->x + m * g->x_stride, w_rows, g->k);
             uint16_t *y = g->y + m * g->y_stride + n0;
