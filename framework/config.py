@@ -131,7 +131,7 @@ class CacheSettings(_Section):
 class WorkerSettings(_Section):
     cpu_kernels: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="C kernels for decode attention (and bf16 prefill attention on AMX tiles), "
+        description="C kernels for decode attention (and bf16 prefill and decode attention on AMX tiles), "
         "the bf16 element-wise ops (RMSNorm, SiLU*up) and, "
         "with packed_weights, bf16 GEMMs of up to 1,024 rows on AMX tiles (else single rows with AVX512-BF16), "
         "built on first use with the system compiler: on (start-up fails if they cannot be built), off "

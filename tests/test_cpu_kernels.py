@@ -58,13 +58,16 @@ def _reference(q, k, v, req_to_token, pool_idx, lens, group, scale):
     [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2), (torch.float32, torch.bfloat16, 1e-4)],
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_reference(q_dtype, kv_dtype, atol, threads, monkeypatch):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_kernel_matches_reference(q_dtype, kv_dtype, atol, threads, tiles, monkeypatch):
+    """Both paths of bf16 requests: AMX tiles where the CPU has them (tiles) and the vector code."""
     heads, kv_heads, head_dim = 9, 3, 64  # SmolLM2's grouping: 3 query heads per KV head
     lens = [1, 2, 37, 300, 5, 129, 64, 1000]
     k, v, req_to_token, pool_idx = _scattered_pool(lens, kv_heads, head_dim, kv_dtype)
     q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).to(q_dtype)
     attn = TorchNativeAttention(heads, kv_heads, head_dim)
     attn.use_decode_kernel(KERNEL)
+    attn.decode_tiles = tiles
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     plan = _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens, dtype=torch.int64))
     out = attn._kernel_decode(q, k, v, plan)
@@ -429,6 +432,62 @@ def test_extend_attention_refuses_what_it_cannot_do():
 
     assert call() == 0
     assert call(head_dim=32) == -1 and call(heads=3, kv_heads=2) == -1 and call(prefix_len=4) == -1
+
+
+# -- decode attention on AMX tiles (amx_request in kernels/decode_attention.c) ----------------------
+
+def _decode_uses_tiles(heads, kv_heads, head_dim=64, bf16=True) -> bool:
+    lib = cpu_kernels.load("decode_attention")
+    return bool(lib.decode_attention_tiles(heads, kv_heads, head_dim, int(bf16), int(bf16)))
+
+
+def _prompt_then_decode_pool(lens, kv_heads, decoded, seed):
+    """A bf16 pool laid out as a server leaves it: each request's prompt in consecutive slots (read
+    by the tiles in place), then its last `decoded` tokens one slot per step, interleaved with the
+    other requests' (copied out 16 at a time)."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = sum(lens) + 1
+    k, v = _bf16(gen, slots, kv_heads, 64), _bf16(gen, slots, kv_heads, 64)
+    req_to_token = torch.zeros(len(lens), max(lens) + 3, dtype=torch.int64)
+    nxt = 1
+    prompts = [max(n - decoded, 0) for n in lens]
+    for i, p in enumerate(prompts):
+        req_to_token[i, :p] = torch.arange(nxt, nxt + p)
+        nxt += p
+    for step in range(decoded):
+        for i, n in enumerate(lens):
+            if prompts[i] + step < n:
+                req_to_token[i, prompts[i] + step] = nxt
+                nxt += 1
+    return k, v, req_to_token, torch.arange(len(lens))
+
+
+@needs_amx
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (15, 5), (16, 16), (8, 1), (4, 4)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_on_tiles_matches_reference(heads, kv_heads, threads, monkeypatch):
+    """Within bf16 rounding of float64 attention (P is rounded to bf16 before P V): blocks of 16
+    tokens cut anywhere (1, 15, 16, 17, 33 tokens), prompts read in place and decoded tokens
+    copied out, every grouping the tiles take (up to 16 query heads)."""
+    assert _decode_uses_tiles(heads, kv_heads)
+    lens = [1, 15, 16, 17, 33, 300, 129, 1000]
+    k, v, req_to_token, pool_idx = _prompt_then_decode_pool(lens, kv_heads, decoded=40, seed=heads)
+    q = _bf16(torch.Generator().manual_seed(5), len(lens), heads, 64, scale=2.0)
+    attn = TorchNativeAttention(heads, kv_heads, 64)
+    attn.use_decode_kernel(KERNEL)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    out = attn._kernel_decode(q, k, v, _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens)))
+    ref = _reference(q, k, v, req_to_token, pool_idx, lens, heads // kv_heads, 0.125)
+    torch.testing.assert_close(out.double().view(ref.shape), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_amx
+def test_decode_attention_keeps_the_vector_code_where_the_tiles_do_not_fit():
+    assert _decode_uses_tiles(9, 3)
+    assert not _decode_uses_tiles(32, 8)  # more query heads than a tile's 16 columns
+    assert not _decode_uses_tiles(9, 3, head_dim=128)
+    assert not _decode_uses_tiles(9, 3, bf16=False)
+    assert not _decode_uses_tiles(9, 2)  # heads not a multiple of kv_heads
 
 
 def test_kernel_cache_key_names_the_cpu_features():

@@ -166,6 +166,31 @@ def test_bf16_prefill_attention_runs_on_the_amx_kernel():
     assert calls == [21, 23] * layers + [40] * layers
 
 
+def test_bf16_decode_attention_runs_on_amx_tiles():
+    """With head_dim 64 in bf16, decode steps are attended on the AMX tiles where the CPU has
+    them (decode_attention_tiles), and the logits stay close to fp32 transformers."""
+    from framework.model import cpu_kernels
+
+    hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                      num_key_value_heads=1))
+    runner = _runner(hf, dtype=torch.bfloat16, packed_weights=True)
+    backend = runner.model.attn_backend
+    lib = cpu_kernels.load("decode_attention")
+    if backend.decode_kernel is None or not lib.decode_attention_tiles(2, 1, 64, 1, 1):
+        pytest.skip("no decode kernel on AMX tiles here (no C compiler or no AMX tiles)")
+    assert backend.decode_tiles
+    calls: list[int] = []
+    real = backend.decode_kernel
+    backend.decode_kernel = lambda *args: calls.append(args[-1]) or real(*args)  # the tiles flag
+    prompt_lens = [5, 40, 17]
+    reqs = _new_reqs(runner, [n + 3 for n in prompt_lens])
+    runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))
+    for _ in range(3):
+        out = runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE))
+        _check_last(hf, out, reqs, atol=0.15)  # the vector path is off by up to ~0.1 here too
+    assert calls == [1] * (3 * hf.config.num_hidden_layers)
+
+
 def test_decode_steps_match_hf(hf_model, runner):
     prompt_lens = [3, 17, 9, 40, 1]
     num_steps = 4

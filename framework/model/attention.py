@@ -182,6 +182,7 @@ class TorchNativeAttention:
         self._dense: list[_DenseGroup] | None = None
         self.enable_dense_decode = True
         self.decode_kernel = None  # see use_decode_kernel
+        self.decode_tiles = True  # the decode kernel may use AMX tiles (bf16, where the CPU has them)
         self.extend_kernel = None  # see use_extend_kernel
 
     def use_decode_kernel(self, kernel) -> None:
@@ -493,7 +494,7 @@ class TorchNativeAttention:
             q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), plan.req_to_token.data_ptr(),
             plan.req_to_token.stride(0), plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr(), out.data_ptr(),
             n, self.num_heads, self.num_kv_heads, self.head_dim, int(q.dtype == torch.bfloat16),
-            int(k_buf.dtype == torch.bfloat16), self.scaling, torch.get_num_threads(),
+            int(k_buf.dtype == torch.bfloat16), self.scaling, torch.get_num_threads(), int(self.decode_tiles),
         )
         if rc != 0:
             raise MemoryError("decode attention kernel: out of memory for its scratch buffers")

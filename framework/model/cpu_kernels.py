@@ -136,7 +136,7 @@ def load_decode_kernel():
         return None
     fn = lib.decode_attention
     fn.restype = _INT
-    fn.argtypes = [_PTR] * 4 + [_I64] + [_PTR] * 3 + [_INT] * 6 + [_FLOAT, _INT]
+    fn.argtypes = [_PTR] * 4 + [_I64] + [_PTR] * 3 + [_INT] * 6 + [_FLOAT, _INT, _INT]
     return fn
 
 
@@ -400,10 +400,11 @@ class CpuKernels:
 
 
 def kernels_note(kernels: CpuKernels) -> str:
-    """The GEMM and prefill-attention kernels in use, for the start-up log line."""
+    """The GEMM and attention kernels in use, for the start-up log line."""
     prefill = ", bf16 prefill attention" if kernels.extend_attention is not None else ""
     if kernels.amx is not None:
-        return f", bf16 GEMMs of up to {kernels.amx.rows} rows{prefill} on AMX tiles"
+        return (f", bf16 GEMMs of up to {kernels.amx.rows} rows{prefill} and bf16 decode attention (up to 16 "
+                "query heads) on AMX tiles")
     if kernels.skinny is not None:
         return ", single-row bf16 GEMMs"
     return "; no AVX512-BF16: oneDNN does every GEMM"

@@ -137,6 +137,21 @@ static void *run_units(void *arg) {
         int64_t b0 = gate_up ? unit : 2 * unit, b1 = gate_up ? unit + blocks : 2 * unit + 1;
         int two = gate_up || b1 < blocks;
         const uint16_t *w0 = g->packed + b0 * block_elems, *w1 = g->packed + b1 * block_elems;
+        /* The next unit's weights go into L2 while this unit's passes run, a few lines every 32 k:
+         * the weights come from DRAM, and the tiles had waited for them at the start of every
+         * unit. A decode step's GEMMs (SmolLM2, 30 layers; 2-core Xeon): 16 rows 6.7 -> 6.1 ms,
+         * 64 rows 10.6 -> 8.9, 200 rows 25.3 -> 19.6-20.7 (LM head 4.9 -> 4.3), 1,024 rows
+         * 99.9 -> 95-97 (LM head 40.7 -> 32). */
+        const char *next0 = NULL, *next1 = NULL;
+        int64_t next_lines = 0, next_done = 0, next_per_step = 0;
+        if (unit + 1 < u->end) {
+            int64_t nb0 = gate_up ? unit + 1 : 2 * unit + 2, nb1 = gate_up ? unit + 1 + blocks : 2 * unit + 3;
+            next0 = (const char *)(g->packed + nb0 * block_elems);
+            next1 = gate_up || nb1 < blocks ? (const char *)(g->packed + nb1 * block_elems) : NULL;
+            next_lines = block_elems * 2 / 64;
+            int64_t passes = (groups + 1) / 2;
+            next_per_step = (next_lines + passes * steps - 1) / (passes * steps);
+        }
         for (int64_t group = 0; group < groups; group += 2) {
             int two_groups = group + 1 < groups;
             size_t s0 = 0, s1 = 0;
@@ -165,6 +180,10 @@ static void *run_units(void *arg) {
                     _tile_loadd(5, x1 + c, s1);
                     _tile_dpbf16ps(2, 5, 6);
                     if (two) _tile_dpbf16ps(3, 5, 7);
+                }
+                for (int64_t l = 0; l < next_per_step && next_done < next_lines; l++, next_done++) {
+                    _mm_prefetch(next0 + next_done * 64, _MM_HINT_T1);
+                    if (next1) _mm_prefetch(next1 + next_done * 64, _MM_HINT_T1);
                 }
                 if (pending && done < pending->rows) {
                     int64_t upto = done + per_step < pending->rows ? done + per_step : pending->rows;
