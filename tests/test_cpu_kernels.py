@@ -338,11 +338,12 @@ def test_amx_pack_lays_out_16_columns_by_32_k_per_tile():
 
 @needs_amx
 @pytest.mark.parametrize("rows,n_out,k", [(1, 960, 576), (16, 576, 1536), (17, 40, 64), (33, 48, 96), (200, 96, 64),
-                                          (5, 16, 32)])
+                                          (5, 16, 32), (300, 48, 1536)])
 def test_amx_linear_matches_fp32(rows, n_out, k):
     """Plain and residual-add epilogues against fp32 GEMMs of the same bf16 inputs, one bf16
     rounding of the fp32 sum: one row group and several (17, 33, 200: the last one partial),
-    partial column blocks (40) and odd block counts (48: three blocks, a pair and a single)."""
+    partial column blocks (40) and odd block counts (48: three blocks, a pair and a single),
+    rows in two panels (300 rows of k = 1,536: 256 + 44)."""
     gen = torch.Generator().manual_seed(rows * 1000 + n_out)
     x = _bf16(gen, rows, 2 * k)[:, :k]  # strided rows
     w, add = _bf16(gen, n_out, k, scale=0.05), _bf16(gen, rows, n_out)
@@ -353,7 +354,7 @@ def test_amx_linear_matches_fp32(rows, n_out, k):
 
 
 @needs_amx
-@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (40, 32, 64)])
+@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (40, 32, 64), (300, 32, 1536)])
 def test_amx_gate_up_matches_the_two_gemm_roundings(rows, d, k):
     gen = torch.Generator().manual_seed(d)
     x, w = _bf16(gen, rows, k), _bf16(gen, 2 * d, k, scale=0.1)
