@@ -133,7 +133,7 @@ class WorkerSettings(_Section):
         "auto",
         description="C kernels for decode attention (and bf16 prefill and decode attention on AMX tiles), "
         "the bf16 element-wise ops (RMSNorm, SiLU*up) and, "
-        "with packed_weights, bf16 GEMMs of up to 1,024 rows on AMX tiles (else single rows with AVX512-BF16), "
+        "with packed_weights, bf16 GEMMs of up to 1,024 rows on AMX tiles (else up to 4 rows with AVX512-BF16), "
         "built on first use with the system compiler: on (start-up fails if they cannot be built), off "
         "(PyTorch only), or auto (on for a CPU device when they build, else off).",
     )

@@ -385,7 +385,7 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
     kernels = runner.cpu_kernels
     if kernels is not None and kernels.amx is not None:
         monkeypatch.setattr(kernels.amx, "rows", 8)  # (512) so that oneDNN gets the rest here
-    # the rows a C GEMM kernel takes (AMX tiles: up to amx.rows, else the skinny kernel's one) never reach oneDNN
+    # the rows a C GEMM kernel takes (AMX tiles: up to amx.rows, else up to the skinny kernel's rows) never reach oneDNN
     small = kernels.amx or kernels.skinny if kernels is not None else None
     first = small.rows + 1 if small is not None else 1
     assert runner.model.c_gemm_rows() == first - 1
@@ -410,7 +410,7 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
 @pytest.mark.skipif(not cpu.packed_linear_supported(), reason="torch's oneDNN has no bf16 on this CPU")
 def test_decode_gemms_run_on_the_c_gemm_kernels(hf_model, monkeypatch):
     """A pass of up to `rows` rows (AMX tiles: `amx.rows`, cut to 4 here; else the skinny kernel's
-    single row) runs its GEMMs (and the LM head) on the C kernel where there is one, a row more
+    `rows`) runs its GEMMs (and the LM head) on the C kernel where there is one, a row more
     on oneDNN; the logits stay close to fp32 transformers."""
     runner = _runner(hf_model, dtype=torch.bfloat16, packed_weights=True, max_running_requests=64)
     if runner.cpu_kernels is None or not (runner.cpu_kernels.amx or runner.cpu_kernels.skinny):

@@ -67,8 +67,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
            kernels: CpuKernels | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy for oneDNN,
     `use_packed_weights`) when there is one and x is bf16. Without a bias, decode-sized GEMMs run
-    on `kernels` instead: on `tiles` (weight's AMX copy) up to `amx.rows` rows, else a single row
-    on the skinny kernel."""
+    on `kernels` instead: on `tiles` (weight's AMX copy) up to `amx.rows` rows, else up to
+    `skinny.rows` rows on the skinny kernel."""
     if packed is not None and x.dtype == torch.bfloat16:
         if kernels is not None and bias is None:
             if tiles is not None and kernels.amx.supports(x, tiles):
