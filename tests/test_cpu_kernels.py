@@ -128,6 +128,28 @@ def test_off_never_builds_the_kernels(no_compiler, monkeypatch):
     assert cpu_kernels.pick("off", "cpu") is None
 
 
+def test_every_kernel_builds_without_warnings_where_there_is_a_compiler(tmp_path):
+    """A kernel that stops compiling would only show as the PyTorch path (a warning in the log)
+    and as these tests skipping: build each one here, warnings as errors."""
+    import os
+    import shutil
+    import subprocess
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler on this machine")
+    openmp = cpu_kernels.OPENMP_FLAGS if cpu_kernels.torch_openmp() is not None else []
+    sources = sorted(cpu_kernels.KERNEL_DIR.glob("*.c"))
+    assert {p.stem for p in sources} >= {"decode_attention", "fused_ops", "skinny_gemm", "amx_gemm",
+                                         "extend_attention"}
+    for source in sources:
+        cmd = [compiler, *cpu_kernels.COMPILE_FLAGS, *openmp, "-Wall", "-Wextra", "-Werror", str(source),
+               "-o", str(tmp_path / f"{source.stem}.so"), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{source.name} does not build:\n{done.stderr}"
+        assert cpu_kernels.load(source.stem) is not None
+
+
 @needs_kernel
 def test_kernel_build_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHYARD_KERNEL_CACHE", str(tmp_path))
