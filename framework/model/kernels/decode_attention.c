@@ -381,10 +381,11 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
         _tile_stored(0, s->scores + t0 * 16, 64);
     }
     prefetch_l2((const char *)v, slots, 0, 32, len, slot_bytes);
-    const __m512 scale = _mm512_set1_ps(a->scale);
+    /* P's numerators 2^(log2(e) (scale * s - scale * max)) (exp2_neg16) */
+    const __m512 scale = _mm512_set1_ps(a->scale * LOG2E);
     __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t++) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s->scores + t * 16));
-    const __m512 shift = _mm512_mul_ps(vmax, _mm512_set1_ps(-a->scale));
+    const __m512 shift = _mm512_mul_ps(vmax, _mm512_set1_ps(-a->scale * LOG2E));
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -395,7 +396,7 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
         __m512i p[16];
         for (int u = 0; u < 16; u++) {
             if (t0 + u < len) {
-                __m512 e = exp16(_mm512_fmadd_ps(_mm512_loadu_ps(s->scores + (t0 + u) * 16), scale, shift));
+                __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s->scores + (t0 + u) * 16), scale, shift));
                 vsum = _mm512_add_ps(vsum, e);
                 p[u] = _mm512_cvtepu16_epi32(bf16_bits(e));
             } else {

@@ -3,9 +3,10 @@
  *
  * The request's ext_len new tokens sit at positions prefix_len.. of its seq_len KV slots
  * (kv_indices); query i sees keys 0..prefix_len + i. For each query head and block of 16 queries
- * (`attend`): the scores against every key the block sees, the exact softmax of each row, then
- * P V. Only one block's scores are held at a time (16 rows of at most seq_len, per thread), never
- * an [L, S] matrix.
+ * (`attend`): the scores against every key the block sees, the softmax of each whole row (no
+ * online rescaling; exp to ~4e-5 by exp2_neg16 in common.h, P being rounded to bf16), then
+ * P V. Only one block's scores are held at a time (16 rows of at most seq_len, per thread),
+ * never an [L, S] matrix.
  *   S = Q K^T: Q's tile is 16 query rows x 32 of head_dim, read in place; K is first copied out of
  *       the pool once per KV head into the tiles' layout (K^T, head_dim in pairs), 1 KiB a tile.
  *   O = P V: P (the probabilities, fp32 softmax rounded to bf16, as torch's flash attention does
@@ -106,7 +107,7 @@ static void *run_copies(void *arg) {
 
 /* Query head g, queries i0..i0+15 (fewer at the end). The block's scores over all the keys it
  * sees are computed first (tile after tile, the tiles never waiting on vector code), then the
- * exact softmax of each row, then P V into four tiles that are stored once: no online rescaling,
+ * softmax of each whole row, then P V into four tiles that are stored once: no online rescaling,
  * and only three hand-overs between the tiles and the vector registers per block. `scores` and
  * `probs` hold 16 rows of up to kv_blocks * 32 keys (and a cache line). */
 static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM], float *scores, uint16_t *probs) {
@@ -140,7 +141,7 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
         _tile_stored(0, scores + b * 32, ld * 4);
         _tile_stored(1, scores + b * 32 + 16, ld * 4);
     }
-    const __m512 scale = _mm512_set1_ps(e->scale);
+    const __m512 scale = _mm512_set1_ps(e->scale * LOG2E); /* exponents in log2 units (exp2_neg16) */
     float inv_sum[16];
     for (int r = 0; r < 16; r++) {
         float *s = scores + r * ld;
@@ -154,13 +155,13 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
         for (int64_t j = 0; j < seen; j += 16) {
             vmax = _mm512_mask_max_ps(vmax, first_lanes(seen - j), vmax, _mm512_loadu_ps(s + j));
         }
-        /* exp(scale * s - scale * max), 0 past `seen` */
-        const __m512 shift = _mm512_set1_ps(-_mm512_reduce_max_ps(vmax) * e->scale);
+        /* exp(scale * s - scale * max) as 2^(log2(e) (scale * s - scale * max)), 0 past `seen` */
+        const __m512 shift = _mm512_set1_ps(-_mm512_reduce_max_ps(vmax) * e->scale * LOG2E);
         __m512 vsum = _mm512_setzero_ps();
         for (int64_t j = 0; j < width; j += 32) {
             __m512 x[2];
             for (int u = 0; u < 2; u++) {
-                __m512 e = exp16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16 * u), scale, shift));
+                __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16 * u), scale, shift));
                 x[u] = _mm512_maskz_mov_ps(first_lanes(seen - j - 16 * u), e);
                 vsum = _mm512_add_ps(vsum, x[u]);
             }
