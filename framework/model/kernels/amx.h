@@ -1,4 +1,5 @@
-/* AMX tile set-up shared by the kernels that use the tiles (amx_gemm.c, extend_attention.c).
+/* AMX tile set-up shared by the kernels that use the tiles (amx_gemm.c, extend_attention.c,
+ * decode_attention.c).
  * HAVE_AMX is 1 where the compiler targets AMX-BF16 (with AVX512-BF16 for the epilogues); then
  * amx_usable() asks Linux once for the tile state and amx_configure() gives the calling thread
  * eight tiles of 16 rows x 64 bytes. A thread calls _tile_release() when done with them. */
@@ -40,9 +41,6 @@ static inline void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* fp32 lanes rounded to bf16 in one instruction (vcvtneps2bf16: nearest even, as torch; it
- * flushes fp32 denormals, far below any activation, to zero where torch rounds them). */
-static inline __m256i bf16_bits(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 #else
 #define HAVE_AMX 0
 #endif

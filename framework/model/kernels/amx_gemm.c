@@ -70,7 +70,7 @@ typedef struct {
 #define PANEL_BYTES (768 << 10) /* of x at a time: a share of the 2 MiB L2 (run_units) */
 
 /* The epilogues run once per output, so they matter at a few hundred rows: one instruction for
- * the bf16 rounding (bf16_bits, amx.h) and a reciprocal refined by one Newton step (~23 bits)
+ * the bf16 rounding (to_bf16x16, common.h) and a reciprocal refined by one Newton step (~23 bits)
  * for the SiLU instead of a division (the epilogues took a third of a decode step's GEMM time at
  * 256 rows with common.h's to_bf16x16 and a division). */
 
@@ -86,7 +86,7 @@ static inline __m512 silu16(__m512 x) {
 static inline void finish(const Gemm *g, int64_t m, int64_t n0, __mmask16 store, __m512 acc) {
     if (g->epilogue == ADD)
         acc = _mm512_add_ps(acc, widen_bf16x16(_mm256_maskz_loadu_epi16(store, g->other + m * g->other_stride + n0)));
-    _mm256_mask_storeu_epi16(g->y + m * g->y_stride + n0, store, bf16_bits(acc));
+    _mm256_mask_storeu_epi16(g->y + m * g->y_stride + n0, store, to_bf16x16(acc));
 }
 
 /* Row group `group`'s x: 16 rows from x itself, or the zero-padded copy of the last group. */
@@ -115,7 +115,7 @@ static void finish_rows(const Gemm *g, const Pass *p, int64_t r0, int64_t r1) {
         int64_t m = p->first_row + r;
         __m512 acc = _mm512_loadu_ps(s0);
         if (g->epilogue == GATE_UP) {
-            finish(g, m, p->n0, keep0, _mm512_mul_ps(_mm512_loadu_ps(s1), widen_bf16x16(bf16_bits(silu16(acc)))));
+            finish(g, m, p->n0, keep0, _mm512_mul_ps(_mm512_loadu_ps(s1), widen_bf16x16(to_bf16x16(silu16(acc)))));
             continue;
         }
         finish(g, m, p->n0, keep0, acc);

@@ -398,7 +398,7 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
             if (t0 + u < len) {
                 __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s->scores + (t0 + u) * 16), scale, shift));
                 vsum = _mm512_add_ps(vsum, e);
-                p[u] = _mm512_cvtepu16_epi32(bf16_bits(e));
+                p[u] = _mm512_cvtepu16_epi32(to_bf16x16(e));
             } else {
                 p[u] = _mm512_setzero_si512();
             }

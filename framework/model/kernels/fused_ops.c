@@ -242,11 +242,12 @@ void argmax_masked(const void *x, int bf16, int64_t x_stride, const int32_t *mas
     for (int64_t r = 0; r < rows; r++) {
         const char *row = (const char *)x + r * x_stride * elem;
         const int32_t *bits_row = mask + r * mask_stride;
-        const int64_t full_words = d / 32, num_words = (d + 31) / 32;
+        const int64_t num_words = (d + 31) / 32;
         float best = -INFINITY;
         int has_nan = 0;
         int64_t w = 0;
 #ifdef __AVX512F__
+        const int64_t full_words = d / 32;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         for (; w < full_words; w++) {
             uint32_t bits = (uint32_t)bits_row[w];
