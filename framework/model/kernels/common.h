@@ -117,12 +117,14 @@ static inline void store16_bf16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__
 /* x rounded to bf16 and widened back: the value torch holds after a bf16 op. */
 static inline __m512 round_bf16x16(__m512 x) { return widen_bf16x16(to_bf16x16(x)); }
 
+#define LOG2E 1.44269504088896341f
+
 /* exp(x) for 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6
  * polynomial (relative error ~2e-7); -inf gives 0. */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
     x = _mm512_min_ps(x, _mm512_set1_ps(89.0f));
-    __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(LOG2E));
     __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.69314718055994531f));
     __m512 p = _mm512_set1_ps(1.0f / 720);
@@ -139,8 +141,6 @@ static inline __m512 exp16(__m512 x) {
  * n = round(y), |f| <= 1/2, 2^f by a degree-4 polynomial; below -126 it gives 0. For
  * probabilities that are rounded to bf16 (2^-9 relative) next: 8 instructions where exp16 takes
  * 13, and exp16 was ~30 % of the prefill attention kernel at 256-1,024 tokens. */
-#define LOG2E 1.44269504088896341f
-
 static inline __m512 exp2_neg16(__m512 y) {
     y = _mm512_max_ps(y, _mm512_set1_ps(-127.0f));
     __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -450,14 +450,11 @@ static void *run_span(void *arg) {
     int64_t kv_stride = (int64_t)a->kv_heads * d; /* elements per slot */
     size_t kv_elem = a->kv_bf16 ? 2 : 4, q_elem = a->q_bf16 ? 2 : 4;
     size_t slot_bytes = (size_t)kv_stride * kv_elem;
-    float *qf = (float *)malloc((size_t)heads * d * sizeof(float));
-    float *acc = (float *)malloc((size_t)heads * d * sizeof(float));
-    float *inv_sum = (float *)malloc((size_t)heads * sizeof(float));
-    float *scores = (float *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * heads * sizeof(float));
-    span->failed = !qf || !acc || !inv_sum || !scores;
+    /* scratch of the path the span's requests take: the tiles' (amx_request) or the vector code's */
+    float *qf = NULL, *acc = NULL, *inv_sum = NULL, *scores = NULL;
 #if HAVE_AMX
     TileScratch tiles = {0};
-    if (a->amx && !span->failed) {
+    if (a->amx) {
         int64_t blocks = (span->max_len + 15) / 16;
         tiles.scores = (float *)aligned_alloc(64, (size_t)(blocks > 0 ? blocks : 1) * 16 * 16 * sizeof(float));
         tiles.rows = (uint16_t *)malloc((size_t)16 * kv_stride * 2);
@@ -465,8 +462,15 @@ static void *run_span(void *arg) {
         tiles.pt = (uint32_t *)calloc((size_t)2 * a->kv_heads * 2 * 256, 4); /* other KV heads' rows stay 0 */
         span->failed = !tiles.scores || !tiles.rows || !tiles.qt || !tiles.pt;
         if (!span->failed) amx_configure();
-    }
+    } else
 #endif
+    {
+        qf = (float *)malloc((size_t)heads * d * sizeof(float));
+        acc = (float *)malloc((size_t)heads * d * sizeof(float));
+        inv_sum = (float *)malloc((size_t)heads * sizeof(float));
+        scores = (float *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * heads * sizeof(float));
+        span->failed = !qf || !acc || !inv_sum || !scores;
+    }
     for (int i = span->failed ? span->end : span->begin; i < span->end; i++) {
         int64_t len = a->seq_lens[i];
         const int64_t *slots = a->req_to_token + a->pool_idx[i] * a->row_stride;

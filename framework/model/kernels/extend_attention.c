@@ -193,7 +193,7 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
         __m512 inv = _mm512_set1_ps(inv_sum[r]);
         uint16_t *dst = e->out + (i0 + r) * e->out_stride + g * HEAD_DIM;
         for (int c = 0; c < HEAD_DIM; c += 16)
-            _mm256_storeu_si256((__m256i *)(dst + c), to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(o + r * HEAD_DIM + c), inv)));
+            store16_bf16(dst + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * HEAD_DIM + c), inv));
     }
 }
 
