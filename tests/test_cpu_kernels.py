@@ -143,8 +143,7 @@ def test_every_kernel_builds_without_warnings_where_there_is_a_compiler(tmp_path
         pytest.skip("no C compiler on this machine")
     openmp = cpu_kernels.OPENMP_FLAGS if cpu_kernels.torch_openmp() is not None else []
     sources = sorted(cpu_kernels.KERNEL_DIR.glob("*.c"))
-    assert {p.stem for p in sources} >= {"decode_attention", "fused_ops", "skinny_gemm", "amx_gemm",
-                                         "extend_attention"}
+    assert {p.stem for p in sources} >= {"decode_attention", "fused_ops", "packed_gemm", "extend_attention"}
     for source in sources:
         flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_kernels.COMPILE_FLAGS]
         cmd = [compiler, *flags, *openmp, "-Wall", "-Wextra", "-Werror", str(source),
@@ -299,114 +298,103 @@ def test_fused_masked_argmax_matches_masking_then_argmax(dtype):
     assert torch.equal(KERNELS.fused.argmax_masked(strided, mask), apply_vocab_mask(strided, mask).argmax(dim=-1))
 
 
-# -- skinny GEMMs (kernels/skinny_gemm.c) ----------------------------------------------------------
+# -- packed GEMMs (kernels/packed_gemm.c), on AMX tiles and on AVX512-BF16 vectors ----------------
 
-SKINNY = KERNELS.skinny if KERNELS is not None else None
-needs_skinny = pytest.mark.skipif(SKINNY is None, reason="no C compiler or no AVX512-BF16 on this CPU")
+# Every path this CPU has: the tiles where there are AMX tiles, the vectors wherever there is AVX512-BF16.
+GEMMS = [] if KERNELS is None else [
+    g for g in (cpu_kernels.load_packed_gemm(tiles=True), cpu_kernels.load_packed_gemm(tiles=False)) if g is not None
+]
+HAS_TILES = any(g.tiles for g in GEMMS)
+needs_tiles = pytest.mark.skipif(not HAS_TILES, reason="no C compiler or no AMX tiles on this CPU")
+each_gemm = pytest.mark.parametrize(
+    "gemm", GEMMS or [pytest.param(None, marks=pytest.mark.skip(reason="no C compiler or no AVX512-BF16"))],
+    ids=lambda g: "none" if g is None else "tiles" if g.tiles else "vectors",
+)
 
 
 def _bf16(gen, *shape, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
 
 
-@needs_skinny
-@pytest.mark.parametrize("rows,n_out,k", [(1, 960, 576), (5, 37, 100), (16, 576, 1536), (2, 16, 32)])
-def test_skinny_linear_matches_fp32(rows, n_out, k):
-    """Plain and residual-add epilogues against fp32 GEMMs of the same bf16 inputs: one bf16
-    rounding of the fp32 sum (k = 100: a tail past the 32-element loop; n_out = 37: a partial block)."""
-    gen = torch.Generator().manual_seed(rows * 1000 + n_out)
-    x = _bf16(gen, rows, 2 * k)[:, :k]  # strided rows
-    w, add = _bf16(gen, n_out, k, scale=0.05), _bf16(gen, rows, n_out)
-    ref = x.float() @ w.float().T
-    torch.testing.assert_close(SKINNY.linear(x, w).float(), ref, atol=1e-3, rtol=2**-7)
-    torch.testing.assert_close(SKINNY.linear(x, w, add=add).float(), ref + add.float(), atol=1e-3, rtol=2**-7)
+def test_the_default_packed_gemm_takes_the_tiles_where_there_are():
+    if not GEMMS:
+        pytest.skip("no C compiler or no AVX512-BF16 on this CPU")
+    assert KERNELS.gemm is not None and KERNELS.gemm.tiles == HAS_TILES
+    assert KERNELS.gemm.rows == (cpu_kernels.PackedGemm.TILE_ROWS if HAS_TILES else cpu_kernels.PackedGemm.VECTOR_ROWS)
 
 
-@needs_skinny
-@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (7, 13, 64)])  # 13: a partial block of 8
-def test_skinny_gate_up_matches_the_two_gemm_roundings(rows, d, k):
-    gen = torch.Generator().manual_seed(d)
-    x, w = _bf16(gen, rows, k), _bf16(gen, 2 * d, k, scale=0.1)
-    gate, up = x.float() @ w[:d].float().T, x.float() @ w[d:].float().T
-    ref = F.silu(gate).to(torch.bfloat16).float() * up
-    torch.testing.assert_close(SKINNY.gate_up(x, w).float(), ref, atol=1e-3, rtol=2**-7)
-
-
-@needs_skinny
-def test_skinny_refuses_what_it_cannot_do():
-    x, w = torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
-    assert not SKINNY.supports(x, w)
-    assert not SKINNY.supports(x[:4].float(), w) and not SKINNY.supports(x[:4], w.t())
-    with pytest.raises(ValueError, match="at most 16"):
-        SKINNY.linear(x, w)
-    with pytest.raises(ValueError, match="added tensor"):
-        SKINNY.linear(x[:2], w, add=torch.zeros(2, 31, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="does not fit"):
-        SKINNY.linear(x[:2, :32], w)
-    with pytest.raises(ValueError, match="does not fit"):
-        SKINNY.gate_up(x[:2], w[:31])
-
-
-# -- AMX GEMMs (kernels/amx_gemm.c) ----------------------------------------------------------------
-
-AMX = KERNELS.amx if KERNELS is not None else None
-needs_amx = pytest.mark.skipif(AMX is None, reason="no C compiler or no AMX tiles on this CPU")
-
-
-@needs_amx
-def test_amx_pack_lays_out_16_columns_by_32_k_per_tile():
+@each_gemm
+def test_pack_lays_out_16_columns_by_32_k_per_tile(gemm):
     w = torch.arange(40 * 64, dtype=torch.float32).view(40, 64).to(torch.bfloat16)
-    packed = AMX.pack(w)
+    packed = gemm.pack(w)
     assert packed.shape == (48, 64)  # 40 columns rounded up to 3 blocks of 16
     tiles = packed.view(3, 32, 16, 2)  # [block][k pair][column][k in the pair]
     expected = torch.cat([w, torch.zeros(8, 64, dtype=w.dtype)]).view(3, 16, 32, 2).transpose(1, 2)
     assert torch.equal(tiles, expected)
 
 
-@needs_amx
+@each_gemm
 @pytest.mark.parametrize("rows,n_out,k", [(1, 960, 576), (16, 576, 1536), (17, 40, 64), (33, 48, 96), (200, 96, 64),
-                                          (5, 16, 32), (300, 48, 1536)])
-def test_amx_linear_matches_fp32(rows, n_out, k):
+                                          (5, 16, 32), (300, 48, 1536), (7, 80, 64), (13, 37, 96)])
+def test_packed_linear_matches_fp32(gemm, rows, n_out, k):
     """Plain and residual-add epilogues against fp32 GEMMs of the same bf16 inputs, one bf16
-    rounding of the fp32 sum: one row group and several (17, 33, 200: the last one partial),
-    partial column blocks (40) and odd block counts (48: three blocks, a pair and a single),
-    rows in two panels (300 rows of k = 1,536: 256 + 44)."""
+    rounding of the fp32 sum. Tiles: one row group and several (17, 33, 200: the last one
+    partial), odd block counts (48: three blocks, a pair and a single). Vectors: micro-tiles of 6
+    rows and the rest (7, 13, 17), units of 4 blocks and a partial one (40, 48, 80), a partial
+    block (37). Both: rows in two panels (300 rows of k = 1,536)."""
     gen = torch.Generator().manual_seed(rows * 1000 + n_out)
     x = _bf16(gen, rows, 2 * k)[:, :k]  # strided rows
     w, add = _bf16(gen, n_out, k, scale=0.05), _bf16(gen, rows, n_out)
     ref = x.float() @ w.float().T
-    packed = AMX.pack(w)
-    torch.testing.assert_close(AMX.linear(x, packed, n_out).float(), ref, atol=1e-3, rtol=2**-7)
-    torch.testing.assert_close(AMX.linear(x, packed, n_out, add=add).float(), ref + add.float(), atol=1e-3, rtol=2**-7)
+    packed = gemm.pack(w)
+    torch.testing.assert_close(gemm.linear(x, packed, n_out).float(), ref, atol=1e-3, rtol=2**-7)
+    torch.testing.assert_close(gemm.linear(x, packed, n_out, add=add).float(), ref + add.float(), atol=1e-3, rtol=2**-7)
 
 
-@needs_amx
-@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (40, 32, 64), (300, 32, 1536)])
-def test_amx_gate_up_matches_the_two_gemm_roundings(rows, d, k):
+@each_gemm
+@pytest.mark.parametrize("rows,d,k", [(1, 1536, 576), (40, 32, 64), (300, 32, 1536), (7, 48, 64)])
+def test_packed_gate_up_matches_the_two_gemm_roundings(gemm, rows, d, k):
+    """bf16(silu(gate)) * up, as oneDNN's swish GEMM then its binary-mul GEMM (48: three gate
+    blocks, on the vectors a unit of two and one of one)."""
     gen = torch.Generator().manual_seed(d)
     x, w = _bf16(gen, rows, k), _bf16(gen, 2 * d, k, scale=0.1)
     gate, up = x.float() @ w[:d].float().T, x.float() @ w[d:].float().T
     ref = F.silu(gate).to(torch.bfloat16).float() * up
-    torch.testing.assert_close(AMX.gate_up(x, AMX.pack(w), d).float(), ref, atol=1e-3, rtol=2**-7)
+    torch.testing.assert_close(gemm.gate_up(x, gemm.pack(w), d).float(), ref, atol=1e-3, rtol=2**-7)
 
 
-@needs_amx
-def test_amx_refuses_what_it_cannot_do():
+@each_gemm
+def test_packed_gate_up_of_very_negative_gates_is_zero_not_nan(gemm):
+    """SiLU of a gate below ~-88.7: exp(-gate) overflows fp32, and the epilogue's reciprocal of
+    it gave NaN (found when the vectors came; the tiles had it too)."""
+    d, k = 32, 64
+    x = torch.ones(3, k, dtype=torch.bfloat16)
+    w = torch.full((2 * d, k), 0.5, dtype=torch.bfloat16)
+    w[:d] *= -torch.tensor([1.0, 3.0, 6.0, 12.0]).repeat(d // 4).to(torch.bfloat16)[:, None]  # gates -32 .. -384
+    gate, up = x.float() @ w[:d].float().T, x.float() @ w[d:].float().T
+    ref = F.silu(gate).to(torch.bfloat16).float() * up
+    out = gemm.gate_up(x, gemm.pack(w), d).float()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=2**-7)
+
+
+@each_gemm
+def test_packed_gemm_refuses_what_it_cannot_do(gemm):
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
-    assert not AMX.packs(w[:, :48].contiguous()) and not AMX.packs(w.float()) and not AMX.packs(w.t())
+    assert not gemm.packs(w[:, :48].contiguous()) and not gemm.packs(w.float()) and not gemm.packs(w.t())
     with pytest.raises(ValueError, match="cannot pack"):
-        AMX.pack(w[:, :48].contiguous())  # k not a multiple of 32
-    packed, x = AMX.pack(w), torch.zeros(3, 64, dtype=torch.bfloat16)
-    assert AMX.supports(x, packed) and not AMX.supports(x[:, :32], packed) and not AMX.supports(x.float(), packed)
-    assert not AMX.supports(torch.zeros(AMX.rows + 1, 64, dtype=torch.bfloat16), packed)
+        gemm.pack(w[:, :48].contiguous())  # k not a multiple of 32
+    packed, x = gemm.pack(w), torch.zeros(3, 64, dtype=torch.bfloat16)
+    assert gemm.supports(x, packed) and not gemm.supports(x[:, :32], packed) and not gemm.supports(x.float(), packed)
+    assert not gemm.supports(torch.zeros(gemm.rows + 1, 64, dtype=torch.bfloat16), packed)
     with pytest.raises(ValueError, match="does not fit"):
-        AMX.linear(x[:, :32], packed, 32)
+        gemm.linear(x[:, :32], packed, 32)
     with pytest.raises(ValueError, match="does not fit"):
-        AMX.gate_up(x, AMX.pack(torch.zeros(24, 64, dtype=torch.bfloat16)), 12)  # not whole blocks
+        gemm.gate_up(x, gemm.pack(torch.zeros(24, 64, dtype=torch.bfloat16)), 12)  # not whole blocks
     with pytest.raises(ValueError, match="does not fit"):
-        AMX.linear(x, packed, 16)  # packed from 32 columns
+        gemm.linear(x, packed, 16)  # packed from 32 columns
     with pytest.raises(ValueError, match="added tensor"):
-        AMX.linear(x, packed, 32, add=torch.zeros(3, 31, dtype=torch.bfloat16))
+        gemm.linear(x, packed, 32, add=torch.zeros(3, 31, dtype=torch.bfloat16))
 
 
 # -- prefill attention on AMX tiles (kernels/extend_attention.c) -------------------------------------
@@ -490,7 +478,7 @@ def _prompt_then_decode_pool(lens, kv_heads, decoded, seed):
     return k, v, req_to_token, torch.arange(len(lens))
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (15, 5), (16, 16), (8, 1), (4, 4)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_attention_on_tiles_matches_reference(heads, kv_heads, threads, monkeypatch):
@@ -509,7 +497,7 @@ def test_decode_attention_on_tiles_matches_reference(heads, kv_heads, threads, m
     torch.testing.assert_close(out.double().view(ref.shape), ref, atol=2e-2, rtol=2e-2)
 
 
-@needs_amx
+@needs_tiles
 def test_decode_attention_keeps_the_vector_code_where_the_tiles_do_not_fit():
     assert _decode_uses_tiles(9, 3)
     assert not _decode_uses_tiles(32, 8)  # more query heads than a tile's 16 columns

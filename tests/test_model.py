@@ -383,10 +383,10 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
             return out
         monkeypatch.setattr(cpu, name, record)
     kernels = runner.cpu_kernels
-    if kernels is not None and kernels.amx is not None:
-        monkeypatch.setattr(kernels.amx, "rows", 8)  # (512) so that oneDNN gets the rest here
-    # the rows a C GEMM kernel takes (AMX tiles: up to amx.rows, else up to the skinny kernel's rows) never reach oneDNN
-    small = kernels.amx or kernels.skinny if kernels is not None else None
+    small = kernels.gemm if kernels is not None else None
+    if small is not None:
+        monkeypatch.setattr(small, "rows", 8)  # (1,024 or 256) so that oneDNN gets the rest here
+    # the rows the packed GEMM kernel takes (up to gemm.rows) never reach oneDNN
     first = small.rows + 1 if small is not None else 1
     assert runner.model.c_gemm_rows() == first - 1
     buckets = {cpu.gemm_rows(m) for m in range(first, 65)}
@@ -408,16 +408,19 @@ def test_packed_gemms_run_at_warmed_row_counts(hf_model, monkeypatch):
 
 
 @pytest.mark.skipif(not cpu.packed_linear_supported(), reason="torch's oneDNN has no bf16 on this CPU")
-def test_decode_gemms_run_on_the_c_gemm_kernels(hf_model, monkeypatch):
-    """A pass of up to `rows` rows (AMX tiles: `amx.rows`, cut to 4 here; else the skinny kernel's
-    `rows`) runs its GEMMs (and the LM head) on the C kernel where there is one, a row more
-    on oneDNN; the logits stay close to fp32 transformers."""
+@pytest.mark.parametrize("vectors", [False, True], ids=["default", "vectors"])
+def test_decode_gemms_run_on_the_c_gemm_kernels(hf_model, monkeypatch, vectors):
+    """A pass of up to `rows` rows (`gemm.rows`, cut to 4 here) runs its GEMMs (and the LM head)
+    on the packed GEMM kernel where there is one, a row more on oneDNN; the logits stay close to
+    fp32 transformers. The kernel takes AMX tiles where there are, else AVX512-BF16 vectors: both
+    run here where the CPU has tiles."""
     runner = _runner(hf_model, dtype=torch.bfloat16, packed_weights=True, max_running_requests=64)
-    if runner.cpu_kernels is None or not (runner.cpu_kernels.amx or runner.cpu_kernels.skinny):
-        pytest.skip("no C GEMM kernel here (no C compiler, or neither AMX nor AVX512-BF16)")
-    kernel = runner.cpu_kernels.amx or runner.cpu_kernels.skinny
-    if kernel is runner.cpu_kernels.amx:
-        monkeypatch.setattr(kernel, "rows", 4)
+    if runner.cpu_kernels is None or runner.cpu_kernels.gemm is None:
+        pytest.skip("no C GEMM kernel here (no C compiler, or no AVX512-BF16)")
+    kernel = runner.cpu_kernels.gemm
+    monkeypatch.setattr(kernel, "rows", 4)
+    if vectors:
+        monkeypatch.setattr(kernel, "tiles", False)
 
     def spy(kernel) -> list[int]:
         calls: list[int] = []
@@ -451,7 +454,7 @@ def test_decode_gemms_run_on_the_c_gemm_kernels(hf_model, monkeypatch):
     runner.forward(_batch(runner, reqs, [1] * (most + 1), ForwardMode.DECODE))
     assert calls == []  # one row more than the kernel takes, everywhere
     off = _runner(hf_model, dtype=torch.bfloat16, packed_weights=False)  # worker.packed_weights off: oneDNN only
-    calls = spy(off.cpu_kernels.amx or off.cpu_kernels.skinny)
+    calls = spy(off.cpu_kernels.gemm)
     reqs = _new_reqs(off, [9])
     off.forward(_batch(off, reqs, [8], ForwardMode.EXTEND))
     off.forward(_batch(off, reqs, [1], ForwardMode.DECODE))

@@ -239,99 +239,37 @@ class FusedOps:
         return q
 
 
-# The epilogue codes of skinny_gemm.c and amx_gemm.c.
+# The epilogue codes of packed_gemm.c.
 _GEMM_EPILOGUES = {"none": 0, "add": 1, "gate_up": 2}
 
 
-def _run_gemm(fn, name: str, x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor | None, y: torch.Tensor,
-              n_out: int, epilogue: str) -> int:
-    """Call a C GEMM `fn` (skinny_gemm_bf16 / amx_gemm_bf16: the same arguments) for
-    y = epilogue(x @ weight^T); `other` is the added tensor of the "add" epilogue. Returns its code."""
-    if other is not None and (other.dtype != torch.bfloat16 or other.stride(1) != 1 or other.shape != y.shape):
-        raise ValueError(f"{name}: the added tensor must be bf16 {tuple(y.shape)} with unit stride")
-    return fn(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), None if other is None else other.data_ptr(),
-        0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), x.shape[0], x.shape[1], n_out,
-        _GEMM_EPILOGUES[epilogue], torch.get_num_threads(),
-    )
+class PackedGemm:
+    """bf16 GEMMs from weights packed in blocks of 16 output columns (kernels/packed_gemm.c): on
+    AMX tiles where the CPU has them (`tiles`), else with AVX512-BF16 vectors.
 
-
-class SkinnyGemm:
-    """bf16 GEMMs of at most MAX_ROWS rows on the nn.Linear weights (kernels/skinny_gemm.c), for
-    CPUs with AVX512-BF16 but no AMX tiles (AmxGemm does them there).
-
-    `rows` is how many rows the model gives it. Where it runs there are no AMX tiles, so the
-    comparison is oneDNN's AVX512-BF16 kernels: measured on a 2-core Xeon with oneDNN held to
-    them (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16), the 120 GEMMs of a decode step's layers as four
-    plain GEMMs each: 1 row 11.1 ms against oneDNN's 12.1, 2 rows 12.2 vs 13.6, 3 rows 13.3 vs
-    13.9, 4 rows 14.7 vs 15.9, 6 rows 17.4 vs 16.9, 16 rows 26.2 vs 24.8 (the model's MLP on
-    oneDNN takes three calls where this kernel takes two). Not measured on an AMD CPU yet.
+    `pack` makes the packed copy of a [n, k] weight once (k a multiple of 32); `rows` is the most
+    rows the model gives the kernel (oneDNN does larger GEMMs). Measured on a 2-core Xeon with AMX,
+    a decode step's 151 GEMMs of SmolLM2-135M (LM head included), oneDNN's packed kernels against
+    the tiles: 1 row 14.7 / 9.7 ms, 16 rows 14.5 / 9.4, 200 rows 45.0 / 34.6, 512 rows 78.4 / 69.2,
+    1,024 rows 158 / 154; the 150 layer GEMMs alone at 2,048 rows 168 / 235 (oneDNN wins there:
+    prefill tiles). The vectors, on the same Xeon with oneDNN held to AVX512-BF16
+    (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, as on a CPU without AMX), the 150 layer GEMMs, oneDNN
+    against the vectors: 1 row 11.2 / 6.5 ms, 4 rows 13.4 / 8.4, 16 rows 24.3 / 18.9, 64 rows
+    70.1 / 68.1, 200 rows 211 / 197, 512 rows 481 / 492, 2,048 rows 1,858 / 1,953 (both at the
+    CPU's `vdpbf16ps` rate from ~64 rows on). The vectors replaced a kernel that read the
+    unpacked weights (up to 4 rows; 1.3-1.5x slower than the vectors at 1-16 rows).
     """
 
-    MAX_ROWS = 16
-    rows = 4
+    TILE_ROWS = 1024
+    VECTOR_ROWS = 256
 
-    def __init__(self, lib: ctypes.CDLL):
-        self._gemm = lib.skinny_gemm_bf16
+    def __init__(self, lib: ctypes.CDLL, tiles: bool):
+        self.tiles = tiles
+        self.rows = self.TILE_ROWS if tiles else self.VECTOR_ROWS
+        self._gemm = lib.packed_gemm_bf16
         self._gemm.restype = _INT
-        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
-
-    def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether x [rows, k] @ weight^T runs here: bf16 rows with unit stride, at most MAX_ROWS
-        of them, and a contiguous bf16 weight."""
-        return (FusedOps.supports(x) and 0 < x.shape[0] <= self.MAX_ROWS
-                and weight.dtype == torch.bfloat16 and weight.is_contiguous())
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight^T (+ `add`, [rows, n_out] bf16 with unit stride), rounded to bf16 once."""
-        rows, n_out = x.shape[0], weight.shape[0]
-        y = torch.empty((rows, n_out), dtype=torch.bfloat16)
-        epilogue = "none" if add is None else "add"
-        self._run(x, weight, add, y, n_out, epilogue)
-        return y
-
-    def gate_up(self, x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
-        """bf16(bf16(silu(x @ gate^T)) * (x @ up^T)) for the [gate; up] weight [2 * d, k] -> [rows, d]."""
-        n_out = gate_up_weight.shape[0] // 2
-        y = torch.empty((x.shape[0], n_out), dtype=torch.bfloat16)
-        self._run(x, gate_up_weight, None, y, n_out, "gate_up")
-        return y
-
-    def _run(self, x, weight, other, y, n_out: int, epilogue: str) -> None:
-        rows, k = x.shape
-        if weight.shape[1] != k or weight.shape[0] != (2 * n_out if epilogue == "gate_up" else n_out):
-            raise ValueError(f"skinny GEMM: weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
-        if _run_gemm(self._gemm, "skinny GEMM", x, weight, other, y, n_out, epilogue) != 0:
-            raise ValueError(f"skinny GEMM kernel refused {rows} rows (at most {self.MAX_ROWS})")
-
-
-def load_skinny_gemm() -> SkinnyGemm | None:
-    """The skinny GEMM kernel, or None where it cannot be built or the CPU lacks AVX512-BF16."""
-    lib = load("skinny_gemm")
-    if lib is None:
-        return None
-    lib.skinny_supported.restype = _INT
-    return SkinnyGemm(lib) if lib.skinny_supported() else None
-
-
-class AmxGemm:
-    """bf16 GEMMs on AMX tiles from weights packed for them (kernels/amx_gemm.c).
-
-    `pack` makes the tile-layout copy of a [n, k] weight once (k a multiple of 32); `rows` is the
-    most rows the model gives the kernel (oneDNN does larger GEMMs). Measured on a 2-core Xeon
-    with AMX, a decode step's 151 GEMMs of SmolLM2-135M (LM head included), oneDNN's packed
-    kernels against these: 1 row 14.7 / 9.7 ms, 16 rows 14.5 / 9.4, 200 rows 45.0 / 34.6, 512
-    rows 78.4 / 69.2, 1,024 rows 158 / 154; the 150 layer GEMMs alone at 2,048 rows 168 / 235
-    (oneDNN wins there: prefill tiles).
-    """
-
-    rows = 1024
-
-    def __init__(self, lib: ctypes.CDLL):
-        self._gemm = lib.amx_gemm_bf16
-        self._gemm.restype = _INT
-        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
-        self._pack = lib.amx_pack_bf16
+        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT, _INT]
+        self._pack = lib.packed_gemm_pack
         self._pack.restype = None
         self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
 
@@ -342,9 +280,9 @@ class AmxGemm:
                 and weight.shape[1] % 32 == 0 and weight.shape[1] > 0 and weight.shape[0] > 0)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """The tile-layout copy of `weight` (see `packs`), with n rounded up to 16 (zero rows)."""
+        """The packed copy of `weight` (see `packs`), with n rounded up to 16 (zero rows)."""
         if not self.packs(weight):
-            raise ValueError(f"AMX GEMM: cannot pack a {weight.dtype} weight {tuple(weight.shape)} (needs "
+            raise ValueError(f"packed GEMM: cannot pack a {weight.dtype} weight {tuple(weight.shape)} (needs "
                              "contiguous bf16 with k a multiple of 32)")
         n, k = weight.shape
         packed = torch.empty(((n + 15) // 16 * 16, k), dtype=torch.bfloat16)
@@ -373,18 +311,30 @@ class AmxGemm:
         k = x.shape[1]
         columns = 2 * n_out if epilogue == "gate_up" else (n_out + 15) // 16 * 16
         if packed.shape[1] != k or packed.shape[0] != columns or (epilogue == "gate_up" and n_out % 16):
-            raise ValueError(f"AMX GEMM: packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
-        if _run_gemm(self._gemm, "AMX GEMM", x, packed, other, y, n_out, epilogue) != 0:
-            raise ValueError(f"AMX GEMM kernel refused x {tuple(x.shape)}")
+            raise ValueError(f"packed GEMM: packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
+        if other is not None and (other.dtype != torch.bfloat16 or other.stride(1) != 1 or other.shape != y.shape):
+            raise ValueError(f"packed GEMM: the added tensor must be bf16 {tuple(y.shape)} with unit stride")
+        code = self._gemm(
+            x.data_ptr(), x.stride(0), packed.data_ptr(), None if other is None else other.data_ptr(),
+            0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), x.shape[0], k, n_out,
+            _GEMM_EPILOGUES[epilogue], torch.get_num_threads(), int(self.tiles),
+        )
+        if code != 0:
+            raise ValueError(f"packed GEMM kernel refused x {tuple(x.shape)}")
 
 
-def load_amx_gemm() -> AmxGemm | None:
-    """The AMX GEMM kernel, or None where it cannot be built or the CPU or OS gives no AMX tiles."""
-    lib = load("amx_gemm")
+def load_packed_gemm(tiles: bool | None = None) -> PackedGemm | None:
+    """The packed GEMM kernel on AMX tiles where the CPU and OS give them, else on AVX512-BF16
+    vectors (`tiles` False: the vectors even where there are tiles, True: tiles or None); None
+    where it cannot be built or the CPU lacks AVX512-BF16."""
+    lib = load("packed_gemm")
     if lib is None:
         return None
-    lib.amx_gemm_supported.restype = _INT
-    return AmxGemm(lib) if lib.amx_gemm_supported() else None
+    lib.packed_gemm_supported.restype = _INT
+    paths = lib.packed_gemm_supported()
+    if paths == 0 or (tiles and paths < 2):
+        return None
+    return PackedGemm(lib, paths == 2 if tiles is None else tiles)
 
 
 @dataclass
@@ -393,10 +343,9 @@ class CpuKernels:
 
     decode_attention: Any  # ctypes function
     fused: FusedOps
-    # bf16 decode-sized GEMMs: on AMX tiles where there are (`amx`), else up to 4 rows on AVX512-BF16
-    # (`skinny`); oneDNN does the rest, and every GEMM where neither is there
-    skinny: SkinnyGemm | None = None
-    amx: AmxGemm | None = None
+    # bf16 GEMMs of up to gemm.rows rows on packed weights (AMX tiles or AVX512-BF16); oneDNN does
+    # the rest, and every GEMM where there is no AVX512-BF16 (None)
+    gemm: PackedGemm | None = None
     # bf16 prefill attention on AMX tiles (ctypes function); None: PyTorch's SDPA
     extend_attention: Any = None
 
@@ -404,11 +353,11 @@ class CpuKernels:
 def kernels_note(kernels: CpuKernels) -> str:
     """The GEMM and attention kernels in use, for the start-up log line."""
     prefill = ", bf16 prefill attention" if kernels.extend_attention is not None else ""
-    if kernels.amx is not None:
-        return (f", bf16 GEMMs of up to {kernels.amx.rows} rows{prefill} and bf16 decode attention (up to 16 "
+    if kernels.gemm is not None and kernels.gemm.tiles:
+        return (f", bf16 GEMMs of up to {kernels.gemm.rows} rows{prefill} and bf16 decode attention (up to 16 "
                 "query heads) on AMX tiles")
-    if kernels.skinny is not None:
-        return f", bf16 GEMMs of up to {kernels.skinny.rows} rows"
+    if kernels.gemm is not None:
+        return f", bf16 GEMMs of up to {kernels.gemm.rows} rows on AVX512-BF16"
     return "; no AVX512-BF16: oneDNN does every GEMM"
 
 
@@ -420,7 +369,7 @@ def pick(setting: str, device: str) -> CpuKernels | None:
     if str(device) == "cpu":
         decode, fused = load_decode_kernel(), load("fused_ops")
         if decode is not None and fused is not None:
-            kernels = CpuKernels(decode, FusedOps(fused), load_skinny_gemm(), load_amx_gemm(), load_extend_kernel())
+            kernels = CpuKernels(decode, FusedOps(fused), load_packed_gemm(), load_extend_kernel())
     if kernels is None and setting == "on":
         raise RuntimeError(
             f"worker.cpu_kernels = 'on' but the C kernels are unavailable on {device!r} (they need a CPU "

@@ -66,16 +66,12 @@ class RMSNorm(nn.Module):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
            kernels: CpuKernels | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy for oneDNN,
-    `use_packed_weights`) when there is one and x is bf16. Without a bias, decode-sized GEMMs run
-    on `kernels` instead: on `tiles` (weight's AMX copy) up to `amx.rows` rows, else up to
-    `skinny.rows` rows on the skinny kernel."""
+    `use_packed_weights`) when there is one and x is bf16. Without a bias, GEMMs of up to
+    `kernels.gemm.rows` rows run on the packed GEMM kernel instead, from `tiles` (weight's copy
+    in its layout)."""
     if packed is not None and x.dtype == torch.bfloat16:
-        if kernels is not None and bias is None:
-            if tiles is not None and kernels.amx.supports(x, tiles):
-                return kernels.amx.linear(x, tiles, weight.shape[0])
-            skinny = kernels.skinny
-            if skinny is not None and x.shape[0] <= skinny.rows and skinny.supports(x, weight):
-                return skinny.linear(x, weight)
+        if kernels is not None and bias is None and tiles is not None and kernels.gemm.supports(x, tiles):
+            return kernels.gemm.linear(x, tiles, weight.shape[0])
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
@@ -84,7 +80,7 @@ class Linear(nn.Linear):
     """nn.Linear that runs on a prepacked copy of its weight when one is set (`use_packed_weights`)."""
 
     packed: torch.Tensor | None = None
-    tiles: torch.Tensor | None = None  # the AMX copy, see use_packed_weights
+    tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
     kernels: CpuKernels | None = None  # see use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +102,7 @@ class RowParallelLinear(nn.Module):
         self.par = par
         self.shard_size = shard_size
         self.packed: torch.Tensor | None = None  # see use_packed_weights
-        self.tiles: torch.Tensor | None = None  # the AMX copy, see use_packed_weights
+        self.tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,13 +185,9 @@ class LlamaMLP(nn.Module):
             gate_up, down = self.gate_up_proj.tiles, self.down_proj.tiles
             # (the gate-up epilogue takes whole blocks of 16 columns)
             if (gate_up is not None and down is not None and self.intermediate_size % 16 == 0
-                    and kernels.amx.supports(x, gate_up)):
-                act = kernels.amx.gate_up(x, gate_up, self.intermediate_size)
-                return kernels.amx.linear(act, down, self.down_proj.out_features, add=residual)
-            skinny = kernels.skinny
-            if skinny is not None and m <= skinny.rows and skinny.supports(x, self.gate_up_proj.weight):
-                act = skinny.gate_up(x, self.gate_up_proj.weight)
-                return skinny.linear(act, self.down_proj.weight, add=residual)
+                    and kernels.gemm.supports(x, gate_up)):
+                act = kernels.gemm.gate_up(x, gate_up, self.intermediate_size)
+                return kernels.gemm.linear(act, down, self.down_proj.out_features, add=residual)
         # The GEMMs run at gemm_rows(m) rows: x (and the residual) are padded once, not per call.
         x = pad_rows(x, gemm_rows(m))
         gate = packed_linear_unary(x, self.packed_gate, "swish")
@@ -252,8 +244,8 @@ class LlamaDecoderLayer(nn.Module):
 
 def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     """Run `model`'s decode attention, RMSNorms, SiLU*up and RoPE + KV writes with the C kernels
-    (None: PyTorch), and its decode-sized bf16 GEMMs with the AMX or skinny kernel where there is
-    one (the prepacked weights must be on too: `worker.packed_weights`)."""
+    (None: PyTorch), and its decode-sized bf16 GEMMs with the packed GEMM kernel where there is one
+    (the prepacked weights must be on too: `worker.packed_weights`)."""
     for module in model.modules():
         if isinstance(module, (RMSNorm, LlamaMLP, LlamaAttention)):
             module.fused = kernels.fused if kernels else None
@@ -265,14 +257,14 @@ def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
 
 def use_packed_weights(model: "LlamaForCausalLM", enabled: bool) -> int:
     """Give every bf16 linear layer of `model` (and the LM head) a prepacked copy of its weight for
-    oneDNN, and one in the AMX tiles' layout where the model has the AMX kernel (`use_cpu_kernels`
-    first), or drop them (`enabled` False); returns how many weights were packed for oneDNN. The
+    oneDNN, and one in the packed GEMM kernel's layout where the model has that kernel
+    (`use_cpu_kernels` first), or drop them (`enabled` False); returns how many weights were packed for oneDNN. The
     copies are not parameters: they cost memory beside the weights (~270 MB each for SmolLM2) and
     are rebuilt with the model (`update_weights` builds a new one)."""
-    amx = model.kernels.amx if enabled and model.kernels is not None else None
+    gemm = model.kernels.gemm if enabled and model.kernels is not None else None
 
     def tiles(weight: torch.Tensor) -> torch.Tensor | None:
-        return amx.pack(weight) if amx is not None and amx.packs(weight) else None
+        return gemm.pack(weight) if gemm is not None and gemm.packs(weight) else None
 
     count = 0
     for module in model.modules():
@@ -333,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # see use_packed_weights
-        self.lm_head_tiles: torch.Tensor | None = None  # the AMX copy, see use_packed_weights
+        self.lm_head_tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
 
     @property
@@ -396,9 +388,7 @@ class LlamaForCausalLM(nn.Module):
         kernels = self.kernels
         if kernels is None or self.packed_lm_head is None:
             return 0
-        if kernels.amx is not None and self.lm_head_tiles is not None:
-            return kernels.amx.rows
-        return kernels.skinny.rows if kernels.skinny is not None else 0
+        return kernels.gemm.rows if kernels.gemm is not None and self.lm_head_tiles is not None else 0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""

@@ -1,4 +1,4 @@
-/* AMX tile set-up shared by the kernels that use the tiles (amx_gemm.c, extend_attention.c,
+/* AMX tile set-up shared by the kernels that use the tiles (packed_gemm.c, extend_attention.c,
  * decode_attention.c).
  * HAVE_AMX is 1 where the compiler targets AMX-BF16 (with AVX512-BF16 for the epilogues); then
  * amx_usable() asks Linux once for the tile state and amx_configure() gives the calling thread

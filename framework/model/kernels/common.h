@@ -19,7 +19,7 @@ static inline int span_threads(int num_threads, int64_t items) {
     return num_threads < 1 ? 1 : num_threads;
 }
 
-/* The epilogue codes of the GEMM kernels (skinny_gemm.c, amx_gemm.c; cpu_kernels._GEMM_EPILOGUES). */
+/* The epilogue codes of packed_gemm.c (cpu_kernels._GEMM_EPILOGUES). */
 enum { PLAIN = 0, ADD = 1, GATE_UP = 2 };
 
 /* fn(span) for each of `count` spans (an array of `span_size`-byte structs, count <= MAX_THREADS);

@@ -1,23 +1,30 @@
-/* bf16 GEMMs on AMX tiles from weights packed in the tiles' layout, for CPUs with AMX-BF16 (Xeon
- * Sapphire Rapids and later).
+/* bf16 GEMMs from weights packed once in blocks of 16 output columns, on AMX tiles (Xeon Sapphire
+ * Rapids and later) or with AVX512-BF16 alone (AMD Zen 4 and later, Xeons before AMX).
  *
- * y[m, n] = x[m, :] . w[n, :], with the weight packed once at load (amx_pack_bf16) so that every
+ * y[m, n] = x[m, :] . w[n, :], with the weight packed once at load (packed_gemm_pack) so that every
  * tile of it, 16 output columns by 32 k, is one contiguous KiB: packed[b][k / 2][16][2] holds
- * w[16 b + j][2 p + e] at [b][p][j][e]. x is read as it lies, 16 rows to a tile. At decode sizes
- * the GEMM streams the weight once from DRAM; oneDNN's AMX kernels are slower there (measured on
- * a 2-core Xeon, a decode step's GEMMs of SmolLM2-135M: see cpu_kernels.AmxGemm).
+ * w[16 b + j][2 p + e] at [b][p][j][e]. That is an AMX B tile per 32 k, and per k pair one
+ * 64-byte vector of 16 columns x 2 k, the operand `vdpbf16ps` takes against a broadcast pair of x.
+ * x is read as it lies. At decode sizes the GEMM streams the weight once from DRAM; oneDNN is
+ * slower there (its per-call cost, and SiLU(gate) * up in three calls where this takes one; the
+ * measurements are in cpu_kernels.PackedGemm).
  *
  * Tiles: 0-3 sums, [16 rows][16 columns] fp32, for two row groups x two column blocks; 4, 5: the
  * row groups' x for 32 k; 6, 7: the column blocks' weights for the same 32 k. A pair of column
  * blocks goes over every pair of row groups while the pair's weights (32 x k bf16) stay in L2.
- * Epilogues, all in fp32 before one bf16 rounding (as kernels/skinny_gemm.c):
+ * Vectors: micro-tiles of VEC_ROWS rows x VEC_BLOCKS column blocks, 24 fp32 sums in registers, for
+ * every k pair one weight load per block and one broadcast of x per row.
+ * Epilogues, all in fp32 before one bf16 rounding:
  *   plain:    y = bf16(acc)
- *   add:      y = bf16(acc + other[m, n])          (residual add)
- *   gate_up:  packed is [gate; up] (2 * n_out columns), y = bf16(bf16(silu(gate)) * up)
+ *   add:      y = bf16(acc + other[m, n])          (residual add, oneDNN's binary add post-op)
+ *   gate_up:  packed is [gate; up] (2 * n_out columns), y = bf16(bf16(silu(gate)) * up), the
+ *             rounding of oneDNN's swish GEMM followed by its binary-mul GEMM
+ * The sums run in another order than oneDNN's, so results match it up to fp32 rounding before the
+ * bf16 rounding (the tests compare with fp32 references).
  *
  * Built on first use by framework/model/cpu_kernels.py (cc -O3 -march=native, -fopenmp where it
- * can) and called through ctypes. Without AMX-BF16 at build time, or where Linux does not let the
- * process use the tiles, amx_gemm_supported returns 0 and the model keeps its other GEMMs.
+ * can) and called through ctypes. packed_gemm_supported says which paths the CPU and the build
+ * have; without AVX512-BF16 the model keeps oneDNN.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,16 +33,20 @@
 #include "amx.h"
 #include "common.h"
 
-int amx_gemm_supported(void) {
+/* 2: AMX tiles and vectors, 1: vectors only (AVX512-BF16), 0: neither (the calls return -1). */
+int packed_gemm_supported(void) {
 #if HAVE_AMX
-    return amx_usable();
+    if (amx_usable()) return 2;
+#endif
+#if defined(__AVX512BF16__)
+    return 1;
 #else
     return 0;
 #endif
 }
 
 /* packed[b][p][j][e] = w[16 b + j][2 p + e] for w [n, k] (k even); rows past n are zeros. */
-void amx_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+void packed_gemm_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
     int64_t blocks = (n + 15) / 16, pairs = k / 2;
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t j = 0; j < 16; j++) {
@@ -53,7 +64,7 @@ void amx_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
         }
 }
 
-#if HAVE_AMX
+#if defined(__AVX512BF16__)
 typedef struct {
     const uint16_t *x, *packed, *other;
     const uint16_t *x_tail; /* the last row group, zero-padded to 16 rows (NULL: none partial) */
@@ -64,7 +75,7 @@ typedef struct {
 
 typedef struct {
     const Gemm *g;
-    int64_t begin, end; /* units: a pair of column blocks (gate_up: a gate block and its up block) */
+    int64_t begin, end; /* units of column blocks: see run_units and run_units_vec */
 } Units;
 
 #define PANEL_BYTES (768 << 10) /* of x at a time: a share of the 2 MiB L2 (run_units) */
@@ -74,9 +85,11 @@ typedef struct {
  * for the SiLU instead of a division (the epilogues took a third of a decode step's GEMM time at
  * 256 rows with common.h's to_bf16x16 and a division). */
 
-/* x / (1 + exp(-x)) */
+/* x / (1 + exp(-x)), exp's argument held to 80: exp16 overflows to inf past ~88.7, and the
+ * reciprocal of inf times inf is NaN (x / (1 + e^80) is ~1e-33 x, zero next to anything else). */
 static inline __m512 silu16(__m512 x) {
-    __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+    __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(80.0f)));
+    __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
     __m512 r = _mm512_rcp14_ps(d);
     r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f))); /* r (2 - d r) */
     return _mm512_mul_ps(x, r);
@@ -89,6 +102,89 @@ static inline void finish(const Gemm *g, int64_t m, int64_t n0, __mmask16 store,
     _mm256_mask_storeu_epi16(g->y + m * g->y_stride + n0, store, to_bf16x16(acc));
 }
 
+/* ---- vectors (AVX512-BF16) ----------------------------------------------------------------- */
+
+/* A micro-tile: 6 rows of x by a unit of 4 column blocks (gate_up: two gate blocks and their two
+ * up blocks), 24 sums in registers. 4 x 4 was as fast, 8 x 2 and 12 x 2 slower at a few rows, and
+ * 8 x 3 wastes a third of the gate_up units (a 2-core Xeon held to AVX512-BF16, 1-2,048 rows). */
+#define VEC_ROWS 6
+#define VEC_BLOCKS 4
+
+static inline __m512bh pair_bcast(const uint16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+/* Rows m0..m0+R of x by the unit's column blocks w[0..VEC_BLOCKS), then their epilogue. */
+static inline __attribute__((always_inline)) void vec_tile(const Gemm *g, int64_t m0, const int R,
+                                                           const uint16_t *const w[VEC_BLOCKS],
+                                                           const int64_t n0[VEC_BLOCKS]) {
+    __m512 acc[VEC_ROWS][VEC_BLOCKS];
+    const uint16_t *x[VEC_ROWS];
+    for (int r = 0; r < R; r++) {
+        x[r] = g->x + (m0 + r) * g->x_stride;
+        for (int c = 0; c < VEC_BLOCKS; c++) acc[r][c] = _mm512_setzero_ps();
+    }
+    const int64_t pairs = g->k / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh wv[VEC_BLOCKS];
+        for (int c = 0; c < VEC_BLOCKS; c++) wv[c] = (__m512bh)_mm512_loadu_si512(w[c] + p * 32);
+        for (int r = 0; r < R; r++) {
+            __m512bh xb = pair_bcast(x[r] + 2 * p);
+            for (int c = 0; c < VEC_BLOCKS; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, wv[c]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        int64_t m = m0 + r;
+        if (g->epilogue == GATE_UP) {
+            for (int c = 0; c < VEC_BLOCKS / 2; c++)
+                finish(g, m, n0[c], first_lanes(g->n_out - n0[c]),
+                       _mm512_mul_ps(acc[r][VEC_BLOCKS / 2 + c], widen_bf16x16(to_bf16x16(silu16(acc[r][c])))));
+            continue;
+        }
+        for (int c = 0; c < VEC_BLOCKS; c++) finish(g, m, n0[c], first_lanes(g->n_out - n0[c]), acc[r][c]);
+    }
+}
+
+/* The span's units over the rows, in panels of at most PANEL_BYTES of x as on the tiles: a unit's
+ * weights (4 blocks: 72 KiB at k = 576) stay in L2 while the panel's micro-tiles pass over them. */
+static void *run_units_vec(void *arg) {
+    const Units *u = (const Units *)arg;
+    const Gemm *g = u->g;
+    const int64_t block_elems = g->k * 16, blocks = (g->n_out + 15) / 16;
+    const int gate_up = g->epilogue == GATE_UP;
+    int64_t panel = PANEL_BYTES / (g->k * 2) / VEC_ROWS * VEC_ROWS;
+    if (panel < VEC_ROWS) panel = VEC_ROWS;
+    for (int64_t first = 0; first < g->rows; first += panel) {
+        const int64_t last = first + panel < g->rows ? first + panel : g->rows;
+        for (int64_t unit = u->begin; unit < u->end; unit++) {
+            const uint16_t *w[VEC_BLOCKS];
+            int64_t n0[VEC_BLOCKS];
+            for (int c = 0; c < VEC_BLOCKS; c++) {
+                /* gate_up: blocks 2 unit + c % 2 of the gate half, then of the up half */
+                int64_t col = gate_up ? VEC_BLOCKS / 2 * unit + c % (VEC_BLOCKS / 2) : VEC_BLOCKS * unit + c;
+                int64_t upper = gate_up && c >= VEC_BLOCKS / 2 ? blocks : 0;
+                /* a block past the end takes block 0's weights, its outputs not stored (n0 = n_out) */
+                w[c] = g->packed + ((col < blocks ? col : 0) + upper) * block_elems;
+                n0[c] = col < blocks ? col * 16 : g->n_out;
+            }
+            int64_t m = first;
+            for (; m + VEC_ROWS <= last; m += VEC_ROWS) vec_tile(g, m, VEC_ROWS, w, n0);
+            switch (last - m) { /* (a constant R for each, so that the sums stay in registers) */
+            case 5: vec_tile(g, m, 5, w, n0); break;
+            case 4: vec_tile(g, m, 4, w, n0); break;
+            case 3: vec_tile(g, m, 3, w, n0); break;
+            case 2: vec_tile(g, m, 2, w, n0); break;
+            case 1: vec_tile(g, m, 1, w, n0); break;
+            }
+        }
+    }
+    return NULL;
+}
+#endif
+
+#if HAVE_AMX
 /* Row group `group`'s x: 16 rows from x itself, or the zero-padded copy of the last group. */
 static inline const uint16_t *group_rows(const Gemm *g, int64_t group, size_t *stride) {
     if (g->x_tail && (group + 1) * 16 > g->rows) {
@@ -219,17 +315,29 @@ static void *run_units(void *arg) {
 }
 #endif
 
-/* y = epilogue(x @ w^T), see the top of the file. x: [rows, k] (row stride x_stride, k a multiple
- * of 32), packed: amx_pack_bf16 of w [n_out, k] ([2 * n_out, k] for gate_up, n_out a multiple of
- * 16 then), y: [rows, n_out] (row stride y_stride), other: [rows, n_out] for add. Returns 0, or -1
- * when the call is not supported (no AMX, k or n_out as above, no memory). */
-int amx_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *other,
-                  int64_t other_stride, uint16_t *y, int64_t y_stride, int64_t rows, int64_t k, int64_t n_out,
-                  int epilogue, int num_threads) {
-#if HAVE_AMX
-    if (rows < 1 || k < 32 || k % 32 || n_out < 1 || (epilogue == GATE_UP && n_out % 16) || !amx_usable())
-        return -1;
+/* y = epilogue(x @ w^T), see the top of the file, on the tiles (`tiles` 1) or the vectors (0). x:
+ * [rows, k] (row stride x_stride, k a multiple of 32), packed: packed_gemm_pack of w [n_out, k]
+ * ([2 * n_out, k] for gate_up, n_out a multiple of 16 then), y: [rows, n_out] (row stride
+ * y_stride), other: [rows, n_out] for add. Returns 0, or -1 when the call is not supported (the
+ * path not there, k or n_out as above, no memory). */
+int packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *other,
+                     int64_t other_stride, uint16_t *y, int64_t y_stride, int64_t rows, int64_t k, int64_t n_out,
+                     int epilogue, int num_threads, int tiles) {
+#if defined(__AVX512BF16__)
+    if (rows < 1 || k < 32 || k % 32 || n_out < 1 || (epilogue == GATE_UP && n_out % 16)) return -1;
     Gemm g = {x, packed, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue};
+    int64_t blocks = (n_out + 15) / 16;
+    Units spans[MAX_THREADS];
+    if (!tiles) {
+        int64_t per = epilogue == GATE_UP ? VEC_BLOCKS / 2 : VEC_BLOCKS, units = (blocks + per - 1) / per;
+        num_threads = span_threads(num_threads, units);
+        for (int s = 0; s < num_threads; s++)
+            spans[s] = (Units){&g, units * s / num_threads, units * (s + 1) / num_threads};
+        run_spans(run_units_vec, spans, sizeof spans[0], num_threads);
+        return 0;
+    }
+#if HAVE_AMX
+    if (!amx_usable()) return -1;
     uint16_t *tail = NULL;
     if (rows % 16) {
         int64_t first = rows / 16 * 16;
@@ -238,17 +346,19 @@ int amx_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
         for (int64_t m = first; m < rows; m++) memcpy(tail + (m - first) * k, x + m * x_stride, (size_t)k * 2);
         g.x_tail = tail;
     }
-    int64_t blocks = (n_out + 15) / 16, units = epilogue == GATE_UP ? blocks : (blocks + 1) / 2;
+    int64_t units = epilogue == GATE_UP ? blocks : (blocks + 1) / 2;
     num_threads = span_threads(num_threads, units);
-    Units spans[MAX_THREADS];
     for (int s = 0; s < num_threads; s++)
         spans[s] = (Units){&g, units * s / num_threads, units * (s + 1) / num_threads};
     run_spans(run_units, spans, sizeof spans[0], num_threads);
     free(tail);
     return 0;
 #else
+    return -1;
+#endif
+#else
     (void)x, (void)x_stride, (void)packed, (void)other, (void)other_stride, (void)y, (void)y_stride;
-    (void)rows, (void)k, (void)n_out, (void)epilogue, (void)num_threads;
+    (void)rows, (void)k, (void)n_out, (void)epilogue, (void)num_threads, (void)tiles;
     return -1;
 #endif
 }
