@@ -129,13 +129,15 @@ class CacheSettings(_Section):
 
 
 class WorkerSettings(_Section):
-    cpu_kernels: Literal["auto", "on", "off"] = Field(
+    cpu_kernels: Literal["auto", "on", "off", "no_amx"] = Field(
         "auto",
         description="C kernels for decode attention (and bf16 prefill and decode attention on AMX tiles), "
         "the bf16 element-wise ops (RMSNorm, SiLU*up) and, "
         "with packed_weights, bf16 GEMMs of up to 1,024 rows on AMX tiles (else up to 256 rows with AVX512-BF16), "
         "built on first use with the system compiler: on (start-up fails if they cannot be built), off "
-        "(PyTorch only), or auto (on for a CPU device when they build, else off).",
+        "(PyTorch only), auto (on for a CPU device when they build, else off), or no_amx (auto without the "
+        "AMX tiles: the paths of a CPU without AMX, to compare the two on one machine; hold oneDNN to the "
+        "same with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment).",
     )
     device: str = Field("cpu", description="Torch device.")
     packed_weights: bool = Field(

@@ -323,6 +323,15 @@ def test_the_default_packed_gemm_takes_the_tiles_where_there_are():
     assert KERNELS.gemm.rows == (cpu_kernels.PackedGemm.TILE_ROWS if HAS_TILES else cpu_kernels.PackedGemm.VECTOR_ROWS)
 
 
+@needs_kernel
+def test_no_amx_picks_the_kernels_of_a_cpu_without_amx():
+    kernels = cpu_kernels.pick("no_amx", "cpu")
+    assert kernels is not None and not kernels.decode_tiles and kernels.extend_attention is None
+    assert kernels.gemm is None if not GEMMS else not kernels.gemm.tiles
+    assert KERNELS.decode_tiles and (KERNELS.extend_attention is not None) == HAS_TILES
+    assert "AMX tiles not used" in cpu_kernels.kernels_note(kernels) or not GEMMS
+
+
 @each_gemm
 def test_pack_lays_out_16_columns_by_32_k_per_tile(gemm):
     w = torch.arange(40 * 64, dtype=torch.float32).view(40, 64).to(torch.bfloat16)

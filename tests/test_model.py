@@ -192,6 +192,40 @@ def test_bf16_decode_attention_runs_on_amx_tiles():
     assert calls == [1] * (3 * hf.config.num_hidden_layers)
 
 
+def test_no_amx_runs_the_paths_of_a_cpu_without_amx():
+    """worker.cpu_kernels = "no_amx": the packed GEMMs on AVX512-BF16 vectors, SDPA for prefill
+    and decode attention off the tiles, as on a CPU without AMX, with logits close to fp32
+    transformers (on such a CPU "auto" takes these paths by itself)."""
+    hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                      num_key_value_heads=1))
+    runner = _runner(hf, dtype=torch.bfloat16, packed_weights=True, cpu_kernels="no_amx")
+    kernels, backend = runner.cpu_kernels, runner.model.attn_backend
+    if kernels is None or kernels.gemm is None:
+        pytest.skip("no C GEMM kernel here (no C compiler, or no AVX512-BF16)")
+    assert not kernels.gemm.tiles and not kernels.decode_tiles and kernels.extend_attention is None
+    assert backend.extend_kernel is None and not backend.decode_tiles
+    flags: list[int] = []
+    real = backend.decode_kernel
+    backend.decode_kernel = lambda *args: flags.append(args[-1]) or real(*args)  # the tiles flag
+    rows: list[int] = []
+    for name in ("linear", "gate_up"):
+        real_gemm = getattr(kernels.gemm, name)
+        setattr(kernels.gemm, name, lambda x, *a, real_gemm=real_gemm, **kw: rows.append(x.shape[0]) or real_gemm(x, *a, **kw))
+    prompt_lens = [5, 40, 17]
+    reqs = _new_reqs(runner, [n + 2 for n in prompt_lens])
+    out = runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))
+    _check_last(hf, out, reqs, atol=0.15)
+    for _ in range(2):
+        out = runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE))
+        _check_last(hf, out, reqs, atol=0.15)
+    layers = hf.config.num_hidden_layers
+    assert flags and set(flags) == {0}
+    # on the vectors: the prefill's layer GEMMs (62 rows) and LM head (3), each decode step's GEMMs and LM head
+    assert rows.count(62) == 4 * layers and rows.count(3) == 1 + 2 * (4 * layers + 1)
+    auto = _runner(hf, dtype=torch.bfloat16, packed_weights=True)
+    assert auto.model.attn_backend.decode_tiles and auto.cpu_kernels.decode_tiles
+
+
 def test_decode_steps_match_hf(hf_model, runner):
     prompt_lens = [3, 17, 9, 40, 1]
     num_steps = 4

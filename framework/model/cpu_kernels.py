@@ -348,6 +348,8 @@ class CpuKernels:
     gemm: PackedGemm | None = None
     # bf16 prefill attention on AMX tiles (ctypes function); None: PyTorch's SDPA
     extend_attention: Any = None
+    # bf16 decode attention may take the AMX tiles where the CPU has them (TorchNativeAttention.decode_tiles)
+    decode_tiles: bool = True
 
 
 def kernels_note(kernels: CpuKernels) -> str:
@@ -357,19 +359,25 @@ def kernels_note(kernels: CpuKernels) -> str:
         return (f", bf16 GEMMs of up to {kernels.gemm.rows} rows{prefill} and bf16 decode attention (up to 16 "
                 "query heads) on AMX tiles")
     if kernels.gemm is not None:
-        return f", bf16 GEMMs of up to {kernels.gemm.rows} rows on AVX512-BF16"
+        amx_off = "" if kernels.decode_tiles else " (AMX tiles not used: worker.cpu_kernels = 'no_amx')"
+        return f", bf16 GEMMs of up to {kernels.gemm.rows} rows on AVX512-BF16{amx_off}"
     return "; no AVX512-BF16: oneDNN does every GEMM"
 
 
 def pick(setting: str, device: str) -> CpuKernels | None:
-    """The C kernels for worker.cpu_kernels ("auto", "on", "off") on `device`; None: PyTorch only."""
+    """The C kernels for worker.cpu_kernels ("auto", "on", "off", "no_amx") on `device`; None:
+    PyTorch only. "no_amx" is "auto" without the AMX tiles: the paths a CPU with AVX512-BF16 but
+    no AMX takes (the packed GEMMs on vectors, SDPA for prefill, decode attention on vectors)."""
     if setting == "off":
         return None
     kernels = None
     if str(device) == "cpu":
         decode, fused = load_decode_kernel(), load("fused_ops")
         if decode is not None and fused is not None:
-            kernels = CpuKernels(decode, FusedOps(fused), load_packed_gemm(), load_extend_kernel())
+            if setting == "no_amx":
+                kernels = CpuKernels(decode, FusedOps(fused), load_packed_gemm(tiles=False), None, decode_tiles=False)
+            else:
+                kernels = CpuKernels(decode, FusedOps(fused), load_packed_gemm(), load_extend_kernel())
     if kernels is None and setting == "on":
         raise RuntimeError(
             f"worker.cpu_kernels = 'on' but the C kernels are unavailable on {device!r} (they need a CPU "

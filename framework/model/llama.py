@@ -252,6 +252,7 @@ def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
         if isinstance(module, (Linear, RowParallelLinear, LlamaMLP, LlamaForCausalLM)):
             module.kernels = kernels
     model.attn_backend.use_decode_kernel(kernels.decode_attention if kernels else None)
+    model.attn_backend.decode_tiles = kernels is None or kernels.decode_tiles
     model.attn_backend.use_extend_kernel(kernels.extend_attention if kernels else None)
 
 

@@ -46,7 +46,7 @@ class ModelRunner:
         max_running_requests: request slots; default as in the reference (P3), capped on CPU.
         context_length: overrides the model's max_position_embeddings.
         lora_paths: LoRA adapters to serve, {name: PEFT folder} (framework/model/lora.py).
-        cpu_kernels: worker.cpu_kernels: "auto", "on" or "off".
+        cpu_kernels: worker.cpu_kernels: "auto", "on", "off" or "no_amx".
         packed_weights: worker.packed_weights: prepack bf16 linear weights for oneDNN on CPU.
     """
 

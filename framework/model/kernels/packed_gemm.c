@@ -78,7 +78,7 @@ typedef struct {
     int64_t begin, end; /* units of column blocks: see run_units and run_units_vec */
 } Units;
 
-#define PANEL_BYTES (768 << 10) /* of x at a time: a share of the 2 MiB L2 (run_units) */
+#define PANEL_BYTES (768 << 10) /* of x at a time: a share of the 2 MiB L2 (run_units, run_units_vec) */
 
 /* The epilogues run once per output, so they matter at a few hundred rows: one instruction for
  * the bf16 rounding (to_bf16x16, common.h) and a reciprocal refined by one Newton step (~23 bits)
