@@ -70,8 +70,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     `kernels.gemm.rows` rows run on the packed GEMM kernel instead, from `tiles` (weight's copy
     in its layout)."""
     if packed is not None and x.dtype == torch.bfloat16:
-        if kernels is not None and bias is None and tiles is not None and kernels.gemm.supports(x, tiles):
-            return kernels.gemm.linear(x, tiles, weight.shape[0])
+        gemm = kernels.gemm if kernels is not None and bias is None and tiles is not None else None
+        if gemm is not None and gemm.supports(x, tiles):
+            return gemm.linear(x, tiles, weight.shape[0])
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
@@ -185,7 +186,7 @@ class LlamaMLP(nn.Module):
             gate_up, down = self.gate_up_proj.tiles, self.down_proj.tiles
             # (the gate-up epilogue takes whole blocks of 16 columns)
             if (gate_up is not None and down is not None and self.intermediate_size % 16 == 0
-                    and kernels.gemm.supports(x, gate_up)):
+                    and kernels.gemm is not None and kernels.gemm.supports(x, gate_up)):
                 act = kernels.gemm.gate_up(x, gate_up, self.intermediate_size)
                 return kernels.gemm.linear(act, down, self.down_proj.out_features, add=residual)
         # The GEMMs run at gemm_rows(m) rows: x (and the residual) are padded once, not per call.
@@ -259,9 +260,9 @@ def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
 def use_packed_weights(model: "LlamaForCausalLM", enabled: bool) -> int:
     """Give every bf16 linear layer of `model` (and the LM head) a prepacked copy of its weight for
     oneDNN, and one in the packed GEMM kernel's layout where the model has that kernel
-    (`use_cpu_kernels` first), or drop them (`enabled` False); returns how many weights were packed for oneDNN. The
-    copies are not parameters: they cost memory beside the weights (~270 MB each for SmolLM2) and
-    are rebuilt with the model (`update_weights` builds a new one)."""
+    (`use_cpu_kernels` first), or drop them (`enabled` False); returns how many weights were
+    packed for oneDNN. The copies are not parameters: they cost memory beside the weights (~270 MB
+    each for SmolLM2) and are rebuilt with the model (`update_weights` builds a new one)."""
     gemm = model.kernels.gemm if enabled and model.kernels is not None else None
 
     def tiles(weight: torch.Tensor) -> torch.Tensor | None:
