@@ -194,6 +194,28 @@ def read_lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def test_records_name_the_cpu_kind_and_a_capped_onednn(monkeypatch, tmp_path):
+    """Under a hypervisor CPUs of different kinds share one model name: a record also says the
+    vendor, family, model and the kernels' instruction sets, and when oneDNN was held below the
+    CPU (the no-AMX proxy)."""
+    from framework.bench import results
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+                       "model name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse4_2\n\n"
+                       "processor\t: 1\nflags\t\t: amx_bf16\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    kind = results.cpu_kind()
+    assert kind == {"vendor": "AuthenticAMD", "family": "25", "model": "17", "isa": ["avx2", "avx512f", "avx512_bf16"],
+                    "onednn_max_cpu_isa": "AVX512_CORE_BF16"}
+    assert results.cpu_model() == "AMD EPYC 9R14"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert results.hardware_info("bfloat16")["cpu_kind"]["onednn_max_cpu_isa"] is None
+
+
 def test_offline_both_backends_write_records(bench_model, tmp_path):
     out = tmp_path / "results.jsonl"
     argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
@@ -209,6 +231,7 @@ def test_offline_both_backends_write_records(bench_model, tmp_path):
         assert m["output_throughput"] == pytest.approx(30 / m["duration_s"])
         hw = record["hardware"]
         assert hw["dtype"] == "float32" and hw["cores"] >= 1 and hw["torch"] and "cpu" in hw
+        assert set(hw["cpu_kind"]) == {"vendor", "family", "model", "isa", "onednn_max_cpu_isa"}
         assert 0.0 <= hw["other_cpu_busy"] <= 1.0
         assert record["args"]["num_prompts"] == 5 and record["workload"]["num_requests"] == 5
     assert ours["engine_settings"]["model"]["path"] == bench_model

@@ -25,6 +25,35 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+# The instruction sets that decide which kernels run (framework/model/cpu_kernels.py), as /proc/cpuinfo names them.
+_KERNEL_ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_kind() -> dict[str, Any]:
+    """What the model name leaves out: under a hypervisor different CPUs report the same name
+    ("Intel(R) Xeon(R) Processor"), so records also carry the vendor, family and model, which of
+    the kernels' instruction sets the CPU has (`isa`), and an ONEDNN_MAX_CPU_ISA in the
+    environment (a run with oneDNN held below the CPU, as the no-AMX proxy in docs/performance.md)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first CPU is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    return {
+        "vendor": fields.get("vendor_id"),
+        "family": fields.get("cpu family"),
+        "model": fields.get("model"),
+        "isa": [name for name in _KERNEL_ISA if name in flags],
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"),
+    }
+
+
 def _busy_cpu_seconds() -> float | None:
     """CPU seconds all processes of the machine spent busy since boot (from /proc/stat)."""
     try:
@@ -76,7 +105,7 @@ class ContentionMeter:
 
 
 def hardware_info(dtype: str | None = None, meter: ContentionMeter | None = None) -> dict[str, Any]:
-    """CPU, cores, threads, library versions and the dtype measured.
+    """CPU (its name and `cpu_kind`), cores, threads, library versions and the dtype measured.
 
     With a `meter`, also the share of CPU other processes used meanwhile (`ContentionMeter`).
     """
@@ -90,6 +119,7 @@ def hardware_info(dtype: str | None = None, meter: ContentionMeter | None = None
         tf_version = None
     info = {
         "cpu": cpu_model(),
+        "cpu_kind": cpu_kind(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
