@@ -13,16 +13,24 @@ import time
 from typing import Any
 
 
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo ("" where there is none)."""
+def _first_cpu() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ("model name", "flags", ...; empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first CPU is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor()
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (platform.processor() where there is none)."""
+    return _first_cpu().get("model name") or platform.processor()
 
 
 # The instruction sets that decide which kernels run (framework/model/cpu_kernels.py), as /proc/cpuinfo names them.
@@ -34,16 +42,7 @@ def cpu_kind() -> dict[str, Any]:
     ("Intel(R) Xeon(R) Processor"), so records also carry the vendor, family and model, which of
     the kernels' instruction sets the CPU has (`isa`), and an ONEDNN_MAX_CPU_ISA in the
     environment (a run with oneDNN held below the CPU, as the no-AMX proxy in docs/performance.md)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first CPU is enough
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
+    fields = _first_cpu()
     flags = set(fields.get("flags", "").split())
     return {
         "vendor": fields.get("vendor_id"),
