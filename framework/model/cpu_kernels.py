@@ -374,10 +374,9 @@ def pick(setting: str, device: str) -> CpuKernels | None:
     if str(device) == "cpu":
         decode, fused = load_decode_kernel(), load("fused_ops")
         if decode is not None and fused is not None:
-            if setting == "no_amx":
-                kernels = CpuKernels(decode, FusedOps(fused), load_packed_gemm(tiles=False), None, decode_tiles=False)
-            else:
-                kernels = CpuKernels(decode, FusedOps(fused), load_packed_gemm(), load_extend_kernel())
+            amx = setting != "no_amx"
+            kernels = CpuKernels(decode, FusedOps(fused), load_packed_gemm(None if amx else False),
+                                 load_extend_kernel() if amx else None, decode_tiles=amx)
     if kernels is None and setting == "on":
         raise RuntimeError(
             f"worker.cpu_kernels = 'on' but the C kernels are unavailable on {device!r} (they need a CPU "
