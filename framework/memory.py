@@ -42,8 +42,18 @@ class ReqToTokenPool:
         self.free_slots = list(range(self.size))
 
 
+# The largest finite float8_e5m2: K/V beyond it are stored as it, not as inf (torch's cast gives inf,
+# which would turn a whole softmax into NaN).
+E5M2_MAX = 57344.0
+
+
 class TokenToKVPool:
-    """KV slots for a multi-head-attention model: per layer `[size + 1, kv_heads, head_dim]` K and V."""
+    """KV slots for a multi-head-attention model: per layer `[size + 1, kv_heads, head_dim]` K and V.
+
+    `dtype` is what the cache holds: float32, bfloat16 or float8_e5m2. float8_e5m2 is stored as
+    uint8 (`store_dtype`, as the reference does); readers view those rows as float8_e5m2 and widen
+    them (`widen_kv`), the C kernels decode the bytes themselves.
+    """
 
     def __init__(
         self,
@@ -56,16 +66,17 @@ class TokenToKVPool:
     ):
         self.size = size
         self.dtype = dtype
+        self.store_dtype = torch.uint8 if dtype == torch.float8_e5m2 else dtype
         self.device = device
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_layers = num_layers
         self.k_buffer = [
-            torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
+            torch.zeros((size + 1, num_kv_heads, head_dim), dtype=self.store_dtype, device=device)
             for _ in range(num_layers)
         ]
         self.v_buffer = [
-            torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
+            torch.zeros((size + 1, num_kv_heads, head_dim), dtype=self.store_dtype, device=device)
             for _ in range(num_layers)
         ]
         self._free_group: list[torch.Tensor] | None = None
@@ -110,5 +121,18 @@ class TokenToKVPool:
         self._free_group = None
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = self._stored(k)
+        self.v_buffer[layer_id][loc] = self._stored(v)
+
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        if self.store_dtype != torch.uint8:
+            return x.to(self.dtype)
+        return x.clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2).view(torch.uint8)
+
+
+def widen_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows read from a pool's K/V buffers, in a dtype attention computes in: the float8_e5m2
+    bytes of an fp8 pool widened to `dtype`, other pools' rows as they are."""
+    if rows.dtype == torch.uint8:
+        return rows.view(torch.float8_e5m2).to(dtype)
+    return rows

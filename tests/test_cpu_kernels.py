@@ -13,6 +13,7 @@ import torch
 
 import torch.nn.functional as F
 
+from framework.memory import widen_kv
 from framework.model import cpu_kernels
 from framework.model.attention import TorchNativeAttention, _KernelDecode
 from framework.model.cpu_kernels import load_decode_kernel
@@ -24,12 +25,17 @@ KERNELS = cpu_kernels.pick("auto", "cpu")
 needs_kernel = pytest.mark.skipif(KERNELS is None, reason="no C compiler on this machine")
 
 
+def _as_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a KV pool of `dtype` holds it (float8_e5m2 as its bytes, see TokenToKVPool)."""
+    return x.to(dtype).view(torch.uint8) if dtype == torch.float8_e5m2 else x.to(dtype)
+
+
 def _scattered_pool(lens, kv_heads, head_dim, dtype, seed=0):
     """A KV pool and request-to-token table where each request's slots are scattered at random."""
     gen = torch.Generator().manual_seed(seed)
     slots = sum(lens) + 1
-    k = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
+    k = _as_pool(torch.randn(slots, kv_heads, head_dim, generator=gen), dtype)
+    v = _as_pool(torch.randn(slots, kv_heads, head_dim, generator=gen), dtype)
     perm = torch.randperm(slots - 1, generator=gen) + 1  # slot 0 is the dummy slot
     req_to_token = torch.zeros(len(lens) + 3, max(lens) + 5, dtype=torch.int64)
     pool_idx = torch.randperm(req_to_token.shape[0], generator=gen)[: len(lens)]
@@ -43,6 +49,7 @@ def _scattered_pool(lens, kv_heads, head_dim, dtype, seed=0):
 def _reference(q, k, v, req_to_token, pool_idx, lens, group, scale):
     """[n, heads, D] float64: each query attends to its request's slots, one KV head per group."""
     out = torch.empty(q.shape, dtype=torch.float64)
+    k, v = widen_kv(k, torch.float32), widen_kv(v, torch.float32)
     for i, n in enumerate(lens):
         slots = req_to_token[pool_idx[i], :n]
         kk = k[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, n, D]
@@ -55,12 +62,14 @@ def _reference(q, k, v, req_to_token, pool_idx, lens, group, scale):
 @needs_kernel
 @pytest.mark.parametrize(
     "q_dtype,kv_dtype,atol",
-    [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2), (torch.float32, torch.bfloat16, 1e-4)],
+    [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2), (torch.float32, torch.bfloat16, 1e-4),
+     (torch.bfloat16, torch.float8_e5m2, 2e-2), (torch.float32, torch.float8_e5m2, 1e-4)],
 )
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tiles", [True, False])
 def test_kernel_matches_reference(q_dtype, kv_dtype, atol, threads, tiles, monkeypatch):
-    """Both paths of bf16 requests: AMX tiles where the CPU has them (tiles) and the vector code."""
+    """Both paths of bf16 requests: AMX tiles where the CPU has them (tiles) and the vector code;
+    an fp8 pool (float8_e5m2 bytes) against attention over its values."""
     heads, kv_heads, head_dim = 9, 3, 64  # SmolLM2's grouping: 3 query heads per KV head
     lens = [1, 2, 37, 300, 5, 129, 64, 1000]
     k, v, req_to_token, pool_idx = _scattered_pool(lens, kv_heads, head_dim, kv_dtype)
@@ -74,6 +83,36 @@ def test_kernel_matches_reference(q_dtype, kv_dtype, atol, threads, tiles, monke
     assert out.dtype == q_dtype and out.shape == (len(lens), heads * head_dim)
     ref = _reference(q, k, v, req_to_token, pool_idx, lens, heads // kv_heads, head_dim**-0.5)
     torch.testing.assert_close(out.double().view(ref.shape), ref, atol=atol, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tiles,d", [(True, 64), (False, 64), (False, 32)])
+def test_every_finite_e5m2_value_is_read_as_itself(q_dtype, tiles, d):
+    """One-token requests return their V row: every finite float8_e5m2 byte (both signs, zero,
+    the subnormals, the largest) comes back as its value, on each path (the tiles and the
+    AVX512-BF16 scores widen bytes to bf16 in integer steps, the fp32 vector code through fp16,
+    head_dim 32 the scalar code). The bf16 widening flushes e5m2's subnormals (|x| < 6.2e-5) to zero."""
+    finite = torch.tensor([b for b in range(256) if b & 0x7C != 0x7C], dtype=torch.uint8)
+    kv_heads, heads = 3, 9
+    n = -(-finite.numel() // (kv_heads * d))  # one-token requests, in slots 1..n
+    v = torch.zeros(n + 1, kv_heads, d, dtype=torch.uint8)
+    v.view(-1)[kv_heads * d : kv_heads * d + finite.numel()] = finite
+    k = torch.zeros_like(v)
+    req_to_token = torch.arange(1, n + 1).view(n, 1)
+    attn = TorchNativeAttention(heads, kv_heads, d)
+    attn.use_decode_kernel(KERNEL)
+    attn.decode_tiles = tiles
+    q = torch.ones(n, heads, d, dtype=q_dtype)
+    out = attn._kernel_decode(q, k, v, _KernelDecode(None, req_to_token, torch.arange(n), torch.ones(n, dtype=torch.int64)))
+    want = widen_kv(v[1:], torch.float32).repeat_interleave(heads // kv_heads, dim=1).reshape(n, -1)
+    if tiles and q_dtype == torch.bfloat16 and _decode_uses_tiles(heads, kv_heads, d):
+        torch.testing.assert_close(out.float(), want, atol=6.2e-5, rtol=0)  # subnormals flushed
+        normal = want.abs() >= 2.0**-14
+        assert torch.equal(out.float()[normal], want[normal])
+    else:
+        assert torch.equal(out.float(), want)
+    assert want.abs().max() == 57344.0 and 0 < want.abs()[want != 0].min() < 2.0**-14
 
 
 @needs_kernel
@@ -415,6 +454,7 @@ needs_extend = pytest.mark.skipif(EXTEND is None, reason="no C compiler or no AM
 def _extend_reference(q, k_pool, v_pool, slots, prefix_len):
     """fp32 causal attention of q [L, heads, 64] over the pool's slots, the prefix all visible."""
     heads, kv_heads = q.shape[1], k_pool.shape[1]
+    k_pool, v_pool = widen_kv(k_pool, torch.float32), widen_kv(v_pool, torch.float32)
     k = k_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
     v = v_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
     seq_len = slots.numel()
@@ -424,21 +464,23 @@ def _extend_reference(q, k_pool, v_pool, slots, prefix_len):
 
 
 @needs_extend
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("ext_len,prefix_len,heads,kv_heads", [(37, 0, 9, 3), (2, 0, 4, 4), (16, 0, 9, 3),
                                                                  (100, 45, 9, 3), (17, 300, 8, 1), (300, 7, 6, 2)])
-def test_extend_attention_matches_fp32(ext_len, prefix_len, heads, kv_heads):
-    """Against fp32 attention of the same bf16 inputs, within bf16 rounding (P is rounded to bf16
-    before P V, as torch's flash attention does): query blocks cut at 16, key blocks at 32, a
-    cached prefix, grouped-query heads, slots scattered over the pool; rows are read with the
-    pass's stride and written into a strided output."""
+def test_extend_attention_matches_fp32(ext_len, prefix_len, heads, kv_heads, kv_dtype):
+    """Against fp32 attention of the same bf16 inputs (or the fp8 pool's values), within bf16
+    rounding (P is rounded to bf16 before P V, as torch's flash attention does): query blocks cut
+    at 16, key blocks at 32, a cached prefix, grouped-query heads, slots scattered over the pool;
+    rows are read with the pass's stride and written into a strided output."""
     gen = torch.Generator().manual_seed(ext_len * 7 + prefix_len)
     pool = 1200
-    k_pool, v_pool = _bf16(gen, pool, kv_heads, 64), _bf16(gen, pool, kv_heads, 64)
+    k_pool, v_pool = _as_pool(_bf16(gen, pool, kv_heads, 64), kv_dtype), _as_pool(_bf16(gen, pool, kv_heads, 64), kv_dtype)
     slots = torch.randperm(pool, generator=gen)[: prefix_len + ext_len]
     q = _bf16(gen, ext_len, heads + 1, 64, scale=2.0)[:, :heads]  # strided rows
     out = torch.full((ext_len, heads + 2, 64), float("nan"), dtype=torch.bfloat16)
-    rc = EXTEND(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(),
-                prefix_len + ext_len, prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads, 64, 0.125, 2)
+    rc = EXTEND(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), cpu_kernels.kv_format(k_pool),
+                slots.data_ptr(), prefix_len + ext_len, prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads,
+                64, 0.125, 2)
     assert rc == 0
     ref = _extend_reference(q, k_pool, v_pool, slots, prefix_len)
     torch.testing.assert_close(out[:, :heads].float(), ref, atol=2e-2, rtol=2e-2)
@@ -450,29 +492,30 @@ def test_extend_attention_refuses_what_it_cannot_do():
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     pool, slots = torch.zeros(8, 1, 64, dtype=torch.bfloat16), torch.arange(4)
 
-    def call(heads=2, kv_heads=1, head_dim=64, seq_len=4, prefix_len=0):
+    def call(heads=2, kv_heads=1, head_dim=64, seq_len=4, prefix_len=0, kv_fmt=1):
         out = torch.zeros_like(q)
-        return EXTEND(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.data_ptr(), slots.data_ptr(), seq_len,
+        return EXTEND(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.data_ptr(), kv_fmt, slots.data_ptr(), seq_len,
                       prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads, head_dim, 0.125, 2)
 
-    assert call() == 0
+    assert call() == 0 and call(kv_fmt=2) == 0
     assert call(head_dim=32) == -1 and call(heads=3, kv_heads=2) == -1 and call(prefix_len=4) == -1
+    assert call(kv_fmt=0) == -1  # an fp32 pool
 
 
 # -- decode attention on AMX tiles (amx_request in kernels/decode_attention.c) ----------------------
 
-def _decode_uses_tiles(heads, kv_heads, head_dim=64, bf16=True) -> bool:
+def _decode_uses_tiles(heads, kv_heads, head_dim=64, bf16=True, kv_fmt=None) -> bool:
     lib = cpu_kernels.load("decode_attention")
-    return bool(lib.decode_attention_tiles(heads, kv_heads, head_dim, int(bf16), int(bf16)))
+    return bool(lib.decode_attention_tiles(heads, kv_heads, head_dim, int(bf16), int(bf16) if kv_fmt is None else kv_fmt))
 
 
-def _prompt_then_decode_pool(lens, kv_heads, decoded, seed):
-    """A bf16 pool laid out as a server leaves it: each request's prompt in consecutive slots (read
-    by the tiles in place), then its last `decoded` tokens one slot per step, interleaved with the
-    other requests' (copied out 16 at a time)."""
+def _prompt_then_decode_pool(lens, kv_heads, decoded, seed, dtype=torch.bfloat16):
+    """A pool laid out as a server leaves it: each request's prompt in consecutive slots (read by
+    the tiles in place from a bf16 pool), then its last `decoded` tokens one slot per step,
+    interleaved with the other requests' (copied out 16 at a time)."""
     gen = torch.Generator().manual_seed(seed)
     slots = sum(lens) + 1
-    k, v = _bf16(gen, slots, kv_heads, 64), _bf16(gen, slots, kv_heads, 64)
+    k, v = _as_pool(_bf16(gen, slots, kv_heads, 64), dtype), _as_pool(_bf16(gen, slots, kv_heads, 64), dtype)
     req_to_token = torch.zeros(len(lens), max(lens) + 3, dtype=torch.int64)
     nxt = 1
     prompts = [max(n - decoded, 0) for n in lens]
@@ -488,15 +531,17 @@ def _prompt_then_decode_pool(lens, kv_heads, decoded, seed):
 
 
 @needs_tiles
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (15, 5), (16, 16), (8, 1), (4, 4)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_on_tiles_matches_reference(heads, kv_heads, threads, monkeypatch):
+def test_decode_attention_on_tiles_matches_reference(heads, kv_heads, threads, kv_dtype, monkeypatch):
     """Within bf16 rounding of float64 attention (P is rounded to bf16 before P V): blocks of 16
     tokens cut anywhere (1, 15, 16, 17, 33 tokens), prompts read in place and decoded tokens
-    copied out, every grouping the tiles take (up to 16 query heads)."""
+    copied out (an fp8 pool's rows always, widened), every grouping the tiles take (up to 16
+    query heads)."""
     assert _decode_uses_tiles(heads, kv_heads)
     lens = [1, 15, 16, 17, 33, 300, 129, 1000]
-    k, v, req_to_token, pool_idx = _prompt_then_decode_pool(lens, kv_heads, decoded=40, seed=heads)
+    k, v, req_to_token, pool_idx = _prompt_then_decode_pool(lens, kv_heads, decoded=40, seed=heads, dtype=kv_dtype)
     q = _bf16(torch.Generator().manual_seed(5), len(lens), heads, 64, scale=2.0)
     attn = TorchNativeAttention(heads, kv_heads, 64)
     attn.use_decode_kernel(KERNEL)
@@ -508,7 +553,8 @@ def test_decode_attention_on_tiles_matches_reference(heads, kv_heads, threads, m
 
 @needs_tiles
 def test_decode_attention_keeps_the_vector_code_where_the_tiles_do_not_fit():
-    assert _decode_uses_tiles(9, 3)
+    assert _decode_uses_tiles(9, 3) and _decode_uses_tiles(9, 3, kv_fmt=2)  # bf16 and e5m2 pools
+    assert not _decode_uses_tiles(9, 3, kv_fmt=0)  # an fp32 pool
     assert not _decode_uses_tiles(32, 8)  # more query heads than a tile's 16 columns
     assert not _decode_uses_tiles(9, 3, head_dim=128)
     assert not _decode_uses_tiles(9, 3, bf16=False)

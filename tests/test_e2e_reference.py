@@ -87,8 +87,10 @@ def test_greedy_matches_transformers(default_model_folder, hf_model, prompts, hf
         engine.shutdown()
 
 
-def test_bf16_capital_of_france(default_model_folder):
-    engine = Engine(model={"path": default_model_folder, "dtype": "bfloat16"}, cache={"max_total_tokens": 4096})
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype):
+    engine = Engine(model={"path": default_model_folder, "dtype": "bfloat16", "kv_cache_dtype": kv_cache_dtype},
+                    cache={"max_total_tokens": 4096})
     try:
         tok = engine.tokenizer
         prompt = tok.apply_chat_template(

@@ -156,7 +156,7 @@ def test_bf16_prefill_attention_runs_on_the_amx_kernel():
         pytest.skip("no prefill attention kernel here (no C compiler or no AMX tiles)")
     calls: list[int] = []
     real = backend.extend_kernel
-    backend.extend_kernel = lambda *args: calls.append(args[5]) or real(*args)  # the KV length
+    backend.extend_kernel = lambda *args: calls.append(args[6]) or real(*args)  # the KV length
     reqs = _new_reqs(runner, [40, 23])
     out = runner.forward(_batch(runner, reqs, [21, 23], ForwardMode.EXTEND))
     _check_last(hf, out, reqs, atol=0.1)
@@ -190,6 +190,35 @@ def test_bf16_decode_attention_runs_on_amx_tiles():
         out = runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE))
         _check_last(hf, out, reqs, atol=0.15)  # the vector path is off by up to ~0.1 here too
     assert calls == [1] * (3 * hf.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_fp8_kv_cache_is_read_alike_by_the_kernels_and_pytorch(dtype):
+    """A float8_e5m2 KV pool (model.kv_cache_dtype = "fp8_e5m2"): prefill (AMX kernel or SDPA) and
+    decode (C kernel, tiles or vectors, or PyTorch's dense decode) read the same e5m2 values, so
+    the kernels' logits match PyTorch's (in fp32 to 1e-4); both stay near fp32 transformers (e5m2
+    keeps 2 mantissa bits of K and V)."""
+    hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                      num_key_value_heads=1))
+    logits = {}
+    for kernels in ("auto", "off"):
+        runner = _runner(hf, dtype=dtype, cpu_kernels=kernels, kv_dtype=torch.float8_e5m2)
+        pool = runner.token_to_kv_pool
+        assert pool.dtype == torch.float8_e5m2 and pool.k_buffer[0].dtype == torch.uint8
+        prompt_lens = [5, 40, 17]
+        reqs = _new_reqs(runner, [n + 3 for n in prompt_lens])
+        steps = [runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))]
+        for _ in range(3):
+            steps.append(runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE)))
+        for i, r in enumerate(reqs):  # e5m2 (steps of 12-25 %) moves single logits by up to ~1 here:
+            ref = _hf_logits(hf, r.tokens[: r.done])[-1]  # cosines 0.98-0.993 (a bf16 pool: 0.9999)
+            assert F.cosine_similarity(steps[-1].next_token_logits[i].float(), ref, dim=0) > 0.97
+        logits[kernels] = torch.stack([out.next_token_logits for out in steps])
+    if _runner(hf, dtype=dtype, kv_dtype=torch.float8_e5m2).cpu_kernels is None:
+        pytest.skip("no C kernels here (no C compiler)")
+    # In bf16 the two paths' K/V differ by bf16 roundings before they are rounded to e5m2, which now
+    # and then lands them a whole e5m2 step apart: up to 0.12 here (0.08 with a bf16 pool).
+    torch.testing.assert_close(logits["auto"], logits["off"], atol=0.2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
 
 
 def test_no_amx_runs_the_paths_of_a_cpu_without_amx():

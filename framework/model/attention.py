@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from framework.batch import ModelWorkerBatch
-from framework.memory import ReqToTokenPool, TokenToKVPool
+from framework.memory import ReqToTokenPool, TokenToKVPool, widen_kv
 from framework.model.cpu import to_float32
+from framework.model.cpu_kernels import kv_format
 
 
 @dataclass
@@ -391,16 +392,16 @@ class TorchNativeAttention:
         n = len(group.pool_idx)
         if plan.gather_idx is not None:
             shape = (n, kvh, plan.max_len, d)
-            k_dense = _with_zero_tail(k_buf.view(-1, d).index_select(0, plan.gather_idx).view(shape), group.cap)
-            v_dense = _with_zero_tail(v_buf.view(-1, d).index_select(0, plan.gather_idx).view(shape), group.cap)
+            k_dense = _with_zero_tail(self._rows(k_buf, plan.gather_idx, q).view(shape), group.cap)
+            v_dense = _with_zero_tail(self._rows(v_buf, plan.gather_idx, q).view(shape), group.cap)
             group.k[layer_id], group.v[layer_id] = k_dense, v_dense
         else:
             k_dense, v_dense = group.k[layer_id], group.v[layer_id]
             if plan.grow_from is not None:
                 k_dense, v_dense = _grown(k_dense, group.cap), _grown(v_dense, group.cap)
                 group.k[layer_id], group.v[layer_id] = k_dense, v_dense
-            k_dense.view(-1, d).index_copy_(0, plan.append_dst, k_buf.view(-1, d).index_select(0, plan.append_src))
-            v_dense.view(-1, d).index_copy_(0, plan.append_dst, v_buf.view(-1, d).index_select(0, plan.append_src))
+            k_dense.view(-1, d).index_copy_(0, plan.append_dst, self._rows(k_buf, plan.append_src, q))
+            v_dense.view(-1, d).index_copy_(0, plan.append_dst, self._rows(v_buf, plan.append_src, q))
         # Attend over the whole capacity: contiguous [n * kv_heads, cap, D] operands are several
         # times faster in bmm than a [:max_len] slice (which matmul copies), and the zero
         # positions beyond each row's length are masked by the bias.
@@ -477,13 +478,18 @@ class TorchNativeAttention:
         """
         n, max_len = group.num_reqs, group.max_len
         kvh, d = self.num_kv_heads, self.head_dim
-        k = k_buf.view(-1, d).index_select(0, group.kv_indices).view(n, kvh, max_len, d)
-        v = v_buf.view(-1, d).index_select(0, group.kv_indices).view(n, kvh, max_len, d)
+        k = self._rows(k_buf, group.kv_indices, q).view(n, kvh, max_len, d)
+        v = self._rows(v_buf, group.kv_indices, q).view(n, kvh, max_len, d)
         qg = q.reshape(n, kvh, self.group_size, d).to(k.dtype)
         scores = to_float32(torch.matmul(qg, k.transpose(2, 3)), copy=True).mul_(self.scaling).add_(group.bias)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)  # [n, kv_heads, group, D]
         return out.view(n, self.num_heads * d).to(q.dtype)
+
+    def _rows(self, buf: torch.Tensor, index: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of a K/V buffer viewed as [slots * kv_heads, head_dim] (an fp8 pool's
+        widened to q's dtype)."""
+        return widen_kv(buf.view(-1, self.head_dim).index_select(0, index), q.dtype)
 
     def _kernel_decode(self, q, k_buf, v_buf, plan: _KernelDecode) -> torch.Tensor:
         """[n, heads, D] one-token queries -> [n, heads * D], by the C kernel (fp32 softmax)."""
@@ -494,7 +500,7 @@ class TorchNativeAttention:
             q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), plan.req_to_token.data_ptr(),
             plan.req_to_token.stride(0), plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr(), out.data_ptr(),
             n, self.num_heads, self.num_kv_heads, self.head_dim, int(q.dtype == torch.bfloat16),
-            int(k_buf.dtype == torch.bfloat16), self.scaling, torch.get_num_threads(), int(self.decode_tiles),
+            kv_format(k_buf), self.scaling, torch.get_num_threads(), int(self.decode_tiles),
         )
         if rc != 0:
             raise MemoryError("decode attention kernel: out of memory for its scratch buffers")
@@ -503,12 +509,12 @@ class TorchNativeAttention:
     def _kernel_extend(self, q, k_buf, v_buf, req: _ExtendReq, out: torch.Tensor) -> bool:
         """`_extend_one` by the AMX kernel (`use_extend_kernel`) into `out` ([L, heads, D] rows of
         the pass's output); False where the kernel does not take it (PyTorch's turn then)."""
-        if (self.extend_kernel is None or q.dtype != torch.bfloat16 or k_buf.dtype != torch.bfloat16
+        if (self.extend_kernel is None or q.dtype != torch.bfloat16 or k_buf.dtype == torch.float32
                 or q.stride(2) != 1 or q.stride(1) != self.head_dim or out.stride(2) != 1
                 or out.stride(1) != self.head_dim):
             return False
         rc = self.extend_kernel(
-            q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), req.kv_indices.data_ptr(),
+            q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), kv_format(k_buf), req.kv_indices.data_ptr(),
             req.prefix_len + req.extend_len, req.prefix_len, out.data_ptr(), out.stride(0), self.num_heads,
             self.num_kv_heads, self.head_dim, self.scaling, torch.get_num_threads(),
         )
@@ -516,8 +522,8 @@ class TorchNativeAttention:
 
     def _extend_one(self, q, k_buf, v_buf, req: _ExtendReq) -> torch.Tensor:
         """Causal attention of one request's new tokens over its prefix and themselves."""
-        k = k_buf.index_select(0, req.kv_indices).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, S, D]
-        v = v_buf.index_select(0, req.kv_indices).transpose(0, 1).unsqueeze(0)
+        k = widen_kv(k_buf.index_select(0, req.kv_indices), q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, S, D]
+        v = widen_kv(v_buf.index_select(0, req.kv_indices), q.dtype).transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, heads, L, D]
         if req.mask is None:
             out = F.scaled_dot_product_attention(

@@ -28,6 +28,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
+# How the attention kernels read a KV pool's buffers, by their dtype (kernels/common.h's KV_F32,
+# KV_BF16, KV_E5M2; a float8_e5m2 pool stores uint8, see TokenToKVPool).
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread"]
 # Tried first: the kernels then split their work over torch's own OpenMP threads (kernels/common.h).
 OPENMP_FLAGS = ["-fopenmp"]
@@ -125,8 +128,13 @@ def load_extend_kernel():
         return None
     fn = lib.extend_attention
     fn.restype = _INT
-    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT, _INT, _FLOAT, _INT]
+    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _INT, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT, _INT, _FLOAT, _INT]
     return fn
+
+
+def kv_format(buf: torch.Tensor) -> int:
+    """The KV_FORMATS code of a pool buffer."""
+    return KV_FORMATS[buf.dtype]
 
 
 def load_decode_kernel():

@@ -28,6 +28,8 @@ from framework.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
+# What the KV pool can hold (model.kv_cache_dtype).
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e5m2)
 # KV budget when neither max_total_tokens nor kv_cache_memory_bytes is given.
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 # req_to_token is int64 [max_num_reqs + 1, context_len + 4]. The reference's 2048-4096 request
@@ -40,7 +42,9 @@ class ModelRunner:
 
     Args:
         model_path: a local HF folder (config.json + safetensors), see `loader.resolve_model`.
-        dtype: torch.float32 or torch.bfloat16, for weights, activations and the KV cache.
+        dtype: torch.float32 or torch.bfloat16, for weights, activations and (by default) the KV cache.
+        kv_dtype: the KV cache's dtype when not `dtype`: float32, bfloat16 or float8_e5m2 (half
+            the bytes of bf16, so twice the tokens in the same memory, at 2 mantissa bits).
         max_total_tokens: KV slots; when None, `kv_cache_memory_bytes // cell_size`.
         kv_cache_memory_bytes: KV budget in bytes (default 1 GiB when both are None).
         max_running_requests: request slots; default as in the reference (P3), capped on CPU.
@@ -63,12 +67,13 @@ class ModelRunner:
         lora_paths: dict[str, str] | None = None,
         cpu_kernels: str = "auto",
         packed_weights: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ):
         hf_config = load_hf_config(model_path)
         self._setup(
             hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
             max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
-            device, seed, lora_paths, cpu_kernels, packed_weights,
+            device, seed, lora_paths, cpu_kernels, packed_weights, kv_dtype,
         )
         self.model_path = model_path
 
@@ -94,12 +99,13 @@ class ModelRunner:
         lora_paths: dict[str, str] | None = None,
         cpu_kernels: str = "auto",
         packed_weights: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ) -> "ModelRunner":
         runner = cls.__new__(cls)
         runner._setup(
             hf_config, state_dict.items(), tokenizer, dtype, max_total_tokens,
             kv_cache_memory_bytes, max_running_requests, context_length, device, seed, lora_paths,
-            cpu_kernels, packed_weights,
+            cpu_kernels, packed_weights, kv_dtype,
         )
         runner.model_path = None
         return runner
@@ -119,9 +125,14 @@ class ModelRunner:
         lora_paths: dict[str, str] | None = None,
         cpu_kernels: str = "auto",
         packed_weights: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        kv_dtype = kv_dtype or dtype
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be float32, bfloat16 or float8_e5m2, got {kv_dtype}")
+        self.kv_dtype = kv_dtype
         torch.manual_seed(seed)
         if device == "cpu":
             tune_allocator()
@@ -202,7 +213,7 @@ class ModelRunner:
         cfg = self.model_config
         # Each rank stores only its own KV heads.
         self.num_local_kv_heads = cfg.num_kv_heads // self.par.attn_tp_size
-        cell_size = TokenToKVPool.cell_size(self.num_local_kv_heads, cfg.head_dim, cfg.num_layers, self.dtype)
+        cell_size = TokenToKVPool.cell_size(self.num_local_kv_heads, cfg.head_dim, cfg.num_layers, self.kv_dtype)
         if max_total_tokens is None or kv_cache_memory_bytes is not None:
             budget = kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
             by_memory = budget // cell_size
@@ -227,7 +238,7 @@ class ModelRunner:
             size=max_num_reqs + 1, max_context_len=self.context_len + 4, device=self.device
         )
         self.token_to_kv_pool = TokenToKVPool(
-            self.max_total_num_tokens, self.dtype, self.num_local_kv_heads, cfg.head_dim, cfg.num_layers,
+            self.max_total_num_tokens, self.kv_dtype, self.num_local_kv_heads, cfg.head_dim, cfg.num_layers,
             device=self.device,
         )
 

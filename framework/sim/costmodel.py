@@ -164,7 +164,7 @@ class RooflineCostModel:
 
     def __init__(self, model_config, dtype_bytes: int, hardware: Hardware, tp_size: int = 1,
                  flops_efficiency: float = 0.5, bandwidth_efficiency: float = 0.8,
-                 step_overhead_s: float = 0.0):
+                 step_overhead_s: float = 0.0, kv_dtype_bytes: int | None = None):
         cfg = model_config
         h, hd = cfg.hidden_size, cfg.head_dim
         attn_params = h * cfg.num_heads * hd * 2 + h * cfg.num_kv_heads * hd * 2
@@ -174,7 +174,7 @@ class RooflineCostModel:
         embed_params = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h  # a lookup: read, not multiplied
         self.weight_bytes = (self.num_layers * self.layer_params + self.lm_head_params + embed_params) * dtype_bytes
         self.attn_flops_per_pair = 4 * cfg.num_layers * cfg.num_heads * hd  # QK^T and PV
-        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * hd * dtype_bytes
+        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * hd * (kv_dtype_bytes or dtype_bytes)
         self.hidden_bytes = h * dtype_bytes
         self.hardware = hardware
         self.tp_size = tp_size
@@ -214,9 +214,10 @@ def resolve_hardware(name: str, profile_path: str | None) -> Hardware:
     return HARDWARE[name]
 
 
-def build_cost_model(sim, model_config, dtype_bytes: int, tp_size: int = 1):
+def build_cost_model(sim, model_config, dtype_bytes: int, tp_size: int = 1, kv_dtype_bytes: int | None = None):
     """The cost model `[plugin.sim]` (a `SimSettings`) names; `CostModelError` when it cannot be
-    built. Called when the sim worker starts, and by tools that check a grid before running it."""
+    built. Called when the sim worker starts, and by tools that check a grid before running it.
+    `kv_dtype_bytes`: the KV cache's element size where it differs from the weights'."""
     if sim.cost_model == "profile":
         if not sim.profile:
             raise CostModelError('plugin.sim.profile: cost_model = "profile" needs a profile file (make one with `batchyard sim calibrate`)')
@@ -224,5 +225,5 @@ def build_cost_model(sim, model_config, dtype_bytes: int, tp_size: int = 1):
     hardware = resolve_hardware(sim.hardware, sim.profile)
     return RooflineCostModel(
         model_config, dtype_bytes, hardware, tp_size, sim.flops_efficiency, sim.bandwidth_efficiency,
-        sim.step_overhead_s,
+        sim.step_overhead_s, kv_dtype_bytes,
     )

@@ -31,7 +31,7 @@ from framework.model.runner import DEFAULT_KV_CACHE_MEMORY_BYTES, MAX_REQ_TO_TOK
 from framework.sim.costmodel import BatchShape, CostModelError, build_cost_model, load_profile
 from framework.sim.hardware import FROM_PROFILE
 from framework.worker import BatchResult, ResolvedHandle
-from plugins.workers.tp import resolve_dtype
+from plugins.workers.tp import resolve_dtype, resolve_kv_dtype
 
 PLUGIN_KIND = "worker"
 SECTION = "sim"
@@ -80,7 +80,8 @@ def register_settings(register):
 def pool_sizes(cfg: ModelConfig, dtype: torch.dtype, context_len: int, tp_size: int, settings) -> tuple[int, int, int]:
     """(KV slots, request slots, KV heads per rank) as `ModelRunner` sizes them for these settings."""
     num_local_kv_heads = cfg.num_kv_heads // tp_size
-    cell_size = TokenToKVPool.cell_size(num_local_kv_heads, cfg.head_dim, cfg.num_layers, dtype)
+    kv_dtype = resolve_kv_dtype(settings.model.kv_cache_dtype, dtype)
+    cell_size = TokenToKVPool.cell_size(num_local_kv_heads, cfg.head_dim, cfg.num_layers, kv_dtype)
     max_total_tokens = settings.cache.max_total_tokens
     budget_bytes = None if max_total_tokens else settings.cache.kv_cache_memory_mb << 20
     if max_total_tokens is None or budget_bytes is not None:
@@ -121,8 +122,9 @@ class SimWorker:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.plain_ids = self._plain_ids()
+        kv_bytes = torch.empty((), dtype=resolve_kv_dtype(settings.model.kv_cache_dtype, self.dtype)).element_size()
         self.cost_model = build_cost_model(
-            settings.plugin_section(SECTION), cfg, torch.empty((), dtype=self.dtype).element_size(), tp_size
+            settings.plugin_section(SECTION), cfg, torch.empty((), dtype=self.dtype).element_size(), tp_size, kv_bytes
         )
         self.clock = VirtualClock()
         self.num_batches = 0

@@ -40,6 +40,12 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.float32
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """model.kv_cache_dtype: auto is the model's dtype."""
+    return {"auto": dtype, "float32": torch.float32, "bfloat16": torch.bfloat16,
+            "fp8_e5m2": torch.float8_e5m2}[name]
+
+
 def eos_ids_of(runner: ModelRunner) -> set[int]:
     ids: set[int] = set()
     eos = getattr(runner.model_config, "eos_token_id", None)
@@ -103,10 +109,11 @@ class TpWorker:
             lora_paths=parse_lora_paths(settings.model.lora_paths),
             cpu_kernels=settings.worker.cpu_kernels,
             packed_weights=settings.worker.packed_weights,
+            kv_dtype=resolve_kv_dtype(settings.model.kv_cache_dtype, dtype),
         )
         logger.info(
-            "Loaded %s (%s): max_total_num_tokens=%d, context_len=%d",
-            folder, dtype, runner.max_total_num_tokens, runner.context_len,
+            "Loaded %s (%s, KV cache %s): max_total_num_tokens=%d, context_len=%d",
+            folder, dtype, runner.kv_dtype, runner.max_total_num_tokens, runner.context_len,
         )
         return cls(runner, is_embedding=settings.model.is_embedding)
 

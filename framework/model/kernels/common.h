@@ -4,6 +4,7 @@
 #ifndef BATCHYARD_KERNELS_COMMON_H
 #define BATCHYARD_KERNELS_COMMON_H
 
+#include <math.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -70,6 +71,21 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
+/* How a KV pool's buffers hold their values (TokenToKVPool: float32, bfloat16, or float8_e5m2
+ * stored as bytes); cpu_kernels.KV_FORMATS passes these codes. */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_E5M2 2
+
+static inline size_t kv_elem_size(int fmt) { return fmt == KV_F32 ? 4 : fmt == KV_BF16 ? 2 : 1; }
+
+/* A float8_e5m2 byte's value: the upper half of an fp16 (1 sign, 5 exponent, 2 mantissa bits). */
+static inline float e5m2_to_f32(uint8_t b) {
+    int e = (b >> 2) & 31, m = b & 3;
+    float v = e == 0 ? ldexpf((float)m, -16) : e == 31 ? (m ? NAN : INFINITY) : ldexpf((float)(4 + m), e - 17);
+    return b & 0x80 ? -v : v;
+}
+
 static inline uint16_t f32_to_bf16(float f) {
     /* round to nearest even, as torch does; NaN stays NaN */
     uint32_t bits;
@@ -90,11 +106,28 @@ static inline __m512 widen_bf16x16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* 16 values at p (bf16 or fp32) as fp32 lanes. */
-static inline __m512 load16(const void *p, int bf16) {
-    if (bf16) return widen_bf16x16(_mm256_loadu_si256((const __m256i *)p));
+/* 16 values at p (fmt: KV_F32, KV_BF16 or KV_E5M2) as fp32 lanes (exact). */
+static inline __m512 load16(const void *p, int fmt) {
+    if (fmt == KV_BF16) return widen_bf16x16(_mm256_loadu_si256((const __m256i *)p));
+    if (fmt == KV_E5M2) /* the bytes as the upper halves of fp16s */
+        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
     return _mm512_loadu_ps((const float *)p);
 }
+
+#ifdef __AVX512BW__
+/* 32 float8_e5m2 bytes as bf16, in 7 simple instructions: the 5 exponent bits rebased to bf16's 8
+ * (+112), the 2 mantissa bits the top of bf16's 7. Exact for normal values; e5m2's subnormals
+ * (|x| < 6.2e-5) become zeros. inf and NaN are never stored (TokenToKVPool clamps to the
+ * largest finite value), so they are not decoded. */
+static inline __m512i e5m2x32_to_bf16(const void *p) {
+    __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)), 8);
+    /* sign at bit 15, exponent at 11..7, mantissa at 6..5 */
+    __m512i moved = _mm512_and_si512(_mm512_srai_epi16(w, 3), _mm512_set1_epi16((short)0x8FE0));
+    __mmask32 normal = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7C00));
+    return _mm512_mask_add_epi16(_mm512_and_si512(w, _mm512_set1_epi16((short)0x8000)), normal, moved,
+                                 _mm512_set1_epi16(112 << 7));
+}
+#endif
 
 /* 16 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN), as f32_to_bf16. With AVX512-BF16
  * one instruction (vcvtneps2bf16), which differs only in flushing fp32 denormals (|x| < 1.2e-38,

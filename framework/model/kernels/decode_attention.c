@@ -3,7 +3,8 @@
  * One query token per request attends to the request's first seq_lens[i] KV slots, which are
  * looked up in the request-to-token table (no gathered or padded copies of the KV). Each request
  * is one task: for every KV head, the `group` query heads that share it read each K and V row
- * once. Scores and the softmax are fp32; K/V and q may be bf16 or fp32.
+ * once. Scores and the softmax are fp32; q may be bf16 or fp32, K/V fp32, bf16 or float8_e5m2
+ * (kv_fmt: common.h's KV_* codes; e5m2 rows are widened as they are read).
  *
  * The KV rows are read from DRAM (a decode step reads every running request's whole KV, far more
  * than the caches hold), and a request's slots are scattered over the pool. So the tokens go in
@@ -47,7 +48,7 @@ typedef struct {
     void *out;                 /* [n, heads, head_dim], q's dtype */
     int64_t row_stride;
     int heads, kv_heads, head_dim;
-    int q_bf16, kv_bf16;
+    int q_bf16, kv_fmt;
     float scale;
     int amx; /* bf16 requests go on the AMX tiles (amx_request) */
 } Args;
@@ -59,11 +60,14 @@ typedef struct {
     int failed; /* set when the span's scratch memory could not be allocated */
 } Span;
 
-/* Row `d` elements at `p` (bf16 or fp32) into fp32 `dst`. */
-static inline void load_row(float *dst, const void *p, int d, int bf16) {
-    if (bf16) {
+/* Row `d` elements at `p` (fmt: KV_F32, KV_BF16 or KV_E5M2) into fp32 `dst`. */
+static inline void load_row(float *dst, const void *p, int d, int fmt) {
+    if (fmt == KV_BF16) {
         const uint16_t *s = (const uint16_t *)p;
         for (int j = 0; j < d; j++) dst[j] = bf16_to_f32(s[j]);
+    } else if (fmt == KV_E5M2) {
+        const uint8_t *s = (const uint8_t *)p;
+        for (int j = 0; j < d; j++) dst[j] = e5m2_to_f32(s[j]);
     } else {
         memcpy(dst, p, (size_t)d * sizeof(float));
     }
@@ -128,21 +132,34 @@ static inline void prefetch_start(Prefetcher *pf, const char *base, const int64_
 /* Token t's 64-element row of one head (base: the head's first row; slot rows `row_bytes` apart)
  * as four fp32 vectors. */
 static inline void load_row64(const char *base, const int64_t *slots, int64_t t, size_t row_bytes, size_t elem,
-                              int bf16, __m512 out[4]) {
+                              int fmt, __m512 out[4]) {
     const char *p = base + (size_t)slots[t] * row_bytes;
-    for (int c = 0; c < 4; c++) out[c] = load16(p + c * 16 * elem, bf16);
+    for (int c = 0; c < 4; c++) out[c] = load16(p + c * 16 * elem, fmt);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* A 64-element K row (bf16 or e5m2 at p) as two vectors of bf16 pairs. */
+static inline void k_row_bf16(const char *p, int fmt, __m512bh out[2]) {
+    if (fmt == KV_E5M2) {
+        out[0] = (__m512bh)e5m2x32_to_bf16(p);
+        out[1] = (__m512bh)e5m2x32_to_bf16(p + 32);
+    } else {
+        out[0] = (__m512bh)_mm512_loadu_si512(p);
+        out[1] = (__m512bh)_mm512_loadu_si512(p + 64);
+    }
 }
 #endif
 
 /* scores[g * len + t] = q[g] . k_t for t in [t0, t1), the group's query heads over one KV head;
  * `q` is the query rows in their own dtype (`qf` the same rows as fp32). */
 static void head_scores(const void *q, const float *qf, int group, const void *k, int64_t kv_stride, int d,
-                        int q_bf16, int kv_bf16, const int64_t *slots, int64_t t0, int64_t t1, int64_t len,
+                        int q_bf16, int kv_fmt, const int64_t *slots, int64_t t0, int64_t t1, int64_t len,
                         float *scores, Prefetcher *pf) {
     (void)pf; /* used by the AVX512-BF16 path only */
-    size_t elem = kv_bf16 ? 2 : 4;
+    size_t elem = kv_elem_size(kv_fmt);
 #if defined(__AVX512BF16__)
-    if (d == 64 && group <= 8 && q_bf16 && kv_bf16) {
+    if (d == 64 && group <= 8 && q_bf16 && kv_fmt != KV_F32) {
         /* bf16 x bf16 products are exact in fp32: one dpbf16 sums 32 of them into 16 lanes */
         __m512bh qv[8][2];
         for (int g = 0; g < group; g++)
@@ -156,19 +173,20 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
                 __m512 acc[16];
                 prefetch_next(pf);
                 for (int u = 0; u < 16; u++) {
-                    const uint16_t *kp = (const uint16_t *)k + (size_t)slots[t + u] * kv_stride;
-                    acc[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)_mm512_loadu_si512(kp));
-                    acc[u] = _mm512_dpbf16_ps(acc[u], qv[g][1], (__m512bh)_mm512_loadu_si512(kp + 32));
+                    __m512bh kr[2];
+                    k_row_bf16((const char *)k + (size_t)slots[t + u] * kv_stride * elem, kv_fmt, kr);
+                    acc[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kr[0]);
+                    acc[u] = _mm512_dpbf16_ps(acc[u], qv[g][1], kr[1]);
                 }
                 _mm512_storeu_ps(scores + g * len + t, hsum16(acc));
             }
         }
         for (; t < t1; t++) {
-            const uint16_t *kp = (const uint16_t *)k + (size_t)slots[t] * kv_stride;
-            __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp), k1 = (__m512bh)_mm512_loadu_si512(kp + 32);
+            __m512bh kr[2];
+            k_row_bf16((const char *)k + (size_t)slots[t] * kv_stride * elem, kv_fmt, kr);
             for (int g = 0; g < group; g++) {
-                __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0);
-                acc = _mm512_dpbf16_ps(acc, qv[g][1], k1);
+                __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kr[0]);
+                acc = _mm512_dpbf16_ps(acc, qv[g][1], kr[1]);
                 scores[g * len + t] = _mm512_reduce_add_ps(acc);
             }
         }
@@ -182,7 +200,7 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
             for (int c = 0; c < 4; c++) qv[g][c] = _mm512_loadu_ps(qf + g * d + c * 16);
         for (int64_t t = t0; t < t1; t++) {
             __m512 kr[4];
-            load_row64((const char *)k, slots, t, kv_stride * elem, elem, kv_bf16, kr);
+            load_row64((const char *)k, slots, t, kv_stride * elem, elem, kv_fmt, kr);
             for (int g = 0; g < group; g++) {
                 __m512 acc = _mm512_mul_ps(qv[g][0], kr[0]);
                 acc = _mm512_fmadd_ps(qv[g][1], kr[1], acc);
@@ -198,7 +216,7 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
     (void)q_bf16;
     float *row = (float *)malloc((size_t)d * sizeof(float));
     for (int64_t t = t0; t < t1; t++) {
-        load_row(row, (const char *)k + (size_t)slots[t] * kv_stride * elem, d, kv_bf16);
+        load_row(row, (const char *)k + (size_t)slots[t] * kv_stride * elem, d, kv_fmt);
         for (int g = 0; g < group; g++) {
             float acc = 0.0f;
             for (int j = 0; j < d; j++) acc += qf[g * d + j] * row[j];
@@ -209,10 +227,10 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
 }
 
 /* acc[g] += sum over t in [t0, t1) of probs[g * len + t] * v_t */
-static void head_values(const float *probs, int group, const void *v, int64_t kv_stride, int d, int bf16,
+static void head_values(const float *probs, int group, const void *v, int64_t kv_stride, int d, int fmt,
                         const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
     (void)pf; /* used by the AVX-512 path only */
-    size_t elem = bf16 ? 2 : 4;
+    size_t elem = kv_elem_size(fmt);
 #ifdef __AVX512F__
     if (d == 64 && group <= 8) {
         __m512 av[8][4];
@@ -221,7 +239,7 @@ static void head_values(const float *probs, int group, const void *v, int64_t kv
         for (int64_t t = t0; t < t1; t++) {
             __m512 vr[4];
             prefetch_next(pf);
-            load_row64((const char *)v, slots, t, kv_stride * elem, elem, bf16, vr);
+            load_row64((const char *)v, slots, t, kv_stride * elem, elem, fmt, vr);
             for (int g = 0; g < group; g++) {
                 __m512 p = _mm512_set1_ps(probs[g * len + t]);
                 for (int c = 0; c < 4; c++) av[g][c] = _mm512_fmadd_ps(p, vr[c], av[g][c]);
@@ -234,7 +252,7 @@ static void head_values(const float *probs, int group, const void *v, int64_t kv
 #endif
     float *row = (float *)malloc((size_t)d * sizeof(float));
     for (int64_t t = t0; t < t1; t++) {
-        load_row(row, (const char *)v + (size_t)slots[t] * kv_stride * elem, d, bf16);
+        load_row(row, (const char *)v + (size_t)slots[t] * kv_stride * elem, d, fmt);
         for (int g = 0; g < group; g++) {
             float p = probs[g * len + t];
             for (int j = 0; j < d; j++) acc[g * d + j] += p * row[j];
@@ -279,8 +297,9 @@ static float softmax_numerators(float *scores, int64_t len, float scale) {
 }
 
 #if HAVE_AMX
-/* Decode attention of one request on AMX tiles (bf16 q and KV, head_dim 64, at most 16 query
- * heads: every query head of the request in one tile).
+/* Decode attention of one request on AMX tiles (bf16 q, bf16 or e5m2 KV, head_dim 64, at most 16
+ * query heads: every query head of the request in one tile). e5m2 rows are always copied out,
+ * widened to bf16 (e5m2x32_to_bf16) on the way.
  *   S = K Q^T: 16 tokens' K rows (32 of head_dim) are a tile read straight from the pool when
  *       their slots are consecutive (else copied out first); Q^T is a tile per KV head and half
  *       of head_dim, [16 head_dim pairs][16 query heads][2], zero in the columns of the other
@@ -324,18 +343,24 @@ static inline void transpose16(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-/* The slot rows of tokens [t0, t0 + 16), 16 rows `slot` elements apart: in the pool when the
- * slots are consecutive, else copied into `buf` (zeros past len: 0 x a stale row must not be NaN). */
-static const uint16_t *block_rows(const uint16_t *pool, const int64_t *slots, int64_t t0, int64_t len, int64_t slot,
-                                  uint16_t *buf) {
-    int run = t0 + 16 <= len;
+/* The slot rows of tokens [t0, t0 + 16) as bf16, 16 rows `slot` elements apart: in a bf16 pool
+ * when the slots are consecutive, else copied into `buf` (widened from an e5m2 pool; zeros past
+ * len: 0 x a stale row must not be NaN). */
+static const uint16_t *block_rows(const void *pool, int fmt, const int64_t *slots, int64_t t0, int64_t len,
+                                  int64_t slot, uint16_t *buf) {
+    int run = fmt == KV_BF16 && t0 + 16 <= len;
     for (int u = 1; run && u < 16; u++) run = slots[t0 + u] == slots[t0] + u;
-    if (run) return pool + slots[t0] * slot;
+    if (run) return (const uint16_t *)pool + slots[t0] * slot;
     for (int u = 0; u < 16; u++) {
-        if (t0 + u < len)
-            memcpy(buf + u * slot, pool + slots[t0 + u] * slot, (size_t)slot * 2);
-        else
-            memset(buf + u * slot, 0, (size_t)slot * 2);
+        uint16_t *dst = buf + u * slot;
+        if (t0 + u >= len) {
+            memset(dst, 0, (size_t)slot * 2);
+        } else if (fmt == KV_E5M2) {
+            const uint8_t *src = (const uint8_t *)pool + slots[t0 + u] * slot;
+            for (int64_t j = 0; j < slot; j += 32) _mm512_storeu_si512(dst + j, e5m2x32_to_bf16(src + j));
+        } else {
+            memcpy(dst, (const uint16_t *)pool + slots[t0 + u] * slot, (size_t)slot * 2);
+        }
     }
     return buf;
 }
@@ -357,8 +382,8 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
                         TileScratch *s) {
     const int heads = a->heads, kv_heads = a->kv_heads, group = heads / kv_heads;
     const int64_t slot = (int64_t)kv_heads * 64, blocks = (len + 15) / 16;
-    const size_t slot_bytes = (size_t)slot * 2;
-    const uint16_t *k = (const uint16_t *)a->k, *v = (const uint16_t *)a->v;
+    const size_t slot_bytes = (size_t)slot * 2, pool_slot_bytes = (size_t)slot * kv_elem_size(a->kv_fmt);
+    const char *k = (const char *)a->k, *v = (const char *)a->v;
     /* Q^T: dword (pair r of head_dim half c, query head g) of KV head g / group's tile */
     memset(s->qt, 0, (size_t)kv_heads * 2 * 256 * 4);
     for (int g = 0; g < heads; g++)
@@ -366,11 +391,11 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
             uint32_t *tile = s->qt + ((g / group) * 2 + c) * 256;
             for (int r = 0; r < 16; r++) memcpy(tile + r * 16 + g, q + g * 64 + c * 32 + 2 * r, 4);
         }
-    prefetch_l2((const char *)k, slots, 0, 32, len, slot_bytes);
+    prefetch_l2(k, slots, 0, 32, len, pool_slot_bytes);
     for (int64_t b = 0; b < blocks; b++) {
         int64_t t0 = b * 16;
-        prefetch_l2((const char *)k, slots, t0 + 32, t0 + 48, len, slot_bytes);
-        const uint16_t *rows = block_rows(k, slots, t0, len, slot, s->rows);
+        prefetch_l2(k, slots, t0 + 32, t0 + 48, len, pool_slot_bytes);
+        const uint16_t *rows = block_rows(k, a->kv_fmt, slots, t0, len, slot, s->rows);
         _tile_zero(0);
         for (int h = 0; h < kv_heads; h++)
             for (int c = 0; c < 2; c++) {
@@ -380,7 +405,7 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
             }
         _tile_stored(0, s->scores + t0 * 16, 64);
     }
-    prefetch_l2((const char *)v, slots, 0, 32, len, slot_bytes);
+    prefetch_l2(v, slots, 0, 32, len, pool_slot_bytes);
     /* P's numerators 2^(log2(e) (scale * s - scale * max)) (exp2_neg16) */
     const __m512 scale = _mm512_set1_ps(a->scale * LOG2E);
     __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
@@ -392,7 +417,7 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
     _tile_zero(3);
     for (int64_t b = 0; b < blocks; b++) {
         int64_t t0 = b * 16;
-        prefetch_l2((const char *)v, slots, t0 + 32, t0 + 48, len, slot_bytes);
+        prefetch_l2(v, slots, t0 + 32, t0 + 48, len, pool_slot_bytes);
         __m512i p[16];
         for (int u = 0; u < 16; u++) {
             if (t0 + u < len) {
@@ -410,7 +435,7 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
             _mm512_storeu_si512(tile, p[g]);
             _mm512_storeu_si512(tile + 256, _mm512_slli_epi32(p[g], 16));
         }
-        const uint16_t *rows = block_rows(v, slots, t0, len, slot, s->rows);
+        const uint16_t *rows = block_rows(v, a->kv_fmt, slots, t0, len, slot, s->rows);
         for (int h = 0; h < kv_heads; h++) {
             _tile_loadd(4, pt + h * 2 * 256, 64);
             _tile_loadd(5, pt + h * 2 * 256 + 256, 64);
@@ -448,7 +473,7 @@ static void *run_span(void *arg) {
     const Args *a = span->a;
     int d = a->head_dim, heads = a->heads, group = heads / a->kv_heads;
     int64_t kv_stride = (int64_t)a->kv_heads * d; /* elements per slot */
-    size_t kv_elem = a->kv_bf16 ? 2 : 4, q_elem = a->q_bf16 ? 2 : 4;
+    size_t kv_elem = kv_elem_size(a->kv_fmt), q_elem = a->q_bf16 ? 2 : 4;
     size_t slot_bytes = (size_t)kv_stride * kv_elem;
     /* scratch of the path the span's requests take: the tiles' (amx_request) or the vector code's */
     float *qf = NULL, *acc = NULL, *inv_sum = NULL, *scores = NULL;
@@ -489,7 +514,7 @@ static void *run_span(void *arg) {
         /* whether head_scores / head_values call prefetch_next (their AVX512-BF16 / AVX-512
          * paths for head_dim 64) */
 #if defined(__AVX512BF16__)
-        const int spread_k = d == 64 && group <= 8 && a->q_bf16 && a->kv_bf16;
+        const int spread_k = d == 64 && group <= 8 && a->q_bf16 && a->kv_fmt != KV_F32;
 #else
         const int spread_k = 0;
 #endif
@@ -511,7 +536,7 @@ static void *run_span(void *arg) {
                 prefetch_start(&pf, (const char *)a->v, slots, 0, first, slot_bytes, calls);
             for (int h = 0; h < a->kv_heads; h++)
                 head_scores(q + (size_t)h * group * d * q_elem, qf + (size_t)h * group * d, group,
-                            (const char *)a->k + (size_t)h * d * kv_elem, kv_stride, d, a->q_bf16, a->kv_bf16, slots,
+                            (const char *)a->k + (size_t)h * d * kv_elem, kv_stride, d, a->q_bf16, a->kv_fmt, slots,
                             t0, t1, len, scores + (size_t)h * group * len, &pf);
             prefetch_lines(&pf, -1);
         }
@@ -525,7 +550,7 @@ static void *run_span(void *arg) {
             prefetch_start(&pf, (const char *)a->v, slots, t1, t2, slot_bytes, calls);
             for (int h = 0; h < a->kv_heads; h++)
                 head_values(scores + (size_t)h * group * len, group, (const char *)a->v + (size_t)h * d * kv_elem,
-                            kv_stride, d, a->kv_bf16, slots, t0, t1, len, acc + (size_t)h * group * d, &pf);
+                            kv_stride, d, a->kv_fmt, slots, t0, t1, len, acc + (size_t)h * group * d, &pf);
             prefetch_lines(&pf, -1);
         }
         for (int r = 0; r < heads; r++) {
@@ -556,12 +581,12 @@ static void *run_span(void *arg) {
 }
 
 /* Whether decode_attention (amx = 1) attends these requests on the AMX tiles (amx_request). */
-int decode_attention_tiles(int heads, int kv_heads, int head_dim, int q_bf16, int kv_bf16) {
+int decode_attention_tiles(int heads, int kv_heads, int head_dim, int q_bf16, int kv_fmt) {
 #if HAVE_AMX
-    return head_dim == 64 && q_bf16 && kv_bf16 && kv_heads > 0 && heads <= 16 && heads % kv_heads == 0 &&
+    return head_dim == 64 && q_bf16 && kv_fmt != KV_F32 && kv_heads > 0 && heads <= 16 && heads % kv_heads == 0 &&
            amx_usable();
 #else
-    (void)heads, (void)kv_heads, (void)head_dim, (void)q_bf16, (void)kv_bf16;
+    (void)heads, (void)kv_heads, (void)head_dim, (void)q_bf16, (void)kv_fmt;
     return 0;
 #endif
 }
@@ -571,11 +596,11 @@ int decode_attention_tiles(int heads, int kv_heads, int head_dim, int q_bf16, in
  * started run on the calling thread. */
 int decode_attention(const void *q, const void *k, const void *v, const int64_t *req_to_token,
                      int64_t row_stride, const int64_t *pool_idx, const int64_t *seq_lens, void *out,
-                     int n, int heads, int kv_heads, int head_dim, int q_bf16, int kv_bf16, float scale,
+                     int n, int heads, int kv_heads, int head_dim, int q_bf16, int kv_fmt, float scale,
                      int num_threads, int amx) {
-    amx = amx && decode_attention_tiles(heads, kv_heads, head_dim, q_bf16, kv_bf16);
+    amx = amx && decode_attention_tiles(heads, kv_heads, head_dim, q_bf16, kv_fmt);
     Args a = {q, k, v, req_to_token, pool_idx, seq_lens, out, row_stride, heads, kv_heads, head_dim,
-              q_bf16, kv_bf16, scale, amx};
+              q_bf16, kv_fmt, scale, amx};
     num_threads = span_threads(num_threads, n);
     int64_t total = 0;
     for (int i = 0; i < n; i++) total += seq_lens[i];

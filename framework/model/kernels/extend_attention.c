@@ -42,7 +42,9 @@ int extend_attention_supported(void) {
 
 #if HAVE_AMX
 typedef struct {
-    const uint16_t *q, *k, *v;
+    const uint16_t *q;
+    const void *k, *v; /* the pool: bf16, or float8_e5m2 bytes (kv_fmt) */
+    int kv_fmt;
     const int64_t *kv_indices;
     uint16_t *out;
     uint16_t *kt, *vt; /* the tile copies of K and V, every KV head */
@@ -68,10 +70,21 @@ static inline uint16_t *v_tile(const Ext *e, int h, int64_t b, int c) {
     return e->vt + ((h * e->kv_blocks + b) * 4 + c) * TILE_ELEMS;
 }
 
+/* Token t's row of KV head h in `pool` as bf16: in place in a bf16 pool, else widened into `buf`;
+ * zeros past seq_len. */
+static const uint16_t *head_row(const Ext *e, const void *pool, int64_t t, int h, uint16_t buf[HEAD_DIM]) {
+    static const uint16_t zeros[HEAD_DIM];
+    if (t >= e->seq_len) return zeros;
+    size_t at = (size_t)e->kv_indices[t] * e->kv_heads * HEAD_DIM + (size_t)h * HEAD_DIM;
+    if (e->kv_fmt == KV_BF16) return (const uint16_t *)pool + at;
+    for (int j = 0; j < HEAD_DIM; j += 32)
+        _mm512_storeu_si512(buf + j, e5m2x32_to_bf16((const uint8_t *)pool + at + j));
+    return buf;
+}
+
 /* Copy KV head h's keys and values into the tiles' layout; keys past seq_len are zeros. */
 static void copy_head(const Ext *e, int h) {
-    const int64_t slot = (int64_t)e->kv_heads * HEAD_DIM;
-    static const uint16_t zeros[HEAD_DIM];
+    uint16_t wide[4][HEAD_DIM];
     /* K: a key's 16 head_dim pairs 16 c.. go down column key % 16 of tile (b, half, c) */
     const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
     /* V: two keys' 16 columns interleaved, one 64-byte tile row */
@@ -79,10 +92,8 @@ static void copy_head(const Ext *e, int h) {
     for (int j = 0; j < 32; j++) order[j] = (uint16_t)(j % 2 ? 32 + j / 2 : j / 2);
     const __m512i interleave = _mm512_loadu_si512(order);
     for (int64_t t = 0; t < e->kv_blocks * 32; t += 2) {
-        const uint16_t *k0 = t < e->seq_len ? e->k + e->kv_indices[t] * slot + h * HEAD_DIM : zeros;
-        const uint16_t *k1 = t + 1 < e->seq_len ? e->k + e->kv_indices[t + 1] * slot + h * HEAD_DIM : zeros;
-        const uint16_t *v0 = t < e->seq_len ? e->v + e->kv_indices[t] * slot + h * HEAD_DIM : zeros;
-        const uint16_t *v1 = t + 1 < e->seq_len ? e->v + e->kv_indices[t + 1] * slot + h * HEAD_DIM : zeros;
+        const uint16_t *k0 = head_row(e, e->k, t, h, wide[0]), *k1 = head_row(e, e->k, t + 1, h, wide[1]);
+        const uint16_t *v0 = head_row(e, e->v, t, h, wide[2]), *v1 = head_row(e, e->v, t + 1, h, wide[3]);
         int64_t b = t / 32;
         int key = (int)(t % 32);
         for (int c = 0; c < 2; c++) {
@@ -219,15 +230,16 @@ static void *run_attention(void *arg) {
 #endif
 
 /* out[i, g * 64 ..] = attention of query i (q + i * q_stride, head g at g * 64) over the KV slots
- * kv_indices[0 .. prefix_len + i]; k, v: the pool, [slots, kv_heads, 64] bf16. Returns 0, or -1
- * when the call is not supported (no AMX, head_dim not 64, heads not a multiple of kv_heads, no
- * memory). */
-int extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
+ * kv_indices[0 .. prefix_len + i]; k, v: the pool, [slots, kv_heads, 64] bf16 or float8_e5m2
+ * (kv_fmt: KV_BF16 or KV_E5M2). Returns 0, or -1 when the call is not supported (no AMX,
+ * head_dim not 64, heads not a multiple of kv_heads, fp32 KV, no memory). */
+int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const void *v, int kv_fmt,
                      const int64_t *kv_indices, int64_t seq_len, int64_t prefix_len, uint16_t *out,
                      int64_t out_stride, int heads, int kv_heads, int head_dim, float scale, int num_threads) {
 #if HAVE_AMX
     int64_t ext_len = seq_len - prefix_len;
-    if (head_dim != HEAD_DIM || kv_heads < 1 || heads % kv_heads || ext_len < 1 || prefix_len < 0 || !amx_usable())
+    if (head_dim != HEAD_DIM || kv_heads < 1 || heads % kv_heads || ext_len < 1 || prefix_len < 0 ||
+        (kv_fmt != KV_BF16 && kv_fmt != KV_E5M2) || !amx_usable())
         return -1;
     int64_t kv_blocks = (seq_len + 31) / 32;
     size_t copy_elems = (size_t)kv_heads * kv_blocks * 32 * HEAD_DIM;
@@ -237,7 +249,7 @@ int extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, con
         free(vt);
         return -1;
     }
-    Ext e = {q, k, v, kv_indices, out, kt, vt, q_stride, out_stride, seq_len, prefix_len, ext_len, kv_blocks,
+    Ext e = {q, k, v, kv_fmt, kv_indices, out, kt, vt, q_stride, out_stride, seq_len, prefix_len, ext_len, kv_blocks,
              heads, kv_heads, scale};
     num_threads = span_threads(num_threads, (ext_len + 15) / 16 * heads);
     Share shares[MAX_THREADS];
@@ -250,7 +262,7 @@ int extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, con
     for (int s = 0; s < num_threads; s++) failed |= shares[s].failed;
     return failed ? -1 : 0;
 #else
-    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_indices, (void)seq_len, (void)prefix_len, (void)out;
+    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_fmt, (void)kv_indices, (void)seq_len, (void)prefix_len, (void)out;
     (void)out_stride, (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)num_threads;
     return -1;
 #endif
