@@ -251,9 +251,13 @@ def test_fused_ops_are_used_only_for_bf16():
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 40)])  # 40: half not a multiple of 16
-def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim):
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
+def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim, kv_dtype):
+    """q, and k and v as a pool stores them (TokenToKVPool.set_kv: an fp8 pool's bytes rounded to
+    nearest even, e5m2 subnormals, values past 57344 clamped, NaN kept), bit for bit."""
     from types import SimpleNamespace
 
+    from framework.memory import TokenToKVPool
     from framework.model.rotary import RotaryEmbedding
 
     tokens, slots = 37, 64
@@ -261,16 +265,21 @@ def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim):
     config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_type="default", context_len=512)
     rope = RotaryEmbedding(config).tables(torch.randint(0, 500, (tokens,), generator=gen), torch.bfloat16)
     width = (heads + 2 * kv_heads) * head_dim
-    qkv = torch.randn(tokens, width + 8, generator=gen).to(torch.bfloat16)[:, :width]  # strided rows
+    scales = torch.tensor([1.0, 1e-5, 3e-5, 1e5, 5e4, 1.0])[torch.randint(0, 6, (width + 8,), generator=gen)]
+    qkv = (torch.randn(tokens, width + 8, generator=gen) * scales).to(torch.bfloat16)[:, :width]  # strided rows
+    qkv[3, -1] = float("nan")
     loc = torch.randperm(slots, generator=gen)[:tokens]
-    pools = [torch.zeros(slots, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(4)]
-    q = KERNELS.fused.rope_kv(qkv, rope.cos, rope.sin, loc, pools[0], pools[1], heads, kv_heads)
+    ours = TokenToKVPool(slots - 1, kv_dtype, kv_heads, head_dim, 1)
+    ref = TokenToKVPool(slots - 1, kv_dtype, kv_heads, head_dim, 1)
+    q = KERNELS.fused.rope_kv(qkv, rope.cos, rope.sin, loc, ours.k_buffer[0], ours.v_buffer[0], heads, kv_heads)
 
     qk = rope.apply(qkv[:, : (heads + kv_heads) * head_dim].reshape(tokens, heads + kv_heads, head_dim))
-    pools[2][loc] = qk[:, heads:]
-    pools[3][loc] = qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim)
+    ref.set_kv(0, loc, qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim))
     assert torch.equal(q, qk[:, :heads].reshape(tokens, heads * head_dim))  # the same roundings
-    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    for mine, theirs in ((ours.k_buffer[0], ref.k_buffer[0]), (ours.v_buffer[0], ref.v_buffer[0])):
+        mine, theirs = widen_kv(mine, torch.float32), widen_kv(theirs, torch.float32)  # NaN's sign may differ
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
+    assert widen_kv(ours.v_buffer[0], torch.float32)[loc[3], -1, -1].isnan()
 
 
 @needs_kernel

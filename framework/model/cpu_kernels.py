@@ -166,7 +166,7 @@ class FusedOps:
         self._argmax_masked.argtypes = [_PTR, _INT, _I64, _PTR, _I64, _I64, _I64, _PTR]
         self._rope_kv = lib.rope_kv_bf16
         self._rope_kv.restype = _INT
-        self._rope_kv.argtypes = [_PTR, _I64] + [_PTR] * 6 + [_I64] + [_INT] * 4
+        self._rope_kv.argtypes = [_PTR, _I64] + [_PTR] * 6 + [_INT, _I64] + [_INT] * 4
 
     # The widest row rms_norm takes (its per-thread row buffer, kernels/fused_ops.c).
     MAX_NORM_WIDTH = 8192
@@ -234,16 +234,29 @@ class FusedOps:
                             mask.data_ptr(), mask.stride(0), rows, d, out.data_ptr())
         return out
 
+    # The widest slot row (kv_heads * head_dim) rope_kv writes into a float8_e5m2 pool (E5M2_ROW_MAX).
+    E5M2_ROW_MAX = 4096
+
+    def supports_rope_kv(self, k_pool: torch.Tensor) -> bool:
+        """Whether rope_kv writes into this pool buffer: bf16, or float8_e5m2 bytes of rows up to
+        E5M2_ROW_MAX values."""
+        return k_pool.dtype == torch.bfloat16 or (
+            k_pool.dtype == torch.uint8 and k_pool.shape[-2] * k_pool.shape[-1] <= self.E5M2_ROW_MAX)
+
     def rope_kv(self, qkv, cos, sin, loc, k_pool, v_pool, heads: int, kv_heads: int) -> torch.Tensor:
         """From the fused projection qkv [T, (heads + 2 kv_heads) * D]: rotate q and k by the
-        bf16 tables cos/sin ([T, 1, D/2], contiguous), write k and v into the bf16 pools
-        ([slots, kv_heads, D]) at `loc` [T] int64; returns q [T, heads * D]."""
+        bf16 tables cos/sin ([T, 1, D/2], contiguous), write k and v into the pools ([slots,
+        kv_heads, D], bf16 or float8_e5m2 bytes rounded as TokenToKVPool.set_kv rounds them) at
+        `loc` [T] int64; returns q [T, heads * D]."""
         rows = qkv.shape[0]
         head_dim = k_pool.shape[-1]
         q = torch.empty((rows, heads * head_dim), dtype=torch.bfloat16)
         loc = loc.to(torch.int64).contiguous()
-        self._rope_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), q.data_ptr(),
-                      k_pool.data_ptr(), v_pool.data_ptr(), rows, heads, kv_heads, head_dim, torch.get_num_threads())
+        rc = self._rope_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), q.data_ptr(),
+                           k_pool.data_ptr(), v_pool.data_ptr(), kv_format(k_pool), rows, heads, kv_heads, head_dim,
+                           torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"rope_kv cannot write into a {k_pool.dtype} pool of rows {tuple(k_pool.shape[1:])}")
         return q
 
 

@@ -139,8 +139,8 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         fused = self.fused
-        if fused is not None and fused.supports(qkv) and kv_pool.dtype == torch.bfloat16 and rope.cos.is_contiguous():
-            k_buf, v_buf = kv_pool.k_buffer[self.layer_id], kv_pool.v_buffer[self.layer_id]
+        k_buf, v_buf = kv_pool.k_buffer[self.layer_id], kv_pool.v_buffer[self.layer_id]
+        if fused is not None and fused.supports(qkv) and fused.supports_rope_kv(k_buf) and rope.cos.is_contiguous():
             return fused.rope_kv(qkv, rope.cos, rope.sin, out_cache_loc, k_buf, v_buf, self.num_heads, self.num_kv_heads)
         # q and k heads are rotated together: [T, heads + kv_heads, D] is a view of qkv.
         num_qk_heads = self.num_heads + self.num_kv_heads

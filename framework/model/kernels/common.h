@@ -86,6 +86,33 @@ static inline float e5m2_to_f32(uint8_t b) {
     return b & 0x80 ? -v : v;
 }
 
+/* The largest finite float8_e5m2 (57344) as fp32 bits: K/V beyond it are stored as it (TokenToKVPool). */
+#define E5M2_MAX_BITS 0x47600000u
+
+/* f rounded to float8_e5m2 as torch's cast of f clamped to +-57344 (round to nearest even,
+ * subnormals below 2^-14, NaN stays NaN): what TokenToKVPool.set_kv stores. */
+static inline uint8_t f32_to_e5m2(float f) {
+    uint32_t bits, mag;
+    memcpy(&bits, &f, sizeof bits);
+    mag = bits & 0x7fffffffu;
+    uint8_t r;
+    if (mag > 0x7f800000u) {
+        r = 0x7f;
+    } else if (mag >= E5M2_MAX_BITS) {
+        r = 0x7b;
+    } else if (mag < (113u << 23)) { /* below 2^-14: in steps of 2^-16, rounded by an fp32 add */
+        float t;
+        memcpy(&t, &mag, sizeof t);
+        t += 128.0f;
+        uint32_t u;
+        memcpy(&u, &t, sizeof u);
+        r = (uint8_t)(u - (134u << 23));
+    } else {
+        r = (uint8_t)((mag - (112u << 23) + 0x0fffffu + ((mag >> 21) & 1u)) >> 21);
+    }
+    return (uint8_t)(r | (bits >> 24 & 0x80));
+}
+
 static inline uint16_t f32_to_bf16(float f) {
     /* round to nearest even, as torch does; NaN stays NaN */
     uint32_t bits;
@@ -112,6 +139,21 @@ static inline __m512 load16(const void *p, int fmt) {
     if (fmt == KV_E5M2) /* the bytes as the upper halves of fp16s */
         return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
     return _mm512_loadu_ps((const float *)p);
+}
+
+/* f32_to_e5m2 of 16 lanes. */
+static inline __m128i f32x16_to_e5m2(__m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 21), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x0fffff - (112 << 23))), odd), 21);
+    __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(128.0f))),
+                                   _mm512_set1_epi32(134 << 23));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(113 << 23)), sub);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32((int)E5M2_MAX_BITS)), _mm512_set1_epi32(0x7b));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(0x7f));
+    r = _mm512_or_si512(r, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
+    return _mm512_cvtepi32_epi8(r);
 }
 
 #ifdef __AVX512BW__

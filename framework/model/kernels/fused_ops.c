@@ -24,8 +24,8 @@ typedef struct {
     /* rope_kv: x is qkv [rows, (heads + 2 kv_heads) * head_dim]; cos/sin [rows, head_dim / 2] */
     const uint16_t *cos, *sin;
     const int64_t *loc;
-    uint16_t *k_pool, *v_pool; /* [slots, kv_heads, head_dim] */
-    int heads, kv_heads, head_dim;
+    void *k_pool, *v_pool; /* [slots, kv_heads, head_dim], bf16 or float8_e5m2 (kv_fmt) */
+    int heads, kv_heads, head_dim, kv_fmt;
 } Job;
 
 typedef struct {
@@ -128,19 +128,38 @@ static void rotate_head(const uint16_t *x, const uint16_t *cos, const uint16_t *
     }
 }
 
-/* q rotated into out [rows, heads * head_dim]; k rotated and v copied into the pool at loc. */
+/* n bf16 values as float8_e5m2 bytes (f32_to_e5m2). */
+static void store_e5m2(uint8_t *dst, const uint16_t *src, size_t n) {
+    size_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) _mm_storeu_si128((__m128i *)(dst + i), f32x16_to_e5m2(load16(src + i, KV_BF16)));
+#endif
+    for (; i < n; i++) dst[i] = f32_to_e5m2(bf16_to_f32(src[i]));
+}
+
+/* The widest slot row (kv_heads * head_dim) rope_kv_bf16 takes into a float8_e5m2 pool. */
+#define E5M2_ROW_MAX 4096
+
+/* q rotated into out [rows, heads * head_dim]; k rotated and v copied into the pool at loc (into
+ * an e5m2 pool k is rotated in bf16 first, then both are rounded as TokenToKVPool.set_kv does). */
 static void rope_kv_rows(const Job *j, int64_t begin, int64_t end) {
     int d = j->head_dim, half = d / 2;
     size_t kv_row = (size_t)j->kv_heads * d;
+    uint16_t rotated[E5M2_ROW_MAX];
     for (int64_t r = begin; r < end; r++) {
-        const uint16_t *qkv = j->x + r * j->x_stride;
+        const uint16_t *qkv = j->x + r * j->x_stride, *v = qkv + (size_t)(j->heads + j->kv_heads) * d;
         const uint16_t *cos = j->cos + r * half, *sin = j->sin + r * half;
         for (int h = 0; h < j->heads; h++) rotate_head(qkv + (size_t)h * d, cos, sin, half, j->out + (r * j->heads + h) * d);
-        uint16_t *k = j->k_pool + (size_t)j->loc[r] * kv_row;
+        size_t at = (size_t)j->loc[r] * kv_row;
+        uint16_t *k = j->kv_fmt == KV_E5M2 ? rotated : (uint16_t *)j->k_pool + at;
         for (int h = 0; h < j->kv_heads; h++)
             rotate_head(qkv + (size_t)(j->heads + h) * d, cos, sin, half, k + (size_t)h * d);
-        memcpy(j->v_pool + (size_t)j->loc[r] * kv_row, qkv + (size_t)(j->heads + j->kv_heads) * d,
-               kv_row * sizeof(uint16_t));
+        if (j->kv_fmt == KV_E5M2) {
+            store_e5m2((uint8_t *)j->k_pool + at, rotated, kv_row);
+            store_e5m2((uint8_t *)j->v_pool + at, v, kv_row);
+        } else {
+            memcpy((uint16_t *)j->v_pool + at, v, kv_row * sizeof(uint16_t));
+        }
     }
 }
 
@@ -175,13 +194,13 @@ static void run(const Job *job, int num_threads) {
 int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, uint16_t *residual_out,
                   const uint16_t *w, uint16_t *out, int64_t rows, int64_t d, float eps, int num_threads) {
     if (d > 8192) return -1;
-    Job job = {RMS_NORM, x, w, residual, out, residual_out, rows, d, x_stride, eps, NULL, NULL, NULL, NULL, NULL, 0, 0, 0};
+    Job job = {RMS_NORM, x, w, residual, out, residual_out, rows, d, x_stride, eps, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0};
     run(&job, num_threads);
     return 0;
 }
 
 int silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t d, int num_threads) {
-    Job job = {SILU_MUL, x, NULL, NULL, out, NULL, rows, d, x_stride, 0.0f, NULL, NULL, NULL, NULL, NULL, 0, 0, 0};
+    Job job = {SILU_MUL, x, NULL, NULL, out, NULL, rows, d, x_stride, 0.0f, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0};
     run(&job, num_threads);
     return 0;
 }
@@ -189,10 +208,12 @@ int silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t ro
 /* Rotary embedding of q and k from the fused qkv projection, q into q_out, k and v into the KV
  * pool at slots loc (the work of RopeTables.apply + TokenToKVPool.set_kv). */
 int rope_kv_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos, const uint16_t *sin,
-                 const int64_t *loc, uint16_t *q_out, uint16_t *k_pool, uint16_t *v_pool, int64_t rows,
+                 const int64_t *loc, uint16_t *q_out, void *k_pool, void *v_pool, int kv_fmt, int64_t rows,
                  int heads, int kv_heads, int head_dim, int num_threads) {
+    if ((kv_fmt != KV_BF16 && kv_fmt != KV_E5M2) || (kv_fmt == KV_E5M2 && kv_heads * head_dim > E5M2_ROW_MAX))
+        return -1;
     Job job = {ROPE_KV, qkv, NULL, NULL, q_out, NULL, rows, 0, qkv_stride, 0.0f, cos, sin, loc, k_pool, v_pool,
-               heads, kv_heads, head_dim};
+               heads, kv_heads, head_dim, kv_fmt};
     run(&job, num_threads);
     return 0;
 }
