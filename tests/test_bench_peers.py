@@ -191,7 +191,10 @@ def test_serving_client_counts_llama_cpp_stream_tokens(fake_llama_server):
     assert server.proc.poll() is not None
 
 
-def test_offline_against_vllm_runs_the_runner_under_the_peers_python(bench_model, tmp_path, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+def test_offline_against_vllm_runs_the_runner_under_the_peers_python(bench_model, tmp_path, monkeypatch,  # noqa: F811
+                                                                      kv_cache_dtype):
+    """The runner under the peer's python, on the engine's folder, dtype and KV cache dtype."""
     stub = tmp_path / "stub"
     (stub / "vllm").mkdir(parents=True)
     (stub / "vllm" / "__init__.py").write_text(STUB_VLLM)
@@ -201,14 +204,15 @@ def test_offline_against_vllm_runs_the_runner_under_the_peers_python(bench_model
     monkeypatch.setenv("PYTHONPATH", str(stub))
     monkeypatch.setenv("STUB_VLLM_LOG", str(log))
     out = tmp_path / "cmp.jsonl"
-    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
-            "--backend", "vllm", "--vllm-python", sys.executable, "--vllm-args=--no-preload",
+    argv = ["bench", "offline", "--model.path", bench_model, "--model.kv-cache-dtype", kv_cache_dtype, *TINY_ENGINE,
+            *TINY_WORKLOAD, "--backend", "vllm", "--vllm-python", sys.executable, "--vllm-args=--no-preload",
             "--output-file", str(out)]
     assert cli_main(argv) == 0
     (record,) = read_lines(out)
     assert record["backend"] == "vllm" and record["peer"]["version"] == "0.0-stub"
     assert record["metrics"]["total_output_tokens"] == 30 and record["metrics"]["total_input_tokens"] == 120
     assert record["peer"]["settings"]["model"] == bench_model and record["peer"]["settings"]["dtype"] == "float32"
+    assert record["peer"]["settings"]["kv_cache_dtype"] == kv_cache_dtype
     warm, run = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(warm["prompts"]) == 1 and [len(p) for p in run["prompts"]] == [24] * 5
 

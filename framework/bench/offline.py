@@ -121,15 +121,18 @@ def peer_paths(args) -> dict[str, str]:
 
 
 def run_peer(peer: str, args, requests: list[BenchRequest], folder: str, dtype: str,
-             paths: dict[str, str]) -> tuple[dict, dict]:
-    """One peer engine on the workload (framework/bench/peers.py); returns (metrics, details)."""
+             paths: dict[str, str], kv_cache_dtype: str = "auto") -> tuple[dict, dict]:
+    """One peer engine on the workload (framework/bench/peers.py); returns (metrics, details).
+    vLLM gets the engine's fp8_e5m2 KV cache too (llama.cpp has no e5m2 cache type)."""
     import shlex
 
     from framework.bench import peers
 
     if peer == "vllm":
-        return peers.run_vllm_offline(requests, folder, dtype, python=paths["vllm"],
-                                      extra_args=shlex.split(args.vllm_args or ""))
+        extra = shlex.split(args.vllm_args or "")
+        if kv_cache_dtype == "fp8_e5m2" and "--kv-cache-dtype" not in extra:
+            extra = ["--kv-cache-dtype", kv_cache_dtype] + extra
+        return peers.run_vllm_offline(requests, folder, dtype, python=paths["vllm"], extra_args=extra)
     model = paths["llamacpp_model"]
     metrics, details = peers.run_llamacpp_offline(requests, server_bin=paths["llamacpp"], model=model,
                                                   parallel=args.llamacpp_parallel, ignore_eos=args.ignore_eos,
@@ -216,7 +219,7 @@ def main(args) -> int:
                                    hf_mode=mode, hf_batch_size=args.hf_batch_size if mode == "static" else None))
 
     for peer in (b for b in backends if b in PEER_BACKENDS):
-        metrics, details = run_peer(peer, args, requests, folder, dtype_name, paths)
+        metrics, details = run_peer(peer, args, requests, folder, dtype_name, paths, settings.model.kv_cache_dtype)
         version = details.get("version")
         print(format_report(f"Offline Throughput ({peer}{' ' + version if version else ''})", metrics))
         hardware = hardware_info(details.get("dtype", dtype_name))

@@ -32,6 +32,7 @@ def parse_args(argv=None):
     ap.add_argument("--model", required=True, help="Hugging Face folder (config.json + safetensors)")
     ap.add_argument("--data", required=True, help="JSONL workload: prompt_ids, output_len")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8_e5m2, ...)")
     ap.add_argument("--kv-cache-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--threads-bind", default=None,
                     help="VLLM_CPU_OMP_THREADS_BIND (default: every CPU of the machine, e.g. 0-1; "
@@ -121,7 +122,8 @@ def main(argv=None) -> None:
 
     settings = dict(model=args.model, dtype=args.dtype, max_model_len=max(2048, max(len(p) + n for p, n in reqs)),
                     max_num_seqs=args.max_num_seqs, enable_prefix_caching=True, enable_chunked_prefill=True,
-                    enforce_eager=args.enforce_eager, skip_tokenizer_init=True, seed=0)
+                    enforce_eager=args.enforce_eager, skip_tokenizer_init=True, seed=0,
+                    kv_cache_dtype=args.kv_cache_dtype)
     if args.max_num_batched_tokens:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
     print(f"[vllm_runner] LLM({settings}) bind={os.environ['VLLM_CPU_OMP_THREADS_BIND']} "
