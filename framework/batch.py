@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 from dataclasses import dataclass, field
@@ -76,6 +77,21 @@ class SamplingBatchInfo:
             # cannot happen here.
             need_min_p_sampling=any(p.min_p > 0 for p in params),
             penalties=penalties if penalties is not None and penalties.is_active else None,
+        )
+
+    def to(self, device: torch.device | str) -> "SamplingBatchInfo":
+        """These rows with their tensors on `device` (the sampler's); itself when already there.
+        A copy, so the scheduler's rows stay on the CPU."""
+        if self.temperatures.device == torch.device(device):
+            return self
+        return dataclasses.replace(
+            self,
+            temperatures=self.temperatures.to(device),
+            top_ps=self.top_ps.to(device),
+            top_ks=self.top_ks.to(device),
+            min_ps=self.min_ps.to(device),
+            penalties=None if self.penalties is None else self.penalties.to(device),
+            vocab_mask=None if self.vocab_mask is None else self.vocab_mask.to(device),
         )
 
 

@@ -141,7 +141,7 @@ class WorkerSettings(_Section):
         "AMX tiles: the paths of a CPU without AMX, to compare the two on one machine; hold oneDNN to the "
         "same with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment).",
     )
-    device: str = Field("cpu", description="Torch device.")
+    device: str = Field("cpu", description="Torch device: cpu, or cuda (each TP rank its GPU on the node).")
     packed_weights: bool = Field(
         True,
         description="On CPU in bfloat16, keep a copy of every linear weight in oneDNN's blocked layout "

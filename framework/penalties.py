@@ -69,6 +69,9 @@ class _Penalizer:
     def filter(self, index: torch.Tensor) -> "_Penalizer":
         return dataclasses.replace(self, **{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
 
+    def to(self, device: torch.device | str) -> "_Penalizer":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
     def concat(self, other: "_Penalizer") -> "_Penalizer":
         return dataclasses.replace(self, **{
             f.name: torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in dataclasses.fields(self)
@@ -265,6 +268,11 @@ class BatchPenalties:
         rows = torch.arange(self.batch_size)
         for penalizer in self.penalizers.values():
             penalizer.cumulate(rows, token_ids)
+
+    def to(self, device: torch.device | str) -> "BatchPenalties":
+        """A copy with every penalizer's tensors on `device` (the sampler's, when not the CPU)."""
+        penalizers = {kind: penalizer.to(device) for kind, penalizer in self.penalizers.items()}
+        return BatchPenalties(self.batch_size, self.vocab_size, penalizers)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalized copy of `logits` [bs, vocab]; the input is left intact (logprobs use it)."""

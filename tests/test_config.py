@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from framework.cli import build_parser, settings_from_args
 from framework.config import Settings, SettingsError, render_default_toml
@@ -94,3 +95,15 @@ def test_default_toml_doc_is_current():
 def test_default_toml_loads_to_the_defaults(tmp_path):
     loaded = Settings.load(write(tmp_path, render_default_toml()))
     assert loaded.model_dump() == Settings.load(None).model_dump()
+
+
+def test_a_cuda_device_without_cuda_is_a_clear_error(tiny_model_folder):
+    """worker.device = "cuda" where torch sees no GPU is refused at start-up, naming the setting
+    (on a GPU, tests/test_gpu.py runs the engine there)."""
+    from framework.engine import Engine
+    from tests.conftest import tiny_settings
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="worker.device = 'cuda'.*sees no CUDA device"):
+        Engine(tiny_settings(tiny_model_folder, worker={"device": "cuda"}))

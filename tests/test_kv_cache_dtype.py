@@ -81,3 +81,4 @@ def test_the_sim_worker_sizes_an_fp8_pool_as_the_engine_does(tiny_model_folder):
         return pool_sizes(cfg, torch.bfloat16, 2048, 1, settings)[0]
 
     assert tokens("fp8_e5m2") == 2 * tokens("auto") == 2 * tokens("bfloat16")
+

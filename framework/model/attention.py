@@ -24,6 +24,7 @@ Paths:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,24 @@ class AttentionMetadata:
     dense: list["_DensePlan"] | None = None
     # With the C kernel, all one-token requests go there instead.
     kernel: _KernelDecode | None = None
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """The plan with its tensors on `device` (the C kernel's plan is for the CPU only)."""
+        assert self.kernel is None, "the C decode kernel runs on the CPU"
+        return dataclasses.replace(
+            self,
+            decode_groups=[_tensors_to(g, device) for g in self.decode_groups],
+            extend_reqs=[_tensors_to(r, device) for r in self.extend_reqs],
+            dense=None if self.dense is None else [_tensors_to(p, device) for p in self.dense],
+        )
+
+
+def _tensors_to(plan, device: torch.device):
+    """A copy of dataclass `plan` with its tensor fields on `device`."""
+    return dataclasses.replace(plan, **{
+        f.name: value.to(device) for f in dataclasses.fields(plan)
+        if isinstance(value := getattr(plan, f.name), torch.Tensor)
+    })
 
 
 # With the C kernel, extends of at most this many tokens run as one kernel row per token (decode
@@ -198,7 +217,15 @@ class TorchNativeAttention:
         self.extend_kernel = kernel if self.head_dim == 64 else None
 
     def prepare(self, batch: ModelWorkerBatch, req_to_token_pool: ReqToTokenPool) -> AttentionMetadata:
-        """Split the batch into one-token and multi-token requests and build their KV indices."""
+        """Split the batch into one-token and multi-token requests and build their KV indices.
+
+        The plan is built on the CPU, from the CPU table `req_to_token`, and moved once to the
+        device of the pass (that of `batch.out_cache_loc`) for all layers."""
+        meta = self._plan(batch, req_to_token_pool)
+        device = batch.out_cache_loc.device
+        return meta if device.type == "cpu" else meta.to(device)
+
+    def _plan(self, batch: ModelWorkerBatch, req_to_token_pool: ReqToTokenPool) -> AttentionMetadata:
         num_tokens = int(sum(batch.extend_lens))
         if batch.forward_mode.is_idle() or batch.batch_size == 0:
             return AttentionMetadata(num_tokens, [], [])

@@ -96,8 +96,8 @@ class LlavaForCausalLM(nn.Module):
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[num_images, C, H, W] -> [num_images, num_image_tokens, text_hidden]."""
-        dtype = self.multi_modal_projector.linear_1.weight.dtype
-        out = self.vision_tower(pixel_values.to(dtype), output_hidden_states=True)
+        weight = self.multi_modal_projector.linear_1.weight
+        out = self.vision_tower(pixel_values.to(weight.device, weight.dtype), output_hidden_states=True)
         features = out.hidden_states[self.feature_layer]
         if not self.keep_cls:
             features = features[:, 1:]

@@ -83,7 +83,7 @@ def _next_token_logits(
     last_rows = torch.tensor(num_rows_per_req).cumsum(0) - 1
 
     # Row p's target is the input token at p + 1 (within the pass); the last row has none.
-    targets = torch.zeros(rows.shape[0], dtype=torch.int64)
+    targets = torch.zeros(rows.shape[0], dtype=torch.int64, device=logprobs.device)
     is_input_row = torch.ones(rows.shape[0], dtype=torch.bool)
     is_input_row[last_rows] = False
     targets[is_input_row] = batch.input_ids[rows[is_input_row] + 1]

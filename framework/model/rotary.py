@@ -42,12 +42,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.register_buffer("inv_freq", _inv_freq(config), persistent=False)
-        self._cos = torch.empty(0)
-        self._sin = torch.empty(0)
+        # Buffers, so that `model.to(device)` moves the tables too.
+        self.register_buffer("_cos", torch.empty(0), persistent=False)
+        self.register_buffer("_sin", torch.empty(0), persistent=False)
         self._build(config.context_len)
 
     def _build(self, max_len: int) -> None:
-        t = torch.arange(max_len, dtype=torch.float32)
+        t = torch.arange(max_len, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
         self._cos, self._sin = emb.cos(), emb.sin()

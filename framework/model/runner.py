@@ -6,6 +6,7 @@ back logits (and logprobs) or sampled ids. The scheduler allocates slots in the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Iterable
@@ -234,8 +235,10 @@ class ModelRunner:
                 logger.info("Capping request slots at %d (req_to_token memory)", cap)
                 max_num_reqs = max(cap, 1)
         self.max_num_reqs = max_num_reqs
+        # On the CPU whatever the device: the scheduler and the prefix cache read and write it with
+        # CPU tensors, and attention moves the few indices a pass needs (`TorchNativeAttention.prepare`).
         self.req_to_token_pool = ReqToTokenPool(
-            size=max_num_reqs + 1, max_context_len=self.context_len + 4, device=self.device
+            size=max_num_reqs + 1, max_context_len=self.context_len + 4, device="cpu"
         )
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_num_tokens, self.kv_dtype, self.num_local_kv_heads, cfg.head_dim, cfg.num_layers,
@@ -248,6 +251,7 @@ class ModelRunner:
     def forward(self, batch: ModelWorkerBatch) -> LogitsOutput:
         """Run one pass; K/V of the batch's tokens land at `batch.out_cache_loc`."""
         vocab_size = self.model_config.vocab_size
+        batch = self._on_device(batch)
         if batch.forward_mode.is_idle() or batch.batch_size == 0:
             if self.par.gathers_mlp_tokens:
                 # DP attention: a pass with no tokens, so this rank joins the MLP collectives (L2).
@@ -263,7 +267,19 @@ class ModelRunner:
         """Run one pass of an embedding batch: [bs, hidden] float32, one unit vector per request."""
         if batch.batch_size == 0:
             return torch.empty((0, self.model_config.hidden_size), dtype=torch.float32)
-        return pool_last_token(self._hidden_states(batch), batch.extend_lens)
+        return pool_last_token(self._hidden_states(self._on_device(batch)), batch.extend_lens)
+
+    def _on_device(self, batch: ModelWorkerBatch) -> ModelWorkerBatch:
+        """`batch` with the token-major tensors the model reads on the runner's device (the
+        scheduler builds them on the CPU); the batch itself on the CPU."""
+        if self.device == "cpu":
+            return batch
+        moved = {
+            name: tensor.to(self.device)
+            for name in ("input_ids", "positions", "out_cache_loc", "input_embeds", "input_embeds_mask")
+            if (tensor := getattr(batch, name)) is not None
+        }
+        return dataclasses.replace(batch, **moved)
 
     def _hidden_states(self, batch: ModelWorkerBatch) -> torch.Tensor:
         return self.model(
@@ -286,7 +302,8 @@ class ModelRunner:
         """Sample next ids [bs] int64; with logprobs, also fill `logits_output.next_token_logprobs`."""
         if batch.batch_size == 0 or batch.sampling_info is None:
             return torch.empty((0,), dtype=torch.int64)
-        next_token_ids = self.sampler(logits_output.next_token_logits, batch.sampling_info)
+        logits = logits_output.next_token_logits
+        next_token_ids = self.sampler(logits, batch.sampling_info.to(logits.device))
         if batch.return_logprob:
             fill_next_token_logprobs(logits_output, next_token_ids)
         return next_token_ids
@@ -295,7 +312,8 @@ class ModelRunner:
     def sample_drafts(self, logits_output: LogitsOutput, batch: ModelWorkerBatch) -> torch.Tensor:
         """The token sampled at each draft row of `batch.draft_check` [sum(lens)] int64."""
         check = batch.draft_check
-        info = check.sampling_info
+        logits = logits_output.draft_logits
+        info = check.sampling_info.to(logits.device)
         if info.is_all_greedy and info.penalties is None:
-            return self.sampler.check_greedy(logits_output.draft_logits, info, torch.tensor(check.tokens))
-        return self.sampler(logits_output.draft_logits, info)
+            return self.sampler.check_greedy(logits, info, torch.tensor(check.tokens, device=logits.device))
+        return self.sampler(logits, info)

@@ -87,7 +87,7 @@ def _sample_filtered(
     probs_sort, probs_idx = _sorted_candidates(probs, top_ks, need_top_p, info)
     # Mass strictly before each token, over the untruncated distribution.
     mass_before = probs_sort.cumsum(dim=-1) - probs_sort
-    ranks = torch.arange(probs_sort.shape[1]).unsqueeze(0)
+    ranks = torch.arange(probs_sort.shape[1], device=probs_sort.device).unsqueeze(0)
     drop = ranks >= top_ks.unsqueeze(1)
     if need_top_p:
         drop |= mass_before > info.top_ps.unsqueeze(1)
@@ -148,7 +148,8 @@ def _multinomial(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
     seeded = [i for i, key in enumerate(seeds) if key is not None]
     if seeded:
         u[seeded, 0] = torch.tensor([(seeds[i] >> 11) * 2.0**-53 for i in seeded], dtype=torch.float64)
-    # The factor keeps u strictly below the total mass despite rounding of u * total.
-    u = u * cdf[:, -1:] * (1.0 - 1e-12)
+    # Drawn on the CPU whatever the device: the same draws on any device. The factor keeps u
+    # strictly below the total mass despite rounding of u * total.
+    u = u.to(cdf.device) * cdf[:, -1:] * (1.0 - 1e-12)
     ids = torch.searchsorted(cdf, u, right=True).squeeze(1)
     return ids.clamp_(max=probs.shape[1] - 1)

@@ -96,6 +96,9 @@ class TpWorker:
             torch.set_num_threads(settings.worker.num_threads)
         folder = resolve_model(settings.model.path)
         device = local_device(settings.worker.device, par.tp_rank, settings.parallel)
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"worker.device = {settings.worker.device!r}, but this torch ({torch.__version__}) "
+                             "sees no CUDA device; use worker.device = 'cpu'")
         dtype = resolve_dtype(settings.model.dtype, device)
         runner = ModelRunner(
             folder,
