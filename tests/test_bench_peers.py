@@ -247,3 +247,20 @@ def test_bf16_gguf_keeps_every_tensor_and_the_metadata(tmp_path):
     x = dequantize(ta.data, ta.tensor_type).astype(np.float32)
     y = dequantize(tb.data, tb.tensor_type).astype(np.float32)
     assert np.allclose(x, y, rtol=1e-2, atol=1e-3)
+
+
+def test_a_served_vllm_gets_the_kv_cache_dtype_and_llama_cpp_refuses_fp8(tmp_path, monkeypatch, caplog):
+    """`bench peers serve vllm --kv-cache-dtype fp8_e5m2` serves like the engine's fp8 pool;
+    llama.cpp has no such cache, which is a usage error before anything starts."""
+    from framework.bench import peers
+
+    vllm = tmp_path / "vllm" / "bin" / "python"
+    vllm.parent.mkdir(parents=True)
+    vllm.write_text("")
+    monkeypatch.setenv("BATCHYARD_PEERS_HOME", str(tmp_path))
+    cmd, _ = peers.serve_command("vllm", 30005, folder="/some/model", kv_cache_dtype="fp8_e5m2")
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e5m2" and cmd[cmd.index("--model") + 1] == "/some/model"
+    cmd, _ = peers.serve_command("vllm", 30005, folder="/some/model")
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "auto"
+    assert cli_main(["bench", "peers", "serve", "llamacpp", "--kv-cache-dtype", "fp8_e5m2"]) == 2
+    assert "no fp8_e5m2 KV cache" in caplog.text

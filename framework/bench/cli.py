@@ -162,6 +162,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("peer", nargs="*", help="vllm and/or llamacpp (default both; serve takes one)")
     p.add_argument("--port", type=int, default=30001, help="serve: port on 127.0.0.1")
     p.add_argument("--dtype", default="bfloat16", help="serve vllm: dtype")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e5m2"),
+                   help="serve vllm: KV cache dtype, as the engine's model.kv_cache_dtype (llama.cpp has no e5m2 cache)")
     p.add_argument("--model-path", help="serve vllm: model (default: the embedded model's folder)")
     p.add_argument("--llamacpp-model", help="serve llamacpp: GGUF (default: the bf16 copy)")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for llama.cpp")

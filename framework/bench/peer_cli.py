@@ -48,8 +48,8 @@ def serve(args) -> int:
         folder = resolve_model(args.model_path)
     try:
         cmd, env = peers.serve_command(args.peer[0], args.port, folder=folder, dtype=args.dtype,
-                                       model=args.llamacpp_model)
-    except peers.PeerMissing as exc:
+                                       model=args.llamacpp_model, kv_cache_dtype=args.kv_cache_dtype)
+    except (peers.PeerMissing, ValueError) as exc:
         logger.error("%s", exc)
         return 2
     print(" ".join(cmd), flush=True)

