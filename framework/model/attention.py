@@ -20,6 +20,8 @@ Paths:
   in bf16 with head_dim 64 on a CPU with AMX, the C kernel framework/model/kernels/
   extend_attention.c does them instead, straight from the pool (`use_extend_kernel`; 1.5-2.5x
   faster than SDPA at 64-1,024 tokens, measured on a 2-core Xeon).
+A float8_e5m2 pool (model.kv_cache_dtype; bytes, see TokenToKVPool) is widened to q's dtype right
+after each gather (`widen_kv`); the C kernels widen its bytes themselves (`kv_format`).
 """
 
 from __future__ import annotations
