@@ -169,12 +169,20 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
         /* 16 tokens at a time: 16 dot-product vectors, summed lane-wise by one transpose tree
          * (hsum16) instead of 16 horizontal reductions */
         for (; t + 16 <= t1; t += 16) {
+            /* e5m2 rows widened once for all the group's query heads (bf16 rows are read in place) */
+            __m512bh wide[16][2];
+            if (kv_fmt == KV_E5M2)
+                for (int u = 0; u < 16; u++)
+                    k_row_bf16((const char *)k + (size_t)slots[t + u] * kv_stride * elem, kv_fmt, wide[u]);
             for (int g = 0; g < group; g++) {
                 __m512 acc[16];
                 prefetch_next(pf);
                 for (int u = 0; u < 16; u++) {
                     __m512bh kr[2];
-                    k_row_bf16((const char *)k + (size_t)slots[t + u] * kv_stride * elem, kv_fmt, kr);
+                    if (kv_fmt == KV_E5M2)
+                        kr[0] = wide[u][0], kr[1] = wide[u][1];
+                    else
+                        k_row_bf16((const char *)k + (size_t)slots[t + u] * kv_stride * elem, kv_fmt, kr);
                     acc[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kr[0]);
                     acc[u] = _mm512_dpbf16_ps(acc[u], qv[g][1], kr[1]);
                 }
