@@ -2,15 +2,16 @@
 # Runs tests/test_gpu.py on a machine with a GPU whose python3 already has torch, transformers,
 # accelerate, pytest, pluggy and numpy, and no network. What else the engine needs travels with the
 # working tree, both ignored by git (.git/info/exclude):
-#   .whl/                      pydantic, pydantic-settings and their dependencies, as wheels;
+#   .whl/                      pydantic, pydantic-settings, xgrammar and their dependencies, as wheels;
 #   .gpu/smollm2-tokenizer/    the default model's tokenizer files (its 98 MB GGUF is too big to carry).
 # To make them on a fresh checkout (pip download needs the package index; the tokenizer comes from
 # the converted default model, ~/.cache/batchyard/models/<SmolLM2...>/ once the engine has run):
 #   echo /.whl/ >>.git/info/exclude; echo /.gpu/ >>.git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.4 \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.4 \
 #     pydantic-core==2.50.5 pydantic-settings==2.16.3 annotated-types==0.8.0 typing-inspection==0.4.5 \
-#     python-dotenv==1.2.4 typing-extensions==4.16.0
+#     python-dotenv==1.2.4 typing-extensions==4.16.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 #   mkdir -p .gpu/smollm2-tokenizer && cp <model folder>/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/smollm2-tokenizer/
 # then run it there with the device tool: command `bash .ci/gpu_check.sh`, carry [".whl", ".gpu"].
 # The project is not installed: without its entry points, the bundled plugins register through

@@ -1,6 +1,7 @@
 """The engine on a GPU (`worker.device = "cuda"`, docs/parallelism.md): fp32 greedy outputs equal
 transformers' on the tiny model, with the plain and the overlap worker; bfloat16 generates; sampling
-with every filter, the penalties and a seed runs, and prompt logprobs equal transformers'. Every
+with every filter, the penalties and a seed runs, and prompt logprobs equal transformers'; regex and
+JSON-schema outputs follow their constraints. Every
 engine is leak-checked by `make_engine`.
 
 Skipped where CUDA is not available; `.ci/gpu_check.sh` runs this file on a machine with a GPU.
@@ -8,7 +9,9 @@ BATCHYARD_GPU_CHECK_DEVICE=cpu runs the same checks on the CPU, to check the tes
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -134,3 +137,21 @@ def test_sampling_and_logprobs(make_engine, hf_tiny, prompts, default_tokenizer)
     assert all(e[0] <= 0 for e in outputs)
     tops = meta["output_top_logprobs"]
     assert len(tops) == NEW and all(len(t) == 3 and t[0][1] == e[1] for t, e in zip(tops, outputs))
+
+
+def test_regex_and_json_schema_are_followed(make_engine, prompts):
+    """Structured output with the vocab masks on the device (xgrammar's GPU path there): a regex
+    and a JSON schema, greedy and sampled, in one batch; each output matches its constraint."""
+    engine = make_engine(plugins={"worker": "tp"}, worker={"device": DEVICE}, scheduler=SMALL_CHUNKS)
+    regex = r"(Mon|Tue|Wed)day at [0-9]{1,2}(am|pm)"
+    # Bounded values: the random model could spin out an unbounded integer or string past the budget.
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
+              "required": ["kind", "ok"], "additionalProperties": False}
+    params = [{"max_new_tokens": 32, "temperature": 0, "regex": regex},
+              {"max_new_tokens": 48, "temperature": 0.7, "seed": 3, "regex": regex},
+              {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(schema)}]
+    outs = engine.generate(input_ids=prompts[:3], sampling_params=params)
+    for out in outs[:2]:
+        assert re.fullmatch(regex, out["text"]), out["text"]
+    value = json.loads(outs[2]["text"])
+    assert set(value) == {"kind", "ok"} and value["kind"] in ("cat", "dog") and isinstance(value["ok"], bool)
