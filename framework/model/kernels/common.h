@@ -169,6 +169,11 @@ static inline __m512i e5m2x32_to_bf16(const void *p) {
     return _mm512_mask_add_epi16(_mm512_and_si512(w, _mm512_set1_epi16((short)0x8000)), normal, moved,
                                  _mm512_set1_epi16(112 << 7));
 }
+
+/* n (a multiple of 32) float8_e5m2 bytes at src as bf16 at dst (e5m2x32_to_bf16). */
+static inline void e5m2_row_to_bf16(uint16_t *dst, const uint8_t *src, int64_t n) {
+    for (int64_t j = 0; j < n; j += 32) _mm512_storeu_si512(dst + j, e5m2x32_to_bf16(src + j));
+}
 #endif
 
 /* 16 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN), as f32_to_bf16. With AVX512-BF16

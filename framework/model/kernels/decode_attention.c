@@ -364,8 +364,7 @@ static const uint16_t *block_rows(const void *pool, int fmt, const int64_t *slot
         if (t0 + u >= len) {
             memset(dst, 0, (size_t)slot * 2);
         } else if (fmt == KV_E5M2) {
-            const uint8_t *src = (const uint8_t *)pool + slots[t0 + u] * slot;
-            for (int64_t j = 0; j < slot; j += 32) _mm512_storeu_si512(dst + j, e5m2x32_to_bf16(src + j));
+            e5m2_row_to_bf16(dst, (const uint8_t *)pool + slots[t0 + u] * slot, slot);
         } else {
             memcpy(dst, (const uint16_t *)pool + slots[t0 + u] * slot, (size_t)slot * 2);
         }

@@ -77,8 +77,7 @@ static const uint16_t *head_row(const Ext *e, const void *pool, int64_t t, int h
     if (t >= e->seq_len) return zeros;
     size_t at = (size_t)e->kv_indices[t] * e->kv_heads * HEAD_DIM + (size_t)h * HEAD_DIM;
     if (e->kv_fmt == KV_BF16) return (const uint16_t *)pool + at;
-    for (int j = 0; j < HEAD_DIM; j += 32)
-        _mm512_storeu_si512(buf + j, e5m2x32_to_bf16((const uint8_t *)pool + at + j));
+    e5m2_row_to_bf16(buf, (const uint8_t *)pool + at, HEAD_DIM);
     return buf;
 }
 
