@@ -421,6 +421,28 @@ def test_packed_gate_up_matches_the_two_gemm_roundings(gemm, rows, d, k):
 
 
 @each_gemm
+@pytest.mark.parametrize("rows,n_out", [(1, 49152), (200, 4096), (35, 1000), (9, 37)])
+def test_streamed_outputs_are_the_cached_ones(gemm, rows, n_out):
+    """`stream` (the LM head's non-temporal stores) gives the same bits as the cached stores,
+    also where a row's groups of 16 are not 32-byte aligned (y one element off, an odd row
+    stride: those go through the cached stores) and for a partial last block (1000, 37)."""
+    gen = torch.Generator().manual_seed(rows + n_out)
+    k = 64
+    x, w = _bf16(gen, rows, k), _bf16(gen, n_out, k, scale=0.1)
+    packed = gemm.pack(w)
+    cached = gemm.linear(x, packed, n_out)
+    torch.testing.assert_close(cached.float(), x.float() @ w.float().T, atol=1e-3, rtol=2**-7)
+    assert torch.equal(gemm.linear(x, packed, n_out, stream=True), cached)
+    for offset, stride in ((1, n_out + 1), (0, n_out + 3), (16, n_out + 16)):
+        buf = torch.full((rows * stride + offset + n_out,), float("nan"), dtype=torch.bfloat16)
+        y = buf[offset:offset + rows * stride].view(rows, stride)[:, :n_out]
+        gemm._run(x, packed, None, y, n_out, "none", stream=True)
+        assert torch.equal(y, cached)
+        gaps = buf[offset:offset + rows * stride].view(rows, stride)[:, n_out:]
+        assert gaps.isnan().all()  # nothing stored past a row's outputs
+
+
+@each_gemm
 def test_packed_gate_up_of_very_negative_gates_is_zero_not_nan(gemm):
     """SiLU of a gate below ~-88.7: exp(-gate) overflows fp32, and the epilogue's reciprocal of
     it gave NaN (found when the vectors came; the tiles had it too)."""

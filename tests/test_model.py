@@ -485,11 +485,20 @@ def test_decode_gemms_run_on_the_c_gemm_kernels(hf_model, monkeypatch, vectors):
     if vectors:
         monkeypatch.setattr(kernel, "tiles", False)
 
+    streamed: list[int] = []  # rows of the calls that store past the caches
+
     def spy(kernel) -> list[int]:
         calls: list[int] = []
         for name in ("linear", "gate_up"):
             real = getattr(kernel, name)
-            monkeypatch.setattr(kernel, name, lambda x, *a, real=real, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+
+            def call(x, *a, real=real, **kw):
+                calls.append(x.shape[0])
+                if kw.get("stream"):
+                    streamed.append(x.shape[0])
+                return real(x, *a, **kw)
+
+            monkeypatch.setattr(kernel, name, call)
         return calls
 
     calls = spy(kernel)
@@ -501,6 +510,7 @@ def test_decode_gemms_run_on_the_c_gemm_kernels(hf_model, monkeypatch, vectors):
     calls.clear()
     out = runner.forward(_batch(runner, reqs, [1], ForwardMode.DECODE))
     assert len(calls) == 4 * layers + 1 and set(calls) == {1}  # qkv, o, gate_up, down; the LM head
+    assert streamed == [1, 1]  # the LM head's logits only (both passes), stored past the caches
     _check_last(hf_model, out, reqs, atol=0.1)
     if most > 1:
         lens = [5 + i for i in range(most)]

@@ -64,15 +64,16 @@ class RMSNorm(nn.Module):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
-           kernels: CpuKernels | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
+           kernels: CpuKernels | None = None, tiles: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy for oneDNN,
     `use_packed_weights`) when there is one and x is bf16. Without a bias, GEMMs of up to
     `kernels.gemm.rows` rows run on the packed GEMM kernel instead, from `tiles` (weight's copy
-    in its layout)."""
+    in its layout); `stream`: that kernel stores the output past the caches (`PackedGemm.linear`,
+    for the LM head)."""
     if packed is not None and x.dtype == torch.bfloat16:
         gemm = kernels.gemm if kernels is not None and bias is None and tiles is not None else None
         if gemm is not None and gemm.supports(x, tiles):
-            return gemm.linear(x, tiles, weight.shape[0])
+            return gemm.linear(x, tiles, weight.shape[0], stream=stream)
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
@@ -394,7 +395,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""
-        return linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.kernels, self.lm_head_tiles)
+        # The logits are read once, by the sampler after the whole GEMM: streamed past the caches.
+        return linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.kernels, self.lm_head_tiles,
+                      stream=True)
 
     # -- weights --------------------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ typedef struct {
     uint16_t *y;
     int64_t rows, k, n_out, x_stride, y_stride, other_stride;
     int epilogue;
+    int stream; /* non-temporal stores of y (finish) */
 } Gemm;
 
 typedef struct {
@@ -95,11 +96,20 @@ static inline __m512 silu16(__m512 x) {
     return _mm512_mul_ps(x, r);
 }
 
-/* Row m's outputs n0.. (the lanes in `store`): + other[m] for add, rounded to bf16 and stored. */
+/* Row m's outputs n0.. (the lanes in `store`): + other[m] for add, rounded to bf16 and stored.
+ * With `stream`, whole aligned groups of 16 go past the caches (non-temporal stores): the caller
+ * of a wide output that is read once, later (the LM head's logits), so that its lines are neither
+ * read from DRAM before being written nor left to crowd out the weights. A row's column blocks
+ * are stored one after the other, so the write-combining buffers fill whole lines. */
 static inline void finish(const Gemm *g, int64_t m, int64_t n0, __mmask16 store, __m512 acc) {
     if (g->epilogue == ADD)
         acc = _mm512_add_ps(acc, widen_bf16x16(_mm256_maskz_loadu_epi16(store, g->other + m * g->other_stride + n0)));
-    _mm256_mask_storeu_epi16(g->y + m * g->y_stride + n0, store, to_bf16x16(acc));
+    uint16_t *dst = g->y + m * g->y_stride + n0;
+    if (g->stream && store == 0xFFFF && !((uintptr_t)dst & 31)) {
+        _mm256_stream_si256((__m256i *)dst, to_bf16x16(acc));
+        return;
+    }
+    _mm256_mask_storeu_epi16(dst, store, to_bf16x16(acc));
 }
 
 /* ---- vectors (AVX512-BF16) ----------------------------------------------------------------- */
@@ -180,6 +190,7 @@ static void *run_units_vec(void *arg) {
             }
         }
     }
+    if (g->stream) _mm_sfence(); /* this thread's streamed stores, seen before the caller reads y */
     return NULL;
 }
 #endif
@@ -311,6 +322,7 @@ static void *run_units(void *arg) {
     }
     if (pending) finish_rows(g, pending, 0, pending->rows);
     _tile_release();
+    if (g->stream) _mm_sfence(); /* this thread's streamed stores, seen before the caller reads y */
     return NULL;
 }
 #endif
@@ -318,14 +330,15 @@ static void *run_units(void *arg) {
 /* y = epilogue(x @ w^T), see the top of the file, on the tiles (`tiles` 1) or the vectors (0). x:
  * [rows, k] (row stride x_stride, k a multiple of 32), packed: packed_gemm_pack of w [n_out, k]
  * ([2 * n_out, k] for gate_up, n_out a multiple of 16 then), y: [rows, n_out] (row stride
- * y_stride), other: [rows, n_out] for add. Returns 0, or -1 when the call is not supported (the
- * path not there, k or n_out as above, no memory). */
+ * y_stride), other: [rows, n_out] for add. `stream` 1: y is stored past the caches (see finish),
+ * for an output that is not read again soon. Returns 0, or -1 when the call is not supported
+ * (the path not there, k or n_out as above, no memory). */
 int packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *other,
                      int64_t other_stride, uint16_t *y, int64_t y_stride, int64_t rows, int64_t k, int64_t n_out,
-                     int epilogue, int num_threads, int tiles) {
+                     int epilogue, int num_threads, int tiles, int stream) {
 #if defined(__AVX512BF16__)
     if (rows < 1 || k < 32 || k % 32 || n_out < 1 || (epilogue == GATE_UP && n_out % 16)) return -1;
-    Gemm g = {x, packed, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue};
+    Gemm g = {x, packed, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue, stream != 0};
     int64_t blocks = (n_out + 15) / 16;
     Units spans[MAX_THREADS];
     if (!tiles) {
@@ -358,7 +371,7 @@ int packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
 #endif
 #else
     (void)x, (void)x_stride, (void)packed, (void)other, (void)other_stride, (void)y, (void)y_stride;
-    (void)rows, (void)k, (void)n_out, (void)epilogue, (void)num_threads, (void)tiles;
+    (void)rows, (void)k, (void)n_out, (void)epilogue, (void)num_threads, (void)tiles, (void)stream;
     return -1;
 #endif
 }
