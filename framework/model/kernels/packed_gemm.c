@@ -80,6 +80,7 @@ typedef struct {
 } Units;
 
 #define PANEL_BYTES (768 << 10) /* of x at a time: a share of the 2 MiB L2 (run_units, run_units_vec) */
+#define L1_UNIT_BYTES (40 << 10) /* a unit's weights that stay in the 48 KiB L1 of the AMX Xeons (run_units) */
 
 /* The epilogues run once per output, so they matter at a few hundred rows: one instruction for
  * the bf16 rounding (to_bf16x16, common.h) and a reciprocal refined by one Newton step (~23 bits)
@@ -238,6 +239,13 @@ static void *run_units(void *arg) {
     const Gemm *g = u->g;
     const int64_t tile_elems = 512, block_elems = g->k * 16; /* a weight tile; a column block */
     const int64_t groups = (g->rows + 15) / 16, blocks = (g->n_out + 15) / 16, steps = g->k / 32;
+    /* Where a unit's weights fit in L1 beside a pass's working set (k up to 640 here: qkv, o and
+     * gate_up of SmolLM2, not down), x's tiles are loaded with the hint that they will not be
+     * reused (TILELOADDT1), so they stop evicting the weights, which every pass of the unit reads
+     * again. Measured (2-core Xeon, 200 rows): gate_up with L2-hot weights 0.337-0.350 -> 0.310-0.317
+     * ms, 1,024 rows 1.55 -> 1.34-1.40; W200's decode GEMMs in the engine 3.63 -> 3.31 s. With
+     * k = 1,536 (96 KiB of weights a unit) the hint made down 5 % slower. */
+    const int x_stream = 2 * 16 * g->k * 2 <= L1_UNIT_BYTES;
     int gate_up = g->epilogue == GATE_UP;
     Pass passes[2], *pending = NULL;
     int next = 0;
@@ -288,14 +296,20 @@ static void *run_units(void *arg) {
             _tile_zero(3);
             for (int64_t c = 0; c < g->k; c += 32) {
                 _tile_loadd(6, w0 + c / 32 * tile_elems, 64);
-                _tile_loadd(4, x0 + c, s0);
+                if (x_stream)
+                    _tile_stream_loadd(4, x0 + c, s0);
+                else
+                    _tile_loadd(4, x0 + c, s0);
                 _tile_dpbf16ps(0, 4, 6);
                 if (two) {
                     _tile_loadd(7, w1 + c / 32 * tile_elems, 64);
                     _tile_dpbf16ps(1, 4, 7);
                 }
                 if (two_groups) {
-                    _tile_loadd(5, x1 + c, s1);
+                    if (x_stream)
+                        _tile_stream_loadd(5, x1 + c, s1);
+                    else
+                        _tile_loadd(5, x1 + c, s1);
                     _tile_dpbf16ps(2, 5, 6);
                     if (two) _tile_dpbf16ps(3, 5, 7);
                 }
