@@ -135,7 +135,7 @@ class WorkerSettings(_Section):
         "auto",
         description="C kernels for decode attention (and bf16 prefill and decode attention on AMX tiles), "
         "the bf16 element-wise ops (RMSNorm, SiLU*up) and, "
-        "with packed_weights, bf16 GEMMs of up to 1,024 rows on AMX tiles (else up to 256 rows with AVX512-BF16), "
+        "with packed_weights, bf16 GEMMs of up to 2,048 rows on AMX tiles (else up to 256 rows with AVX512-BF16), "
         "built on first use with the system compiler: on (start-up fails if they cannot be built), off "
         "(PyTorch only), auto (on for a CPU device when they build, else off), or no_amx (auto without the "
         "AMX tiles: the paths of a CPU without AMX, to compare the two on one machine; hold oneDNN to the "
@@ -148,7 +148,7 @@ class WorkerSettings(_Section):
         "(prepacked once at load) so no GEMM reorders it per call; ~1.3-2x faster decode-sized GEMMs, "
         "~270 MB more memory for SmolLM2. Their kernels are built at load for bucketed row counts (~1 s). "
         "With the C kernels on a CPU with AVX512-BF16, a second copy in blocks of 16 columns (~270 MB more) "
-        "for GEMMs of up to 1,024 rows on AMX tiles, or 256 rows without AMX. Needs AVX512-BF16 or AMX; "
+        "for GEMMs of up to 2,048 rows on AMX tiles, or 256 rows without AMX. Needs AVX512-BF16 or AMX; "
         "ignored elsewhere.",
     )
     num_threads: int | None = Field(None, gt=0, description="Intra-op threads for the forward pass; empty: all cores.")

@@ -166,8 +166,11 @@ class ModelRunner:
             if warm is not None:
                 start = time.perf_counter()
                 buckets = warm()
-                logger.info("Built the oneDNN GEMM kernels for %d row counts in %.1f s", buckets,
-                            time.perf_counter() - start)
+                if buckets:
+                    logger.info("Built the oneDNN GEMM kernels for %d row counts in %.1f s", buckets,
+                                time.perf_counter() - start)
+                else:  # the packed GEMM kernel takes every GEMM of a prefill tile
+                    logger.debug("No oneDNN GEMM kernels to build ahead")
         return model_config, model
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:
