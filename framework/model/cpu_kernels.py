@@ -275,7 +275,8 @@ class PackedGemm:
     1,024 rows 158 / 154; the 150 layer GEMMs alone at 2,048 rows (a prefill tile) 168 / 235 then,
     197-211 / 193 once x's tiles were loaded with the no-reuse hint (gate_up with its fused
     epilogue 105-108 / 82 ms, qkv 27 / 29-34), and W200's prefill GEMMs in the engine 5.33-5.44 /
-    4.98-5.10 s (one sitting, two runs each), so the tiles take the prefill tiles too. The vectors, on the same Xeon with oneDNN held to AVX512-BF16
+    4.98-5.10 s (one sitting, two runs each), so the tiles take the prefill tiles too. The
+    vectors, on the same Xeon with oneDNN held to AVX512-BF16
     (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, as on a CPU without AMX), the 150 layer GEMMs, oneDNN
     against the vectors: 1 row 11.2 / 6.5 ms, 4 rows 13.4 / 8.4, 16 rows 24.3 / 18.9, 64 rows
     70.1 / 68.1, 200 rows 211 / 197, 512 rows 481 / 492, 2,048 rows 1,858 / 1,953 (both at the
