@@ -583,6 +583,27 @@ def test_decode_attention_on_tiles_matches_reference(heads, kv_heads, threads, k
 
 
 @needs_tiles
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_reads_evenly_spaced_slots(kv_dtype, threads, monkeypatch):
+    """A steady decode batch leaves each request's decoded tokens one slot a step, as many slots
+    apart as there are requests: the tiles read blocks of 16 such slots straight from a bf16 pool
+    with that stride (a copy out of an fp8 one). Blocks that mix prompt and decoded slots, and the
+    last partial block, are copied; all of it within bf16 rounding of float64 attention."""
+    lens = [40, 57, 300, 129, 1000, 64]  # every request decodes all 40 steps: 6 slots apart
+    k, v, req_to_token, pool_idx = _prompt_then_decode_pool(lens, 3, decoded=40, seed=11, dtype=kv_dtype)
+    decoded = req_to_token[1, 17:57]
+    assert (decoded.diff() == len(lens)).all()
+    q = _bf16(torch.Generator().manual_seed(6), len(lens), 9, 64, scale=2.0)
+    attn = TorchNativeAttention(9, 3, 64)
+    attn.use_decode_kernel(KERNEL)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    out = attn._kernel_decode(q, k, v, _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens)))
+    ref = _reference(q, k, v, req_to_token, pool_idx, lens, 3, 0.125)
+    torch.testing.assert_close(out.double().view(ref.shape), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_tiles
 def test_decode_attention_keeps_the_vector_code_where_the_tiles_do_not_fit():
     assert _decode_uses_tiles(9, 3) and _decode_uses_tiles(9, 3, kv_fmt=2)  # bf16 and e5m2 pools
     assert not _decode_uses_tiles(9, 3, kv_fmt=0)  # an fp32 pool
