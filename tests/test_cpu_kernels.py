@@ -519,6 +519,29 @@ def test_extend_attention_matches_fp32(ext_len, prefix_len, heads, kv_heads, kv_
 
 
 @needs_extend
+@pytest.mark.parametrize("prefix_len", [0, 70])
+def test_extend_attention_keeps_later_keys_out_of_each_rows_max(prefix_len):
+    """A key with a huge score, seen by the later rows of a query block only: the earlier rows'
+    softmax must not take it as their max (their probabilities would all underflow to 0 and the
+    row turn NaN). The rows' max over the blocks every row sees is taken apart from the rest."""
+    gen = torch.Generator().manual_seed(3)
+    ext_len, heads = 64, 2
+    seq_len = prefix_len + ext_len
+    k_pool, v_pool = _bf16(gen, seq_len + 1, 1, 64), _bf16(gen, seq_len + 1, 1, 64)
+    q = _bf16(gen, ext_len, heads, 64, scale=2.0)
+    big = prefix_len + 40  # seen by queries 40.. of the block of queries 32..47 only
+    k_pool[big + 1] = (q[32, 0].float() * 60).to(torch.bfloat16)
+    slots = torch.arange(1, seq_len + 1)
+    out = torch.full((ext_len, heads, 64), float("nan"), dtype=torch.bfloat16)
+    rc = EXTEND(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), cpu_kernels.kv_format(k_pool),
+                slots.data_ptr(), seq_len, prefix_len, out.data_ptr(), out.stride(0), heads, 1, 64, 0.125, 2)
+    assert rc == 0
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), _extend_reference(q, k_pool, v_pool, slots, prefix_len),
+                               atol=2e-2, rtol=2e-2)
+
+
+@needs_extend
 def test_extend_attention_refuses_what_it_cannot_do():
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     pool, slots = torch.zeros(8, 1, 64, dtype=torch.bfloat16), torch.arange(4)
