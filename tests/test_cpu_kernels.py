@@ -283,9 +283,11 @@ def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim, kv_dtype):
 
 
 @needs_kernel
-def test_fused_argmax_matches_torch():
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_argmax_matches_torch(threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # rows split over the threads
     gen = torch.Generator().manual_seed(5)
-    logits = torch.randn(7, 1003, generator=gen).to(torch.bfloat16)  # 1003: a tail past the lanes
+    logits = torch.randn(9, 1003, generator=gen).to(torch.bfloat16)  # 1003: a tail past the lanes
     logits[1, 10] = logits[1, 500] = 40.0  # a tie: the first index wins
     logits[2] = float("-inf")
     logits[2, 1002] = 0.0  # the maximum in the tail
@@ -293,6 +295,9 @@ def test_fused_argmax_matches_torch():
     logits[4, 900] = float("nan")
     logits[4, 901] = float("inf")
     logits[5, :] = float("-inf")  # all -inf: index 0
+    logits[6, 37] = logits[6, 35] = 40.0  # a tie within one vector of 16
+    logits[7, 33] = 40.0
+    logits[7, 36] = float("nan")  # a NaN after the maximum, in the same vector
     strided = torch.randn(3, 2000, generator=gen).to(torch.bfloat16)[:, 100:1100]
     for x in (logits, strided):
         assert torch.equal(KERNELS.fused.argmax(x), x.argmax(dim=-1))

@@ -160,7 +160,7 @@ class FusedOps:
         self._silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _INT]
         self._argmax = lib.argmax_bf16
         self._argmax.restype = None
-        self._argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+        self._argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _INT]
         self._argmax_masked = lib.argmax_masked
         self._argmax_masked.restype = None
         self._argmax_masked.argtypes = [_PTR, _INT, _I64, _PTR, _I64, _I64, _I64, _PTR]
@@ -212,7 +212,7 @@ class FusedOps:
         ties; NaN counts as the largest, as in torch)."""
         rows, d = logits.shape
         out = torch.empty(rows, dtype=torch.int64)
-        self._argmax(logits.data_ptr(), logits.stride(0), rows, d, out.data_ptr())
+        self._argmax(logits.data_ptr(), logits.stride(0), rows, d, out.data_ptr(), torch.get_num_threads())
         return out
 
     @staticmethod

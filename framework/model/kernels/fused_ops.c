@@ -219,12 +219,14 @@ int rope_kv_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos, c
 }
 
 /* Index of the largest value of each bf16 row (the first on ties; the first NaN if there is one,
- * as torch.argmax), into out [rows]. One thread: the rows are read once, at memory speed. */
-void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t d, int64_t *out) {
-    for (int64_t r = 0; r < rows; r++) {
+ * as torch.argmax), into out [rows]. A row is read once from memory for its maximum, then again
+ * from the caches for the first index that holds it (16 lanes at a time: the scalar search took
+ * ~2 ms of a 200-row decode step's 2.2 at a 49,152-token vocabulary). */
+static void argmax_rows(const uint16_t *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t d, int64_t *out) {
+    for (int64_t r = r0; r < r1; r++) {
         const uint16_t *row = x + r * x_stride;
         float best = -INFINITY;
-        int64_t i = 0, arg = 0;
+        int64_t i = 0;
         int has_nan = 0;
 #ifdef __AVX512F__
         __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -240,13 +242,46 @@ void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t d, i
             has_nan |= v != v;
             if (v > best) best = v;
         }
-        for (i = 0; i < d; i++) {
+        i = 0;
+#ifdef __AVX512F__
+        const __m512 vbest = _mm512_set1_ps(best);
+        for (; i + 16 <= d; i += 16) {
+            __m512 v = load16(row + i, 1);
+            __mmask16 hit = has_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, vbest, _CMP_EQ_OQ);
+            if (hit) {
+                i += __builtin_ctz(hit);
+                break;
+            }
+        }
+#endif
+        for (; i < d; i++) {
             float v = bf16_to_f32(row[i]);
             if (has_nan ? v != v : v == best) break;
         }
-        arg = i < d ? i : 0;
-        out[r] = arg;
+        out[r] = i < d ? i : 0;
     }
+}
+
+typedef struct {
+    const uint16_t *x;
+    int64_t x_stride, begin, end, d;
+    int64_t *out;
+} ArgmaxRows;
+
+static void *run_argmax(void *arg) {
+    const ArgmaxRows *a = (const ArgmaxRows *)arg;
+    argmax_rows(a->x, a->x_stride, a->begin, a->end, a->d, a->out);
+    return NULL;
+}
+
+/* argmax_rows over `num_threads` threads, rows split evenly (a row of logits is ~100 KB, read
+ * from DRAM: the LM head stores them past the caches). */
+void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t d, int64_t *out, int num_threads) {
+    num_threads = span_threads(num_threads, rows);
+    ArgmaxRows spans[MAX_THREADS];
+    for (int s = 0; s < num_threads; s++)
+        spans[s] = (ArgmaxRows){x, x_stride, rows * s / num_threads, rows * (s + 1) / num_threads, d, out};
+    run_spans(run_argmax, spans, sizeof spans[0], num_threads);
 }
 
 static inline float value_at(const void *row, int bf16, int64_t i) {
