@@ -260,7 +260,7 @@ def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim, kv_dtype):
     from framework.memory import TokenToKVPool
     from framework.model.rotary import RotaryEmbedding
 
-    tokens, slots = 37, 64
+    tokens, slots = 100, 160  # 100 rows: split over two threads
     gen = torch.Generator().manual_seed(head_dim)
     config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_type="default", context_len=512)
     rope = RotaryEmbedding(config).tables(torch.randint(0, 500, (tokens,), generator=gen), torch.bfloat16)

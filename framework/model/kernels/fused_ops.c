@@ -174,8 +174,12 @@ static void *run_rows(void *arg) {
     return NULL;
 }
 
-/* Rows per thread below which one thread does all the work (a thread start costs more). */
-#define MIN_ROWS_PER_THREAD 256
+/* Rows per thread below which one thread does all the work (handing rows to torch's OpenMP team
+ * costs more). SmolLM2's shapes on a 2-core Xeon, one thread / two: 16 rows rope_kv 9.4 / 9.3 us,
+ * RMSNorm 5.4 / 6.7; 64 rows 16.0 / 12.9 and 11.7 / 9.7; 200 rows (a W200 decode step) 42-43 /
+ * 25-27 and 28-29 / 18 (add + RMSNorm 37.5-37.9 / 23). It was 256, which kept decode steps of up
+ * to 511 requests on one thread. */
+#define MIN_ROWS_PER_THREAD 32
 
 static void run(const Job *job, int num_threads) {
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
