@@ -344,6 +344,8 @@ def test_fused_masked_argmax_matches_masking_then_argmax(dtype):
     logits[6, allowed[6]] = float("-inf")  # everything allowed is -inf: index 0
     logits[7, 1002] = 99.0
     allowed[7, 1002] = True  # the maximum is the last token
+    logits[8, 40] = logits[8, 42] = logits[8, 45] = 50.0
+    allowed[8, 40], allowed[8, 42], allowed[8, 45] = False, True, True  # within one word: the first allowed
     mask = bool_bitmask(allowed)
     expected = apply_vocab_mask(logits, mask).argmax(dim=-1)
     assert torch.equal(KERNELS.fused.argmax_masked(logits, mask), expected)

@@ -329,11 +329,33 @@ void argmax_masked(const void *x, int bf16, int64_t x_stride, const int32_t *mas
                 if (v > best) best = v;
             }
         }
-        int64_t arg = 0;
+        /* The first allowed index holding `best` (or a NaN): 32 tokens a step with the vectors over
+         * the full words, then one allowed token at a time from the word `from` on. (Token by token
+         * throughout, 16 rows of 49,152 with nearly every token allowed took 671 us, now 91.) */
+        int64_t arg = 0, from = 0;
+        int found = 0;
+#ifdef __AVX512F__
         if (has_nan || best > -INFINITY) {
-            for (w = 0; w < num_words; w++) {
+            const __m512 vbest = _mm512_set1_ps(best);
+            for (; !found && from < full_words; from++) {
+                uint32_t bits = (uint32_t)bits_row[from];
+                if (!bits) continue;
+                __m512 v0 = load16(row + from * 32 * elem, bf16), v1 = load16(row + (from * 32 + 16) * elem, bf16);
+                __mmask16 lo = (__mmask16)(bits & 0xFFFF), hi = (__mmask16)(bits >> 16);
+                uint32_t hit = has_nan ? (uint32_t)_mm512_mask_cmp_ps_mask(lo, v0, v0, _CMP_UNORD_Q) |
+                                             (uint32_t)_mm512_mask_cmp_ps_mask(hi, v1, v1, _CMP_UNORD_Q) << 16
+                                       : (uint32_t)_mm512_mask_cmp_ps_mask(lo, v0, vbest, _CMP_EQ_OQ) |
+                                             (uint32_t)_mm512_mask_cmp_ps_mask(hi, v1, vbest, _CMP_EQ_OQ) << 16;
+                if (hit) {
+                    arg = from * 32 + __builtin_ctz(hit);
+                    found = 1;
+                }
+            }
+        }
+#endif
+        if (!found && (has_nan || best > -INFINITY)) {
+            for (w = from; w < num_words; w++) {
                 uint32_t bits = (uint32_t)bits_row[w];
-                int found = 0;
                 while (bits) {
                     int j = __builtin_ctz(bits);
                     bits &= bits - 1;
