@@ -222,6 +222,14 @@ int rope_kv_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos, c
     return 0;
 }
 
+#ifdef __AVX512F__
+/* The lanes of v among `allowed` that an argmax picks: NaN where the row has one, else `best`. */
+static inline __mmask16 argmax_hits16(__mmask16 allowed, __m512 v, __m512 best, int has_nan) {
+    return has_nan ? _mm512_mask_cmp_ps_mask(allowed, v, v, _CMP_UNORD_Q)
+                   : _mm512_mask_cmp_ps_mask(allowed, v, best, _CMP_EQ_OQ);
+}
+#endif
+
 /* Index of the largest value of each bf16 row (the first on ties; the first NaN if there is one,
  * as torch.argmax), into out [rows]. A row is read once from memory for its maximum, then again
  * from the caches for the first index that holds it (16 lanes at a time: the scalar search took
@@ -250,8 +258,7 @@ static void argmax_rows(const uint16_t *x, int64_t x_stride, int64_t r0, int64_t
 #ifdef __AVX512F__
         const __m512 vbest = _mm512_set1_ps(best);
         for (; i + 16 <= d; i += 16) {
-            __m512 v = load16(row + i, 1);
-            __mmask16 hit = has_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, vbest, _CMP_EQ_OQ);
+            __mmask16 hit = argmax_hits16(0xFFFF, load16(row + i, 1), vbest, has_nan);
             if (hit) {
                 i += __builtin_ctz(hit);
                 break;
@@ -342,10 +349,8 @@ void argmax_masked(const void *x, int bf16, int64_t x_stride, const int32_t *mas
                 if (!bits) continue;
                 __m512 v0 = load16(row + from * 32 * elem, bf16), v1 = load16(row + (from * 32 + 16) * elem, bf16);
                 __mmask16 lo = (__mmask16)(bits & 0xFFFF), hi = (__mmask16)(bits >> 16);
-                uint32_t hit = has_nan ? (uint32_t)_mm512_mask_cmp_ps_mask(lo, v0, v0, _CMP_UNORD_Q) |
-                                             (uint32_t)_mm512_mask_cmp_ps_mask(hi, v1, v1, _CMP_UNORD_Q) << 16
-                                       : (uint32_t)_mm512_mask_cmp_ps_mask(lo, v0, vbest, _CMP_EQ_OQ) |
-                                             (uint32_t)_mm512_mask_cmp_ps_mask(hi, v1, vbest, _CMP_EQ_OQ) << 16;
+                uint32_t hit = (uint32_t)argmax_hits16(lo, v0, vbest, has_nan) |
+                               (uint32_t)argmax_hits16(hi, v1, vbest, has_nan) << 16;
                 if (hit) {
                     arg = from * 32 + __builtin_ctz(hit);
                     found = 1;
