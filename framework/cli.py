@@ -21,6 +21,7 @@ import typing
 from typing import Any
 
 from framework.config import Settings, SettingsError, iter_fields, render_default_toml
+from framework.preload import restart_with_tcmalloc
 
 
 def _flag(dotted: str) -> str:
@@ -162,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the `batchyard` command itself, not a call from Python
+        try:
+            restart_with_tcmalloc()
+        except ValueError as exc:
+            print(f"batchyard: {exc}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")

@@ -16,6 +16,7 @@ from framework.bench import datasets
 from framework.bench.datasets import BenchRequest
 from framework.bench.metrics import RequestResult, compute_metrics, summarize
 from framework.cli import main as cli_main
+from framework.preload import running_allocator
 
 
 class WordTokenizer:
@@ -210,7 +211,7 @@ def test_records_name_the_cpu_kind_and_a_capped_onednn(monkeypatch, tmp_path):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     kind = results.cpu_kind()
     assert kind == {"vendor": "AuthenticAMD", "family": "25", "model": "17", "isa": ["avx2", "avx512f", "avx512_bf16"],
-                    "onednn_max_cpu_isa": "AVX512_CORE_BF16"}
+                    "onednn_max_cpu_isa": "AVX512_CORE_BF16", "allocator": running_allocator()}
     assert results.cpu_model() == "AMD EPYC 9R14"
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert results.hardware_info("bfloat16")["cpu_kind"]["onednn_max_cpu_isa"] is None
@@ -231,7 +232,7 @@ def test_offline_both_backends_write_records(bench_model, tmp_path):
         assert m["output_throughput"] == pytest.approx(30 / m["duration_s"])
         hw = record["hardware"]
         assert hw["dtype"] == "float32" and hw["cores"] >= 1 and hw["torch"] and "cpu" in hw
-        assert set(hw["cpu_kind"]) == {"vendor", "family", "model", "isa", "onednn_max_cpu_isa"}
+        assert set(hw["cpu_kind"]) == {"vendor", "family", "model", "isa", "onednn_max_cpu_isa", "allocator"}
         assert 0.0 <= hw["other_cpu_busy"] <= 1.0
         assert record["args"]["num_prompts"] == 5 and record["workload"]["num_requests"] == 5
     assert ours["engine_settings"]["model"]["path"] == bench_model

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from framework.bench.datasets import BenchRequest
 from framework.bench.metrics import offline_metrics
 from framework.bench.results import ContentionMeter
+from framework.preload import peer_env
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def run_vllm_offline(requests: list[BenchRequest], folder: str, dtype: str, pyth
         write_workload(requests, data)
         cmd = [python, runner, "--model", folder, "--data", data, "--dtype", dtype] + list(extra_args or [])
         logger.info("vLLM: %s", " ".join(cmd))
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, cwd=tmp)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, cwd=tmp, env=peer_env(os.environ))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM runner failed (exit {proc.returncode}); its log is above")
@@ -144,7 +145,7 @@ class LlamaServer:
             os.close(fd)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, env=peer_env(os.environ))
         logger.info("llama-server pid %d on port %d (log %s)", self.proc.pid, self.port, self.log_path)
         return self
 
@@ -264,7 +265,7 @@ def serve_command(peer: str, port: int, folder: str | None = None, dtype: str = 
     offline runs: vLLM on the engine's folder, dtype and KV cache dtype with every CPU bound,
     llama-server on the bf16 GGUF with `parallel` slots."""
     paths = PeerPaths.default()
-    env = dict(os.environ)
+    env = peer_env(os.environ)
     if peer == "vllm":
         from framework.bench.vllm_runner import preload
 

@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from framework.preload import running_allocator
+
 
 def _first_cpu() -> dict[str, str]:
     """The first CPU's fields in /proc/cpuinfo ("model name", "flags", ...; empty where there is none)."""
@@ -41,7 +43,8 @@ def cpu_kind() -> dict[str, Any]:
     """What the model name leaves out: under a hypervisor different CPUs report the same name
     ("Intel(R) Xeon(R) Processor"), so records also carry the vendor, family and model, which of
     the kernels' instruction sets the CPU has (`isa`), and an ONEDNN_MAX_CPU_ISA in the
-    environment (a run with oneDNN held below the CPU, as the no-AMX proxy in docs/performance.md)."""
+    environment (a run with oneDNN held below the CPU, as the no-AMX proxy in docs/performance.md),
+    and the memory allocator the engine ran on (tcmalloc or glibc: framework.preload)."""
     fields = _first_cpu()
     flags = set(fields.get("flags", "").split())
     return {
@@ -50,6 +53,7 @@ def cpu_kind() -> dict[str, Any]:
         "model": fields.get("model"),
         "isa": [name for name in _KERNEL_ISA if name in flags],
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"),
+        "allocator": running_allocator(),  # this process's (framework.preload)
     }
 
 

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 
+# framework/preload.py has the same paths for the engine; this script imports nothing from batchyard.
 TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 REEXEC_FLAG = "_BATCHYARD_VLLM_PRELOADED"
 

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from framework.preload import running_allocator
+
 logger = logging.getLogger(__name__)
 
 # mallopt parameters (malloc.h).
@@ -38,11 +40,14 @@ _libc = None
 def tune_allocator() -> bool:
     """Make glibc reuse large blocks instead of mapping them anew; True when applied.
 
-    Once per process; a no-op (False) where libc is not glibc.
+    Once per process; a no-op (False) where libc is not glibc or where another allocator was
+    preloaded (tcmalloc: framework.preload).
     """
     global _tuned, _libc
     if _tuned:
         return True
+    if running_allocator() != "glibc":  # tcmalloc preloaded (framework.preload): not glibc's malloc
+        return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")

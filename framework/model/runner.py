@@ -17,6 +17,7 @@ from framework.batch import ModelWorkerBatch
 from framework.distributed import get_parallel_context
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.cpu import packed_linear_supported, tune_allocator
+from framework.preload import running_allocator
 from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig
 from framework.model.llama import use_cpu_kernels, use_packed_weights
@@ -136,7 +137,8 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         torch.manual_seed(seed)
         if device == "cpu":
-            tune_allocator()
+            tuned = tune_allocator()
+            logger.info("Memory allocator: %s", "glibc malloc, mmap off" if tuned else running_allocator())
         self.device = device
         self.dtype = dtype
         self.tokenizer = tokenizer
