@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -61,13 +62,29 @@ def test_a_bad_choice_is_a_usage_error_of_the_command(monkeypatch, capsys):
 
 
 def _allocator_of_the_command(choice: str | None) -> list[str]:
-    """Run `batchyard config --defaults` through cli.main in a child Python; its last lines: the
-    allocator it ran on and what tune_allocator did."""
-    script = ("import sys; sys.argv = ['batchyard', 'config', '--defaults']\n"
-              "from framework import cli, preload\n"
-              "rc = cli.main()\n"
-              "from framework.model import cpu\n"
-              "print(rc, preload.running_allocator(), cpu.tune_allocator())\n")
+    """Run `batchyard config --defaults` through cli.main in a child Python; then, in that process:
+    the allocator it runs on, what tune_allocator did, and the MiB trim_heap gave back of 400 MiB of
+    freed tensors."""
+    script = textwrap.dedent("""
+        import sys
+        sys.argv = ["batchyard", "config", "--defaults"]
+        from framework import cli, preload
+        rc = cli.main()
+        import torch
+        from framework.model import cpu
+
+        def rss_mib():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096 / 2**20
+
+        tuned = cpu.tune_allocator()
+        blocks = [torch.ones(1 << 18) for _ in range(400)]  # 1 MiB each, written
+        keep = torch.ones(16)
+        del blocks
+        before = rss_mib()
+        cpu.trim_heap()
+        print(rc, preload.running_allocator(), tuned, int(before - rss_mib()))
+    """)
     env = {k: v for k, v in os.environ.items() if k not in ("BATCHYARD_MALLOC", "LD_PRELOAD")}
     env = preload.peer_env(env)
     if choice is not None:
@@ -75,13 +92,15 @@ def _allocator_of_the_command(choice: str | None) -> list[str]:
     out = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    return out.stdout.split()[-3:]
+    return out.stdout.split()[-4:]
 
 
 @pytest.mark.skipif(preload.tcmalloc_path() is None, reason="no tcmalloc on this system")
-def test_the_command_runs_on_tcmalloc_where_the_system_has_it():
-    assert _allocator_of_the_command(None) == ["0", "tcmalloc", "False"]  # glibc's mallopt not called
-    assert _allocator_of_the_command("system") == ["0", "glibc", "True"]
+def test_the_command_runs_on_tcmalloc_where_the_system_has_it_and_the_trims_work_on_both():
+    rc, allocator, tuned, released = _allocator_of_the_command(None)
+    assert (rc, allocator, tuned) == ("0", "tcmalloc", "True") and int(released) > 300
+    rc, allocator, tuned, released = _allocator_of_the_command("system")
+    assert (rc, allocator, tuned) == ("0", "glibc", "True") and int(released) > 300
 
 
 def test_without_tcmalloc_the_command_runs_on_glibc(monkeypatch):

@@ -12,6 +12,11 @@ continuous batching (ever-new batch shapes, two threads with their own malloc ar
 overlap worker) the heaps fragment and the process grows for many minutes. `HeapTrimmer` gives
 the free pages back with `malloc_trim(0)` (~10 ms) when the scheduler is idle, at most every
 `idle_interval_s`, and every `busy_interval_s` even when it never is.
+
+Under tcmalloc (preloaded by the `batchyard` command where the system has it: framework.preload)
+there is nothing to tune: it keeps per-size free lists of its own. `tune_allocator` then only
+points `trim_heap` at tcmalloc's `MallocExtension_ReleaseFreeMemory`, so the trimmer keeps a
+server's RSS in check there too.
 """
 
 from __future__ import annotations
@@ -34,45 +39,53 @@ _M_MMAP_MAX = -4
 _TRIM_THRESHOLD_BYTES = 1 << 30
 
 _tuned = False
-_libc = None
+_release = None  # gives the allocator's free pages back to the OS (tune_allocator)
 
 
 def tune_allocator() -> bool:
-    """Make glibc reuse large blocks instead of mapping them anew; True when applied.
+    """Make glibc reuse large blocks instead of mapping them anew, or, under tcmalloc, find its
+    call that gives free memory back; True when done (then `trim_heap` works).
 
-    Once per process; a no-op (False) where libc is not glibc or where another allocator was
-    preloaded (tcmalloc: framework.preload).
+    Once per process; a no-op (False) where the allocator is neither glibc's nor tcmalloc.
     """
-    global _tuned, _libc
+    global _tuned, _release
     if _tuned:
         return True
-    if running_allocator() != "glibc":  # tcmalloc preloaded (framework.preload): not glibc's malloc
-        return False
+    if running_allocator() == "tcmalloc":
+        try:
+            release = ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory
+        except (OSError, AttributeError):
+            return False
+        release.restype = None
+        _release = lambda: release() or True  # (returns nothing: counted as released)
+        _tuned = True
+        return True
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
         mallopt = libc.mallopt
+        malloc_trim = libc.malloc_trim
     except (OSError, AttributeError):
         return False
-    _libc = libc
     ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1
     if ok:
         logger.debug("glibc malloc: mmap off, trim threshold %d bytes", _TRIM_THRESHOLD_BYTES)
+        _release = lambda: bool(malloc_trim(0))
     _tuned = ok
     return ok
 
 
 def allocator_tuned() -> bool:
-    """True once `tune_allocator` has switched glibc's mmap off in this process."""
+    """True once `tune_allocator` has set up the allocator (glibc: mmap off; tcmalloc) in this
+    process."""
     return _tuned
 
 
 def trim_heap() -> bool:
-    """Return the free pages of every malloc arena to the OS (glibc `malloc_trim(0)`); True when
-    something was released."""
-    if _libc is None or not hasattr(_libc, "malloc_trim"):
-        return False
-    return bool(_libc.malloc_trim(0))
+    """Return the allocator's free pages to the OS (glibc `malloc_trim(0)`, tcmalloc
+    `MallocExtension_ReleaseFreeMemory`); True when something was released (always under tcmalloc,
+    which does not say). False before `tune_allocator`."""
+    return _release() if _release is not None else False
 
 
 class HeapTrimmer:

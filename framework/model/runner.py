@@ -17,7 +17,6 @@ from framework.batch import ModelWorkerBatch
 from framework.distributed import get_parallel_context
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.cpu import packed_linear_supported, tune_allocator
-from framework.preload import running_allocator
 from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig
 from framework.model.llama import use_cpu_kernels, use_packed_weights
@@ -27,6 +26,7 @@ from framework.model.logits import LogitsOutput, compute_logits_output, fill_nex
 from framework.model.pooler import pool_last_token
 from framework.model.lora import LoraManager
 from framework.model.sampler import Sampler
+from framework.preload import running_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,8 @@ class ModelRunner:
         torch.manual_seed(seed)
         if device == "cpu":
             tuned = tune_allocator()
-            logger.info("Memory allocator: %s", "glibc malloc, mmap off" if tuned else running_allocator())
+            allocator = running_allocator()
+            logger.info("Memory allocator: %s", "glibc malloc, mmap off" if tuned and allocator == "glibc" else allocator)
         self.device = device
         self.dtype = dtype
         self.tokenizer = tokenizer
