@@ -5,7 +5,7 @@ posix_memalign (with mmap off: framework.model.cpu.tune_allocator). Steady decod
 same few dozen sizes every layer, and glibc's bins serve that stream slowly: in W200 (200 ShareGPT
 requests, bf16, 2-core Xeon) `_int_malloc` held ~1.4 % of all CPU samples, nearly all on the
 thread that runs the model between kernels. tcmalloc keeps a free list per size class: W200
-25.15 / 25.41 s -> 23.72 / 24.11 s with it (alternating runs, same sitting).
+25.46 / 24.49 s (BATCHYARD_MALLOC=system) -> 24.18 / 23.26 s with it, runs alternating.
 
 The dynamic loader takes an allocator only when a program starts (LD_PRELOAD), so the
 `batchyard` command starts itself again, once, with tcmalloc preloaded when it finds the library
@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 CHOICE_ENV = "BATCHYARD_MALLOC"
 CHOICES = ("auto", "tcmalloc", "system")
+PRELOADED_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")  # in LD_PRELOAD already: left as it is
 _RESTARTED = "_BATCHYARD_MALLOC_PRELOADED"  # set in the restarted process: restart once only
 _PRELOAD_BEFORE = "_BATCHYARD_LD_PRELOAD_BEFORE"  # LD_PRELOAD as the user had it
-# tcmalloc prints a line for every block over this (default 1 GiB); the KV pool may be one.
+# tcmalloc prints a line for every block over this (default 1 GiB: a big KV cache's per-layer pools).
 _REPORT_THRESHOLD_ENV = "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"
 
 
@@ -41,14 +42,15 @@ def tcmalloc_path() -> str | None:
 
 def preload_env(environ: Mapping[str, str]) -> dict[str, str] | None:
     """The environment to start the program again with tcmalloc preloaded, or None to go on as is:
-    BATCHYARD_MALLOC=system, tcmalloc already in LD_PRELOAD, already restarted once, or (auto) no
-    tcmalloc on the system. ValueError for an unknown choice, or tcmalloc asked for and missing."""
+    BATCHYARD_MALLOC=system, an allocator already in LD_PRELOAD (tcmalloc, jemalloc, mimalloc),
+    already restarted once, or (auto) no tcmalloc on the system. ValueError for an unknown
+    choice, or tcmalloc asked for and missing."""
     choice = environ.get(CHOICE_ENV, "auto").strip().lower() or "auto"
     if choice not in CHOICES:
         raise ValueError(f"{CHOICE_ENV}={environ[CHOICE_ENV]!r}: expected one of {', '.join(CHOICES)}")
     current = environ.get("LD_PRELOAD", "")
-    if choice == "system" or environ.get(_RESTARTED) or "tcmalloc" in current:
-        return None
+    if choice == "system" or environ.get(_RESTARTED) or any(name in current for name in PRELOADED_ALLOCATORS):
+        return None  # (an allocator the user preloaded stays the one)
     path = tcmalloc_path()
     if path is None:
         if choice == "tcmalloc":

@@ -43,6 +43,7 @@ def test_preload_env_choices(fake_tcmalloc, monkeypatch):
     assert preload.preload_env({"BATCHYARD_MALLOC": "system"}) is None
     assert preload.preload_env({"BATCHYARD_MALLOC": "TCMalloc"})["LD_PRELOAD"] == fake_tcmalloc
     assert preload.preload_env({"LD_PRELOAD": "/usr/lib/libtcmalloc.so.4"}) is None  # already there
+    assert preload.preload_env({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) is None  # the user's own
     with pytest.raises(ValueError, match="BATCHYARD_MALLOC='jemalloc'"):
         preload.preload_env({"BATCHYARD_MALLOC": "jemalloc"})
     monkeypatch.setattr(preload, "TCMALLOC_PATHS", ("/nonexistent/libtcmalloc.so.4",))

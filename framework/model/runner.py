@@ -139,7 +139,8 @@ class ModelRunner:
         if device == "cpu":
             tuned = tune_allocator()
             allocator = running_allocator()
-            logger.info("Memory allocator: %s", "glibc malloc, mmap off" if tuned and allocator == "glibc" else allocator)
+            glibc_tuned = tuned and allocator == "glibc"
+            logger.info("Memory allocator: %s", "glibc malloc, mmap off" if glibc_tuned else allocator)
         self.device = device
         self.dtype = dtype
         self.tokenizer = tokenizer
