@@ -18,6 +18,7 @@ own interpreter and so keeps its own copy of the paths). Embedding the engine in
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -80,8 +81,10 @@ def restart_with_tcmalloc() -> None:
         logger.warning("could not start again with tcmalloc preloaded (%s); glibc malloc", exc)
 
 
+@functools.cache
 def running_allocator() -> str:
-    """"tcmalloc" when a tcmalloc library is loaded in this process, else "glibc"."""
+    """"tcmalloc" when a tcmalloc library is loaded in this process, else "glibc". Read once: the
+    allocator is fixed when the process starts (LD_PRELOAD)."""
     try:
         with open("/proc/self/maps") as maps:
             return "tcmalloc" if "tcmalloc" in maps.read() else "glibc"
