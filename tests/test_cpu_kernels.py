@@ -634,6 +634,36 @@ def test_decode_attention_reads_evenly_spaced_slots(kv_dtype, threads, monkeypat
 
 
 @needs_tiles
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_takes_a_requests_queries_in_one_pass(kv_dtype, threads, monkeypatch):
+    """A decode step with drafts gives the kernel one row per token of a request, at consecutive
+    positions: the tiles read the request's K once for up to five of them (amx_request). Each row
+    must come out exactly as when it is attended alone, and within bf16 rounding of float64
+    attention: runs of 1 to 7 rows (7 = a group of five, then two), a run starting at length 1,
+    runs split between the two threads' spans, and a row of another request one slot longer
+    right after a run (not one of its queries)."""
+    lens = [40, 57, 300, 129, 1000, 64, 3, 65]
+    k, v, req_to_token, _ = _prompt_then_decode_pool(lens, 3, decoded=30, seed=13, dtype=kv_dtype)
+    # (request, rows): its last `rows` positions; request 7's one row is as long as request 5's last + 1
+    runs = [(0, 3), (1, 1), (2, 5), (3, 7), (4, 2), (5, 4), (7, 1), (6, 3)]
+    pool_idx = torch.tensor([i for i, r in runs for _ in range(r)])
+    seq_lens = torch.tensor([lens[i] - r + 1 + j for i, r in runs for j in range(r)])
+    assert seq_lens[-3] == 1  # request 6's first row sees one slot
+    q = _bf16(torch.Generator().manual_seed(7), len(pool_idx), 9, 64, scale=2.0)
+    attn = TorchNativeAttention(9, 3, 64)
+    attn.use_decode_kernel(KERNEL)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    out = attn._kernel_decode(q, k, v, _KernelDecode(None, req_to_token, pool_idx, seq_lens))
+    for row in range(len(pool_idx)):
+        alone = attn._kernel_decode(q[row : row + 1], k, v,
+                                    _KernelDecode(None, req_to_token, pool_idx[row : row + 1], seq_lens[row : row + 1]))
+        assert torch.equal(out[row], alone[0]), row
+    ref = _reference(q, k, v, req_to_token, pool_idx, seq_lens.tolist(), 3, 0.125)
+    torch.testing.assert_close(out.double().view(ref.shape), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_tiles
 def test_decode_attention_keeps_the_vector_code_where_the_tiles_do_not_fit():
     assert _decode_uses_tiles(9, 3) and _decode_uses_tiles(9, 3, kv_fmt=2)  # bf16 and e5m2 pools
     assert not _decode_uses_tiles(9, 3, kv_fmt=0)  # an fp32 pool

@@ -247,7 +247,8 @@ class TorchNativeAttention:
                 decode_lens.append(seq_lens[i])
             elif self.decode_kernel is not None and ext_len <= _KERNEL_MAX_EXTEND:
                 # A short extend (a decode step with drafts): one kernel row per token, each over
-                # the KV up to its own position, which this pass wrote before attention.
+                # the KV up to its own position, which this pass wrote before attention (the kernel
+                # takes a request's consecutive rows in one pass over its K).
                 first_len = seq_lens[i] - ext_len + 1
                 decode_reqs.extend([i] * ext_len)
                 decode_rows.extend(range(token_start, token_start + ext_len))

@@ -324,12 +324,16 @@ static float softmax_numerators(float *scores, int64_t len, float scale) {
  * 2-core Xeon), an e5m2 pool: 2.36-2.47 -> 2.09-2.37 ms a layer at 64 decoded tokens, 2.92-3.09 ->
  * 2.63-2.87 at 128; a bf16 pool's copies no faster. Reading evenly spaced slots in place instead
  * of copying them (a steady decode batch's tokens, as many slots apart as it has requests): a bf16
- * pool at 128 decoded tokens 3.61-3.72 -> 2.74-2.87 ms a layer, as fast as consecutive slots. */
+ * pool at 128 decoded tokens 3.61-3.72 -> 2.74-2.87 ms a layer, as fast as consecutive slots.
+ * A decode step with drafts (jump-forward) gives a request one row per token: up to MULTI_MAX of
+ * them share one pass over its K blocks (amx_request), then each takes its own pass over V, the
+ * first from DRAM and the rest from L2. 200 requests of 150-350 + 64 tokens (30 layers' pools,
+ * 2-core Xeon), three rows each: 3.95 -> 3.51 ms a layer (one row each: 2.31-2.35 either way). */
 
 typedef struct {
-    float *scores;  /* [16 * blocks][16]: token t's scores for the 16 query heads at t * 16 */
+    float *scores;  /* [queries][16 * blocks][16]: token t's scores for the 16 query heads at t * 16 */
     uint16_t *rows; /* one block's slot rows copied out of the pool, [16][kv_heads * 64] */
-    uint32_t *qt;   /* Q^T tiles, [kv_heads][2 halves][16 pairs][16 query heads] */
+    uint32_t *qt;   /* Q^T tiles, [queries][kv_heads][2 halves][16 pairs][16 query heads] */
     uint32_t *pt;   /* P tiles, [2 blocks][kv_heads][2 halves of the pairs][16 query heads][16 tokens] */
 } TileScratch;
 
@@ -399,45 +403,61 @@ static inline void prefetch_l2(const char *base, const int64_t *slots, int64_t t
     }
 }
 
-/* out (bf16, [heads][64]) = attention of the request's query q over its len slots. */
-static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, int64_t len, uint16_t *out,
-                        TileScratch *s) {
+/* Queries of one request computed in one pass (a decode step's token and its drafts, which sit at
+ * consecutive positions): each reads the K blocks as they pass through the tiles, so the request's
+ * K comes from DRAM once rather than once per query. Their scores take tiles 0..MULTI_MAX - 1, K
+ * tile 5, Q^T tiles 6 and 7 in turn (a tile product and the next Q^T load need not wait on each
+ * other). */
+#define MULTI_MAX 5
+
+/* The tile numbers of the tile instructions are immediates: one case per query. */
+static inline void scores_zero(int t) {
+    switch (t) {
+    case 0: _tile_zero(0); break;
+    case 1: _tile_zero(1); break;
+    case 2: _tile_zero(2); break;
+    case 3: _tile_zero(3); break;
+    default: _tile_zero(4); break;
+    }
+}
+
+/* S_t += K (tile 5) . Q_t^T (tile 6 for even t, 7 for odd), Q_t^T loaded from `qt` first. */
+static inline void scores_product(int t, const uint32_t *qt) {
+    switch (t) {
+    case 0: _tile_loadd(6, qt, 64); _tile_dpbf16ps(0, 5, 6); break;
+    case 1: _tile_loadd(7, qt, 64); _tile_dpbf16ps(1, 5, 7); break;
+    case 2: _tile_loadd(6, qt, 64); _tile_dpbf16ps(2, 5, 6); break;
+    case 3: _tile_loadd(7, qt, 64); _tile_dpbf16ps(3, 5, 7); break;
+    default: _tile_loadd(6, qt, 64); _tile_dpbf16ps(4, 5, 6); break;
+    }
+}
+
+static inline void scores_store(int t, float *dst) {
+    switch (t) {
+    case 0: _tile_stored(0, dst, 64); break;
+    case 1: _tile_stored(1, dst, 64); break;
+    case 2: _tile_stored(2, dst, 64); break;
+    case 3: _tile_stored(3, dst, 64); break;
+    default: _tile_stored(4, dst, 64); break;
+    }
+}
+
+/* out (bf16, [heads][64]) = P V for one query over its first len slots, from its scores
+ * ([len][16], s->scores + ... as amx_request stored them); `prefetch`: V comes from DRAM (the
+ * request's first pass over it), so its blocks are prefetched two ahead. */
+static void amx_values(const Args *a, const float *scores, const int64_t *slots, int64_t len, int prefetch,
+                       uint16_t *out, TileScratch *s) {
     const int heads = a->heads, kv_heads = a->kv_heads, group = heads / kv_heads;
     const int64_t slot = (int64_t)kv_heads * 64, blocks = (len + 15) / 16;
     const size_t pool_slot_bytes = (size_t)slot * kv_elem_size(a->kv_fmt);
-    const char *k = (const char *)a->k, *v = (const char *)a->v;
-    /* Q^T: dword (pair r of head_dim half c, query head g) of KV head g / group's tile */
-    memset(s->qt, 0, (size_t)kv_heads * 2 * 256 * 4);
-    for (int g = 0; g < heads; g++)
-        for (int c = 0; c < 2; c++) {
-            uint32_t *tile = s->qt + ((g / group) * 2 + c) * 256;
-            for (int r = 0; r < 16; r++) memcpy(tile + r * 16 + g, q + g * 64 + c * 32 + 2 * r, 4);
-        }
-    prefetch_l2(k, slots, 0, 32, len, pool_slot_bytes);
+    const char *v = (const char *)a->v;
     const uint16_t *rows[2];
     size_t stride[2];
-    rows[0] = block_rows(k, a->kv_fmt, slots, 0, len, slot, s->rows, &stride[0]);
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t t0 = b * 16;
-        const uint16_t *r = rows[b & 1];
-        _tile_zero(0);
-        for (int h = 0; h < kv_heads; h++)
-            for (int c = 0; c < 2; c++) {
-                _tile_loadd(1, r + h * 64 + c * 32, stride[b & 1]);
-                _tile_loadd(2, s->qt + (h * 2 + c) * 256, 64);
-                _tile_dpbf16ps(0, 1, 2);
-            }
-        _tile_stored(0, s->scores + t0 * 16, 64);
-        prefetch_l2(k, slots, t0 + 32, t0 + 48, len, pool_slot_bytes);
-        if (b + 1 < blocks)
-            rows[(b + 1) & 1] = block_rows(k, a->kv_fmt, slots, t0 + 16, len, slot, s->rows + ((b + 1) & 1) * 16 * slot,
-                                           &stride[(b + 1) & 1]);
-    }
-    prefetch_l2(v, slots, 0, 32, len, pool_slot_bytes);
+    if (prefetch) prefetch_l2(v, slots, 0, 32, len, pool_slot_bytes);
     /* P's numerators 2^(log2(e) (scale * s - scale * max)) (exp2_neg16) */
     const __m512 scale = _mm512_set1_ps(a->scale * LOG2E);
     __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t++) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s->scores + t * 16));
+    for (int64_t t = 0; t < len; t++) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(scores + t * 16));
     const __m512 shift = _mm512_mul_ps(vmax, _mm512_set1_ps(-a->scale * LOG2E));
     _tile_zero(0);
     _tile_zero(1);
@@ -449,7 +469,7 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
         __m512i p[16];
         for (int u = 0; u < 16; u++) {
             if (t0 + u < len) {
-                __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s->scores + (t0 + u) * 16), scale, shift));
+                __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(scores + (t0 + u) * 16), scale, shift));
                 vsum = _mm512_add_ps(vsum, e);
                 p[u] = _mm512_cvtepu16_epi32(to_bf16x16(e));
             } else {
@@ -474,7 +494,7 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
-        prefetch_l2(v, slots, t0 + 32, t0 + 48, len, pool_slot_bytes);
+        if (prefetch) prefetch_l2(v, slots, t0 + 32, t0 + 48, len, pool_slot_bytes);
         if (b + 1 < blocks)
             rows[(b + 1) & 1] = block_rows(v, a->kv_fmt, slots, t0 + 16, len, slot, s->rows + ((b + 1) & 1) * 16 * slot,
                                            &stride[(b + 1) & 1]);
@@ -498,6 +518,60 @@ static void amx_request(const Args *a, const uint16_t *q, const int64_t *slots, 
         }
     }
 }
+
+/* How many rows from row i on (at most MULTI_MAX, before `end`) are queries of one request at
+ * consecutive positions: the same request-to-token row, each one slot longer than the last. */
+static int request_rows(const Args *a, int i, int end) {
+    int n = 1;
+    while (n < MULTI_MAX && i + n < end && a->pool_idx[i + n] == a->pool_idx[i] &&
+           a->seq_lens[i + n] == a->seq_lens[i + n - 1] + 1)
+        n++;
+    return n;
+}
+
+/* out (bf16, [queries][heads][64]) = attention of `queries` (1..MULTI_MAX) rows of one request,
+ * q [queries][heads][64]: query j sees the first len - (queries - 1 - j) slots. The K blocks go
+ * through the tiles once for all of them; V once per query, the longest first (its pass brings V
+ * into L2 for the others). */
+static void amx_request(const Args *a, const uint16_t *q, int queries, const int64_t *slots, int64_t len,
+                        uint16_t *out, TileScratch *s) {
+    const int heads = a->heads, kv_heads = a->kv_heads, group = heads / kv_heads;
+    const int64_t slot = (int64_t)kv_heads * 64, blocks = (len + 15) / 16;
+    const size_t pool_slot_bytes = (size_t)slot * kv_elem_size(a->kv_fmt);
+    const char *k = (const char *)a->k;
+    const int64_t qt_elems = (int64_t)kv_heads * 2 * 256;
+    /* Q^T: dword (pair r of head_dim half c, query head g) of KV head g / group's tile, per query */
+    memset(s->qt, 0, (size_t)queries * qt_elems * 4);
+    for (int j = 0; j < queries; j++)
+        for (int g = 0; g < heads; g++)
+            for (int c = 0; c < 2; c++) {
+                uint32_t *tile = s->qt + j * qt_elems + ((g / group) * 2 + c) * 256;
+                const uint16_t *qg = q + ((size_t)j * heads + g) * 64 + c * 32;
+                for (int r = 0; r < 16; r++) memcpy(tile + r * 16 + g, qg + 2 * r, 4);
+            }
+    prefetch_l2(k, slots, 0, 32, len, pool_slot_bytes);
+    const uint16_t *rows[2];
+    size_t stride[2];
+    rows[0] = block_rows(k, a->kv_fmt, slots, 0, len, slot, s->rows, &stride[0]);
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t t0 = b * 16;
+        const uint16_t *r = rows[b & 1];
+        for (int j = 0; j < queries; j++) scores_zero(j);
+        for (int h = 0; h < kv_heads; h++)
+            for (int c = 0; c < 2; c++) {
+                _tile_loadd(5, r + h * 64 + c * 32, stride[b & 1]);
+                for (int j = 0; j < queries; j++) scores_product(j, s->qt + j * qt_elems + (h * 2 + c) * 256);
+            }
+        for (int j = 0; j < queries; j++) scores_store(j, s->scores + (j * blocks + b) * 256);
+        prefetch_l2(k, slots, t0 + 32, t0 + 48, len, pool_slot_bytes);
+        if (b + 1 < blocks)
+            rows[(b + 1) & 1] = block_rows(k, a->kv_fmt, slots, t0 + 16, len, slot, s->rows + ((b + 1) & 1) * 16 * slot,
+                                           &stride[(b + 1) & 1]);
+    }
+    for (int j = queries - 1; j >= 0; j--)
+        amx_values(a, s->scores + j * blocks * 256, slots, len - (queries - 1 - j), j == queries - 1,
+                   out + (size_t)j * heads * 64, s);
+}
 #endif
 
 static void *run_span(void *arg) {
@@ -511,11 +585,17 @@ static void *run_span(void *arg) {
     float *qf = NULL, *acc = NULL, *inv_sum = NULL, *scores = NULL;
 #if HAVE_AMX
     TileScratch tiles = {0};
+    int max_queries = 1;
     if (a->amx) {
+        for (int i = span->begin; i < span->end;) {
+            int n = request_rows(a, i, span->end);
+            if (n > max_queries) max_queries = n;
+            i += n;
+        }
         int64_t blocks = (span->max_len + 15) / 16;
-        tiles.scores = (float *)aligned_alloc(64, (size_t)(blocks > 0 ? blocks : 1) * 16 * 16 * sizeof(float));
+        tiles.scores = (float *)aligned_alloc(64, (size_t)max_queries * (blocks > 0 ? blocks : 1) * 16 * 16 * sizeof(float));
         tiles.rows = (uint16_t *)malloc((size_t)2 * 16 * kv_stride * 2);
-        tiles.qt = (uint32_t *)aligned_alloc(64, (size_t)a->kv_heads * 2 * 256 * 4);
+        tiles.qt = (uint32_t *)aligned_alloc(64, (size_t)max_queries * a->kv_heads * 2 * 256 * 4);
         tiles.pt = (uint32_t *)calloc((size_t)2 * a->kv_heads * 2 * 256, 4); /* other KV heads' rows stay 0 */
         span->failed = !tiles.scores || !tiles.rows || !tiles.qt || !tiles.pt;
         if (!span->failed) amx_configure();
@@ -535,7 +615,9 @@ static void *run_span(void *arg) {
         const char *q = (const char *)a->q + q_off * q_elem;
 #if HAVE_AMX
         if (a->amx) {
-            amx_request(a, (const uint16_t *)q, slots, len, (uint16_t *)a->out + q_off, &tiles);
+            int n = request_rows(a, i, span->end);
+            amx_request(a, (const uint16_t *)q, n, slots, a->seq_lens[i + n - 1], (uint16_t *)a->out + q_off, &tiles);
+            i += n - 1;
             continue;
         }
 #endif
