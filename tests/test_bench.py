@@ -251,6 +251,51 @@ def test_offline_both_backends_write_records(bench_model, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_offline_breakdown_times_the_parts_of_the_run(bench_model, tmp_path):
+    """`--breakdown`: the parts of each kind of pass add up to its forward time, the forward
+    passes and sampling fit in the run, the pass counts are the run's (one prefill of the five
+    prompts, five decode steps for six tokens each), and the timed methods are the originals
+    again afterwards."""
+    from framework.model.attention import TorchNativeAttention
+    from framework.model import llama
+
+    forward, linear = TorchNativeAttention.forward, llama.linear
+    out = tmp_path / "results.jsonl"
+    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
+            "--warmup-requests", "1", "--breakdown", "--output-file", str(out)]
+    assert cli_main(argv) == 0
+    assert TorchNativeAttention.forward is forward and llama.linear is linear
+    record = read_lines(out)[0]
+    bd = record["breakdown"]
+    assert bd["prefill"]["passes"] == 1 and bd["decode"]["passes"] == 5
+    for phase in ("prefill", "decode"):
+        parts = bd[phase]
+        assert parts["attention"] > 0 and parts["gemm"] > 0 and parts["lm_head"] > 0 and parts["elementwise"] > 0
+        assert sum(parts[p] for p in ("attention", "gemm", "lm_head", "elementwise", "other")) == pytest.approx(
+            parts["forward"])
+    inside = bd["prefill"]["forward"] + bd["decode"]["forward"] + bd["sampling"]
+    assert bd["sampling"] > 0 and inside <= bd["wall"]
+    assert bd["wall"] == pytest.approx(record["metrics"]["duration_s"], rel=0.2)
+
+
+def test_breakdown_counts_a_part_inside_another_once(bench_model):
+    """The LM head's GEMM is the LM head's time, not also the GEMMs': a timed call inside
+    another timed part counts for the outer one only."""
+    import torch
+    from transformers import AutoConfig
+
+    from framework.bench.breakdown import Breakdown
+    from framework.model.config import ModelConfig
+    from framework.model.llama import LlamaForCausalLM
+
+    config = ModelConfig.from_hf_config(AutoConfig.from_pretrained(bench_model))
+    model = LlamaForCausalLM(config)
+    with Breakdown() as timing:
+        model.compute_logits(torch.zeros(3, config.hidden_size))  # its GEMM runs in `linear`
+    assert timing.seconds[("prefill", "lm_head")] > 0
+    assert timing.seconds[("prefill", "gemm")] == 0
+
+
 def test_one_batch_times_prefill_and_decode(bench_model, tmp_path):
     out = tmp_path / "one.jsonl"
     argv = ["bench", "one-batch", "--model.path", bench_model, *TINY_ENGINE, "--batch-size", "2", "3",

@@ -123,6 +123,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--extra-sampling-params", type=json_object, metavar="JSON",
                    help='merged into every request\'s sampling params, warm-up included, e.g. '
                         '\'{"json_schema": "..."}\' for structured output (with --no-ignore-eos)')
+    p.add_argument("--breakdown", action="store_true",
+                   help="time the parts of batchyard's passes in the run (attention, GEMMs, LM head, norms/RoPE/SiLU, "
+                        "the rest, sampling; prefill and decode apart): printed, and stored in the record")
     add_dataset_args(p)
     add_output_args(p)
     add_engine_args(p)

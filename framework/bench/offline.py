@@ -8,15 +8,19 @@ over the wall time of that call, with output tokens from each request's completi
 ``--backend`` takes one or more of batchyard, hf (transformers, same process), vllm and llamacpp
 (the peer engines, framework/bench/peers.py), run in turn on the same requests; with batchyard in
 the list its record stores the ratio to each of the others (``vs_hf``, ``vs_vllm``, ...).
+``--breakdown`` times the parts of the engine's passes in the timed run (framework/bench/
+breakdown.py) and stores them in its record as ``breakdown``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
 
+from framework.bench.breakdown import Breakdown, format_breakdown
 from framework.bench.datasets import BenchRequest, sample_random
 from framework.bench.metrics import offline_metrics
 from framework.bench.peers import PEER_BACKENDS, PeerMissing
@@ -194,16 +198,23 @@ def main(args) -> int:
         try:
             warmup_engine(engine, tokenizer, args.warmup_requests, args.seed, args.extra_sampling_params)
             meter = ContentionMeter()
-            metrics = run_engine(engine, requests, args.ignore_eos, not args.disable_tqdm, args.extra_sampling_params)
+            timing = Breakdown() if args.breakdown else contextlib.nullcontext()
+            with timing:  # the timed run only: not the warm-up
+                metrics = run_engine(engine, requests, args.ignore_eos, not args.disable_tqdm,
+                                     args.extra_sampling_params)
             engine_dtype_name = engine_dtype(engine)
         finally:
             engine.shutdown()
         del engine
         gc.collect()  # free the KV pool before transformers allocates its own
         print(format_report("Offline Throughput (batchyard)", metrics))
+        extra = {}
+        if args.breakdown:
+            extra["breakdown"] = timing.summary()
+            print(format_breakdown(extra["breakdown"]))
         records.append(make_record("offline", "batchyard", options, workload, metrics,
                                    hardware_info(engine_dtype_name, meter),
-                                   engine_settings=settings_record(settings)))
+                                   engine_settings=settings_record(settings), **extra))
 
     if "hf" in backends:
         from framework.bench.hf_backend import run_hf

@@ -593,7 +593,8 @@ static void *run_span(void *arg) {
             i += n;
         }
         int64_t blocks = (span->max_len + 15) / 16;
-        tiles.scores = (float *)aligned_alloc(64, (size_t)max_queries * (blocks > 0 ? blocks : 1) * 16 * 16 * sizeof(float));
+        size_t score_floats = (size_t)max_queries * (blocks > 0 ? blocks : 1) * 16 * 16;
+        tiles.scores = (float *)aligned_alloc(64, score_floats * sizeof(float));
         tiles.rows = (uint16_t *)malloc((size_t)2 * 16 * kv_stride * 2);
         tiles.qt = (uint32_t *)aligned_alloc(64, (size_t)max_queries * a->kv_heads * 2 * 256 * 4);
         tiles.pt = (uint32_t *)calloc((size_t)2 * a->kv_heads * 2 * 256, 4); /* other KV heads' rows stay 0 */
