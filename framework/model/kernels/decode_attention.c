@@ -409,6 +409,7 @@ static inline void prefetch_l2(const char *base, const int64_t *slots, int64_t t
  * tile 5, Q^T tiles 6 and 7 in turn (a tile product and the next Q^T load need not wait on each
  * other). */
 #define MULTI_MAX 5
+_Static_assert(MULTI_MAX <= 5, "the queries' scores take tiles 0-4: tile 5 holds K, 6 and 7 Q^T");
 
 /* The tile numbers of the tile instructions are immediates: one case per query. */
 static inline void scores_zero(int t) {
