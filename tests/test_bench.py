@@ -278,6 +278,13 @@ def test_offline_breakdown_times_the_parts_of_the_run(bench_model, tmp_path):
     assert bd["wall"] == pytest.approx(record["metrics"]["duration_s"], rel=0.2)
 
 
+def test_offline_breakdown_needs_our_backend(bench_model, caplog):
+    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
+            "--backend", "hf", "--breakdown"]
+    assert cli_main(argv) == 2
+    assert "--breakdown times batchyard's passes" in caplog.text
+
+
 def test_breakdown_counts_a_part_inside_another_once(bench_model):
     """The LM head's GEMM is the LM head's time, not also the GEMMs': a timed call inside
     another timed part counts for the outer one only."""

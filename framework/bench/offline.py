@@ -167,6 +167,9 @@ def main(args) -> int:
         # The other engines have no grammars or batchyard's sampling fields: not comparable.
         logger.error("--extra-sampling-params needs --backend batchyard alone")
         return 2
+    if args.breakdown and "batchyard" not in backends:
+        logger.error("--breakdown times batchyard's passes: add batchyard to --backend")
+        return 2
     if args.extra_sampling_params:
         from framework.request import SamplingParams
 
