@@ -318,6 +318,25 @@ def test_one_batch_times_prefill_and_decode(bench_model, tmp_path):
         assert m["prefill_throughput"] == pytest.approx(bs * 16 / m["prefill_latency_s"])
         assert m["median_decode_throughput"] == pytest.approx(bs / m["median_decode_latency_s"])
         assert m["median_decode_iteration_latency_s"] >= m["median_decode_latency_s"]
+        assert "breakdown" not in r and "breakdown" not in m
+
+
+def test_one_batch_breakdown_times_the_timed_batch(bench_model, tmp_path):
+    """`--breakdown` on one-batch: the timed batch's passes only (the warm-up has its own),
+    its parts adding up to each kind of pass's forward time."""
+    out = tmp_path / "one.jsonl"
+    argv = ["bench", "one-batch", "--model.path", bench_model, *TINY_ENGINE, "--batch-size", "2",
+            "--input-len", "16", "--output-len", "4", "--breakdown", "--output-file", str(out)]
+    assert cli_main(argv) == 0
+    (record,) = read_lines(out)
+    bd = record["breakdown"]
+    assert bd["prefill"]["passes"] == 1 and bd["decode"]["passes"] == 3
+    for phase in ("prefill", "decode"):
+        parts = bd[phase]
+        assert parts["attention"] > 0 and parts["gemm"] > 0
+        assert sum(parts[p] for p in ("attention", "gemm", "lm_head", "elementwise", "other")) == pytest.approx(
+            parts["forward"])
+    assert "breakdown" not in record["metrics"]
 
 
 # -- serving against a fake SSE server -----------------------------------------------------------

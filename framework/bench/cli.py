@@ -138,6 +138,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run the batch once with a few decode steps first")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time the parts of the timed batch's passes (as bench offline --breakdown): printed, and "
+                        "stored in each record")
     add_output_args(p)
     add_engine_args(p)
     p.set_defaults(func=_dispatch("one_batch"))

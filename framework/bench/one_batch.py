@@ -20,6 +20,7 @@ bench_one_batch runs the model without the overlap loop).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import statistics
@@ -27,6 +28,7 @@ import time
 
 import numpy as np
 
+from framework.bench.breakdown import Breakdown, format_breakdown
 from framework.messages import GenerateReqInput
 from framework.request import SamplingParams
 from framework.worker import ResolvedHandle
@@ -132,8 +134,9 @@ def summarize_steps(run: dict, batch_size: int, input_len: int, output_len: int)
 
 
 def measure(engine, batch_size: int, input_len: int, output_len: int, seed: int = 1,
-            warmup: bool = True) -> dict | None:
-    """Warm up, flush, then time one static batch; None when it does not fit the KV pool."""
+            warmup: bool = True, breakdown: bool = False) -> dict | None:
+    """Warm up, flush, then time one static batch; None when it does not fit the KV pool. With
+    `breakdown`, the metrics hold the timed batch's `Breakdown` summary under "breakdown"."""
     sched = engine.scheduler
     if batch_size * (input_len + output_len) > sched.max_total_num_tokens:
         logger.warning("skip bs=%d in=%d out=%d: exceeds the KV pool of %d tokens",
@@ -144,9 +147,14 @@ def measure(engine, batch_size: int, input_len: int, output_len: int, seed: int 
         run_static_batch(engine, random_prompts(batch_size, input_len, vocab, seed + 1),
                          min(output_len, WARMUP_DECODE_STEPS + 1))
     engine.flush_cache()  # no prefix reuse from the warm-up or an earlier size of the sweep
-    run = run_static_batch(engine, random_prompts(batch_size, input_len, vocab, seed), output_len)
+    timing = Breakdown() if breakdown else contextlib.nullcontext()
+    with timing:
+        run = run_static_batch(engine, random_prompts(batch_size, input_len, vocab, seed), output_len)
     engine.flush_cache()
-    return summarize_steps(run, batch_size, input_len, output_len)
+    metrics = summarize_steps(run, batch_size, input_len, output_len)
+    if breakdown:
+        metrics["breakdown"] = timing.summary()
+    return metrics
 
 
 def main(args) -> int:
@@ -167,11 +175,14 @@ def main(args) -> int:
         dtype = engine_dtype(engine)
         for bs, il, ol in grid:
             meter = ContentionMeter()
-            metrics = measure(engine, bs, il, ol, seed=args.seed, warmup=args.warmup)
+            metrics = measure(engine, bs, il, ol, seed=args.seed, warmup=args.warmup, breakdown=args.breakdown)
             if metrics is None:
                 continue
+            extra = {"breakdown": metrics.pop("breakdown")} if args.breakdown else {}
             print(format_report(f"One Batch (bs={bs}, in={il}, out={ol})", metrics))
+            if extra:
+                print(format_breakdown(extra["breakdown"]))
             record = make_record("one-batch", "batchyard", bench_args(args), {}, metrics, hardware_info(dtype, meter),
-                                 engine_settings=settings_record(settings))
+                                 engine_settings=settings_record(settings), **extra)
             append_jsonl(args.output_file, record)
     return 0
