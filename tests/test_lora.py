@@ -171,3 +171,17 @@ def test_radix_plugin_shares_nothing_while_adapters_are_loaded(chunked, expected
         token_to_kv_pool=TokenToKVPool(16, torch.float32, 1, 2, 1),
     )
     assert type(cache).__name__ == expected and cache.disable
+
+
+def test_adapters_take_the_model_off_the_decode_path(tiny_model_folder, adapter_folders):
+    """The decode path (framework/model/decode_path.py) calls the layers' kernels itself, so a
+    model LoRA wraps must drop a path built before and keep its layers (and their adapters)."""
+    from framework.model.lora import LoraManager
+    from framework.model.runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_folder, dtype=torch.bfloat16, max_total_tokens=512, packed_weights=True)
+    model = runner.model
+    if model.decode_path() is None:
+        pytest.skip("no decode path for this model here (no C kernels, or no AVX512-BF16 for the packed GEMMs)")
+    LoraManager(model, dict(adapter_folders))
+    assert model.decode_path() is None

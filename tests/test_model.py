@@ -192,6 +192,53 @@ def test_bf16_decode_attention_runs_on_amx_tiles():
     assert calls == [1] * (3 * hf.config.num_hidden_layers)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e5m2])
+def test_decode_path_gives_the_layers_bits(kv_dtype, monkeypatch):
+    """A bf16 decode step on the decode path (framework/model/decode_path.py) writes the same KV
+    and gives the same logits, bit for bit, as the same step through the layers; a model whose
+    layers it would not call alike (a wrapped linear layer, as LoRA makes) keeps the layers."""
+    from framework.model.decode_path import DecodePath
+
+    hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                      num_key_value_heads=1))
+    runner = _runner(hf, dtype=torch.bfloat16, packed_weights=True, kv_dtype=kv_dtype)
+    model = runner.model
+    if model.decode_path() is None:
+        pytest.skip("no decode path here (no C kernels, or no AVX512-BF16 for the packed GEMMs)")
+    runs = []
+    real_run = DecodePath.run
+    monkeypatch.setattr(DecodePath, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    prompt_lens = [5, 40, 17, 1]
+    reqs = _new_reqs(runner, [n + 4 for n in prompt_lens])
+    runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))
+    pool = runner.token_to_kv_pool
+    for _ in range(4):
+        batch = _batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE)
+        locs = batch.out_cache_loc
+        fast = runner.forward(batch).next_token_logits.clone()
+        kv = [(pool.k_buffer[i][locs].clone(), pool.v_buffer[i][locs].clone()) for i in range(len(pool.k_buffer))]
+        model._decode_path = False  # the layers, on the same step (same slots, same inputs)
+        slow = runner.forward(batch).next_token_logits
+        model.reset_decode_path()
+        assert torch.equal(fast, slow)
+        for i, (k, v) in enumerate(kv):
+            assert torch.equal(k, pool.k_buffer[i][locs]) and torch.equal(v, pool.v_buffer[i][locs])
+    assert len(runs) == 4
+
+    class Wrapped(torch.nn.Module):  # what LoRA does to a targeted projection
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def forward(self, x):
+            return self.base(x)
+
+    layer = model.model.layers[1].self_attn
+    layer.o_proj = Wrapped(layer.o_proj)
+    model.reset_decode_path()
+    assert model.decode_path() is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_an_fp8_kv_cache_is_read_alike_by_the_kernels_and_pytorch(dtype):
     """A float8_e5m2 KV pool (model.kv_cache_dtype = "fp8_e5m2"): prefill (AMX kernel or SDPA) and
@@ -249,8 +296,12 @@ def test_no_amx_runs_the_paths_of_a_cpu_without_amx():
         _check_last(hf, out, reqs, atol=0.15)
     layers = hf.config.num_hidden_layers
     assert flags and set(flags) == {0}
-    # on the vectors: the prefill's layer GEMMs (62 rows) and LM head (3), each decode step's GEMMs and LM head
-    assert rows.count(62) == 4 * layers and rows.count(3) == 1 + 2 * (4 * layers + 1)
+    # on the vectors: the prefill's layer GEMMs (62 rows) and every LM head (3 rows); each decode
+    # step's layer GEMMs too, through the decode path where the model takes it (its own calls of
+    # the same kernel, told the same: not the tiles)
+    path = runner.model.decode_path()
+    assert rows.count(62) == 4 * layers and rows.count(3) == (3 if path else 1 + 2 * (4 * layers + 1))
+    assert path is None or not path.gemm.tiles
     auto = _runner(hf, dtype=torch.bfloat16, packed_weights=True)
     assert auto.model.attn_backend.decode_tiles and auto.cpu_kernels.decode_tiles
 
@@ -488,17 +539,17 @@ def test_decode_gemms_run_on_the_c_gemm_kernels(hf_model, monkeypatch, vectors):
     streamed: list[int] = []  # rows of the calls that store past the caches
 
     def spy(kernel) -> list[int]:
+        """The rows of every call of the C function (the layers' and the decode path's alike)."""
         calls: list[int] = []
-        for name in ("linear", "gate_up"):
-            real = getattr(kernel, name)
+        real = kernel._gemm
 
-            def call(x, *a, real=real, **kw):
-                calls.append(x.shape[0])
-                if kw.get("stream"):
-                    streamed.append(x.shape[0])
-                return real(x, *a, **kw)
+        def call(*args):  # (x, x_stride, packed, other, other_stride, y, y_stride, rows, ..., stream)
+            calls.append(args[7])
+            if args[13]:
+                streamed.append(args[7])
+            return real(*args)
 
-            monkeypatch.setattr(kernel, name, call)
+        monkeypatch.setattr(kernel, "_gemm", call)
         return calls
 
     calls = spy(kernel)

@@ -13,7 +13,9 @@ While active, `Breakdown` wraps the methods that run each part of a pass with wa
 
 Times are split by the kind of pass (``prefill`` also covers mixed passes, ``decode`` the pure
 decode steps). A part called inside another timed part counts for the outer one only (the LM head's
-GEMM is ``lm_head``, not ``gemm``), so the parts add up to the forward time. Each timed call
+GEMM is ``lm_head``, not ``gemm``), so the parts add up to the forward time. Decode steps on the
+decode path (framework/model/decode_path.py) report the end of each kernel call instead, so the
+Python between its kernels counts for the kernel after it. Each timed call
 costs ~1 µs more (two clock reads and a Python call): tens of milliseconds over a W200 run.
 """
 
@@ -55,14 +57,19 @@ class Breakdown:
         self._depth = 0  # timed parts open (only the outermost one counts)
         self._saved: list[tuple[Any, str, Any]] = []
         self._start = 0.0
+        self._last_mark = 0.0
         self.wall = 0.0
 
     # -- patching -------------------------------------------------------------------------------
 
     def __enter__(self) -> "Breakdown":
+        from framework.model.decode_path import DecodePath
         from framework.model.runner import ModelRunner
 
         self._patch(ModelRunner, "forward", self._timed_forward)
+        # The decode path calls the kernels itself: it reports each one's end to this clock.
+        self._saved.append((DecodePath, "mark", vars(DecodePath)["mark"]))
+        DecodePath.mark = self._mark
         for module_name, owner_name, attr, part in TIMED:
             module = importlib.import_module(module_name)
             owner = module if owner_name is None else getattr(module, owner_name)
@@ -97,6 +104,13 @@ class Breakdown:
                     self._depth -= 1
             return timed
         return wrap
+
+    def _mark(self, part: str | None) -> None:
+        """The decode path's clock: the time since its last mark goes to `part` (None: start)."""
+        now = time.perf_counter()
+        if part is not None:
+            self.seconds[(self._phase, part)] += now - self._last_mark
+        self._last_mark = now
 
     def _timed_forward(self, fn: Callable) -> Callable:
         def forward(runner, batch, *args, **kwargs):

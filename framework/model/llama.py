@@ -31,6 +31,7 @@ from framework.model.config import ModelConfig
 from framework.model.cpu import (gemm_rows, pack_linear_weight, packed_linear, packed_linear_binary,
                                  packed_linear_unary, pad_rows, to_float32)
 from framework.model.cpu_kernels import CpuKernels, FusedOps
+from framework.model.decode_path import DecodePath
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
 
@@ -253,6 +254,8 @@ def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
             module.fused = kernels.fused if kernels else None
         if isinstance(module, (Linear, RowParallelLinear, LlamaMLP, LlamaForCausalLM)):
             module.kernels = kernels
+        if isinstance(module, LlamaForCausalLM):
+            module.reset_decode_path()
     model.attn_backend.use_decode_kernel(kernels.decode_attention if kernels else None)
     model.attn_backend.decode_tiles = kernels is None or kernels.decode_tiles
     model.attn_backend.use_extend_kernel(kernels.extend_attention if kernels else None)
@@ -265,6 +268,7 @@ def use_packed_weights(model: "LlamaForCausalLM", enabled: bool) -> int:
     packed for oneDNN. The copies are not parameters: they cost memory beside the weights (~270 MB
     each for SmolLM2) and are rebuilt with the model (`update_weights` builds a new one)."""
     gemm = model.kernels.gemm if enabled and model.kernels is not None else None
+    model.reset_decode_path()
 
     def tiles(weight: torch.Tensor) -> torch.Tensor | None:
         return gemm.pack(weight) if gemm is not None and gemm.packs(weight) else None
@@ -330,6 +334,8 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # see use_packed_weights
         self.lm_head_tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
+        # decode_path(): None until built, False where the layers do not fit it
+        self._decode_path: DecodePath | None | bool = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -356,9 +362,25 @@ class LlamaForCausalLM(nn.Module):
         else:
             meta = self.attn_backend.prepare(batch, req_to_token_pool)
             rope = self.model.rotary.tables(positions, hidden.dtype)
+        if meta is not None and batch.forward_mode.is_decode():
+            path = self.decode_path()
+            if path is not None and path.takes(hidden, meta, rope, kv_pool):
+                return path.run(hidden, batch.out_cache_loc, meta, rope, kv_pool)
         for layer in self.model.layers:
             hidden = layer(hidden, rope, batch, meta, kv_pool)
         return self.model.norm(hidden)
+
+    def decode_path(self) -> DecodePath | None:
+        """The layers as straight kernel calls for decode steps (framework/model/decode_path.py),
+        built on first use; None where the model's layers do not fit it."""
+        if self._decode_path is None:
+            self._decode_path = DecodePath.build(self) or False
+        return self._decode_path or None
+
+    def reset_decode_path(self) -> None:
+        """Build the decode path again on the next decode step: call after changing the layers'
+        modules, kernels or packed weights (use_cpu_kernels, use_packed_weights and LoRA do)."""
+        self._decode_path = None
 
     @torch.inference_mode()
     def warm_packed_gemms(self, max_rows: int = PREFILL_TILE, max_head_rows: int = WARM_HEAD_ROWS) -> int:

@@ -192,6 +192,9 @@ class LoraManager:
             base = getattr(parent, module_name)
             lora_a, lora_b = self._stack(base, parent, layer_id, module_name, adapters)
             setattr(parent, module_name, LoraLinear(base, lora_a, lora_b, self.state))
+        reset = getattr(model, "reset_decode_path", None)
+        if reset is not None:  # the decode path calls the layers' kernels itself: not with adapters
+            reset()
 
     @staticmethod
     def _stack(base, parent, layer_id: int, module_name: str, adapters: list[LoraAdapter]):

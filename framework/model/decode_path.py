@@ -1,0 +1,163 @@
+"""A decode step of a llama-family model as straight calls of the C kernels.
+
+At a few requests a decode step's kernels are short (the GEMMs wait on the weights, the rest takes
+microseconds), and the Python between them is a third of the step: each layer goes through eight
+modules and their checks (which path, which dtype, which strides), allocates each output and
+converts each kernel's arguments. `DecodePath` does the same layer as `LlamaDecoderLayer` with the
+same kernels, on the same inputs, in the same order, so the results are the same bits: the
+checks are made once, when it is built (every layer a plain bf16 layer on the packed GEMM kernel
+and the fused ops, no LoRA, no sharding), the weights' arguments are kept, and each step allocates
+its activations once for all layers.
+
+`LlamaForCausalLM.forward` takes it for pure decode passes whose attention runs on the C decode
+kernel, one row per request in batch order (`AttentionMetadata.kernel` with no row gather), of at
+most the GEMM kernel's rows; every other pass, and every model it does not fit, keeps the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from framework.model.cpu_kernels import _GEMM_EPILOGUES, kv_format
+
+_NONE, _ADD, _GATE_UP = (_GEMM_EPILOGUES[k] for k in ("none", "add", "gate_up"))
+
+
+@dataclass
+class _Layer:
+    input_norm: int  # weight pointers
+    post_norm: int
+    qkv: int  # packed GEMM weights
+    o: int
+    gate_up: int
+    down: int
+
+
+class DecodePath:
+    """The decode layers of one model (see the module docstring); `build` says whether it fits."""
+
+    # None, or a clock `mark(part)` that `bench ... --breakdown` sets while it times a run: called
+    # after each kernel with the part it belongs to (framework/bench/breakdown.py), and with None
+    # to start.
+    mark = None
+
+    def __init__(self, model, layers: list[_Layer], keep: list[torch.Tensor]):
+        config = model.config
+        attn0 = model.model.layers[0].self_attn
+        kernels = model.kernels
+        self.fused, self.gemm = kernels.fused, kernels.gemm
+        self.backend = model.attn_backend
+        self.layers = layers
+        self._keep = keep  # the tensors whose pointers the layers hold
+        self.hidden = config.hidden_size
+        self.heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.q_size, self.qkv_size = attn0.q_size, attn0.q_size + 2 * attn0.kv_size
+        self.inter = model.model.layers[0].mlp.intermediate_size
+        self.eps = model.model.layers[0].input_layernorm.eps
+        self.final_norm = model.model.norm
+
+    @classmethod
+    def build(cls, model) -> "DecodePath | None":
+        """The path for `model`, or None when a layer would not take the kernels the path calls."""
+        from framework.model.llama import Linear, LlamaMLP, RMSNorm, RowParallelLinear
+
+        kernels = model.kernels
+        if (kernels is None or kernels.gemm is None or model.attn_backend.decode_kernel is None
+                or model.par.gathers_mlp_tokens):
+            return None
+        layers, keep = [], []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            plain = (type(attn.qkv_proj) is Linear and type(attn.o_proj) is RowParallelLinear
+                     and type(mlp) is LlamaMLP and mlp._plain_layers() and all(type(n) is RMSNorm for n in norms))
+            if not plain or attn.o_proj.shard_size != 1 or mlp.down_proj.shard_size != 1:
+                return None
+            tiles = (attn.qkv_proj.tiles, attn.o_proj.tiles, mlp.gate_up_proj.tiles, mlp.down_proj.tiles)
+            if (any(t is None for t in tiles) or attn.qkv_proj.bias is not None or attn.o_proj.bias is not None
+                    or mlp.intermediate_size % 16 or attn.fused is None or mlp.kernels is None
+                    or any(n.fused is None or n.weight.dtype != torch.bfloat16 or n.eps != norms[0].eps
+                           for n in norms)
+                    or attn.backend is not model.attn_backend):
+                return None
+            keep += [*tiles, *(n.weight for n in norms)]
+            layers.append(_Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
+                                 *(t.data_ptr() for t in tiles)))
+        if not layers or model.model.norm.weight.dtype != torch.bfloat16:
+            return None
+        path = cls(model, layers, keep)
+        if path.hidden > path.fused.MAX_NORM_WIDTH or path.eps != model.model.norm.eps:
+            return None
+        return path
+
+    def takes(self, hidden: torch.Tensor, meta, rope, kv_pool) -> bool:
+        """Whether this pass is one the path runs exactly as the layers would."""
+        plan = getattr(meta, "kernel", None)
+        return (plan is not None and plan.rows is None and hidden.dtype == torch.bfloat16
+                and 0 < hidden.shape[0] <= self.gemm.rows and hidden.is_contiguous()
+                and rope.cos.is_contiguous() and rope.sin.is_contiguous()
+                and self.fused.supports_rope_kv(kv_pool.k_buffer[0]))
+
+    def run(self, hidden: torch.Tensor, loc: torch.Tensor, meta, rope, kv_pool) -> torch.Tensor:
+        """All layers and the final norm, as `LlamaForCausalLM.forward` would run them."""
+        n, d = hidden.shape
+        threads = torch.get_num_threads()
+        bf16 = torch.bfloat16
+        x = torch.empty((n, d), dtype=bf16)  # a layer's normed input
+        qkv = torch.empty((n, self.qkv_size), dtype=bf16)
+        q = torch.empty((n, self.q_size), dtype=bf16)
+        attn = torch.empty((n, self.q_size), dtype=bf16)
+        o = torch.empty((n, d), dtype=bf16)
+        h = torch.empty((n, d), dtype=bf16)  # the residual stream after attention
+        act = torch.empty((n, self.inter), dtype=bf16)
+        outs = (torch.empty((n, d), dtype=bf16), torch.empty((n, d), dtype=bf16))  # layers' outputs in turn
+        hid = hidden
+        loc = loc.to(torch.int64).contiguous()
+        plan = meta.kernel
+        px, pqkv, pq, pattn, po, ph, pact = (t.data_ptr() for t in (x, qkv, q, attn, o, h, act))
+        cos, sin, ploc = rope.cos.data_ptr(), rope.sin.data_ptr(), loc.data_ptr()
+        r2t, r2t_stride = plan.req_to_token.data_ptr(), plan.req_to_token.stride(0)
+        pool_idx, seq_lens = plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr()
+        rms, rope_kv, gemm = self.fused._rms_norm, self.fused._rope_kv, self.gemm._gemm
+        attend, backend, tiles = self.backend.decode_kernel, self.backend, int(self.gemm.tiles)
+        heads, kv_heads, head_dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
+        kv_fmt = kv_format(kv_pool.k_buffer[0])
+        q_bf16, scale, amx = 1, backend.scaling, int(backend.decode_tiles)
+        inter, qkv_size, q_size = self.inter, self.qkv_size, self.q_size
+        mark = self.mark
+        if mark:
+            mark(None)
+        for i, w in enumerate(self.layers):
+            phid = hid.data_ptr()
+            k_buf, v_buf = kv_pool.k_buffer[i].data_ptr(), kv_pool.v_buffer[i].data_ptr()
+            out = outs[i % 2]  # never the layer's input (the other one, or `hidden` itself)
+            rc = rms(phid, d, None, None, w.input_norm, px, n, d, eps, threads)
+            if mark:
+                mark("elementwise")
+            rc |= gemm(px, d, w.qkv, None, 0, pqkv, qkv_size, n, d, qkv_size, _NONE, threads, tiles, 0)
+            if mark:
+                mark("gemm")
+            rc |= rope_kv(pqkv, qkv_size, cos, sin, ploc, pq, k_buf, v_buf, kv_fmt, n, heads, kv_heads, head_dim,
+                          threads)
+            if mark:
+                mark("elementwise")
+            rc |= attend(pq, k_buf, v_buf, r2t, r2t_stride, pool_idx, seq_lens, pattn, n, heads, kv_heads, head_dim,
+                         q_bf16, kv_fmt, scale, threads, amx)
+            if mark:
+                mark("attention")
+            rc |= gemm(pattn, q_size, w.o, None, 0, po, d, n, q_size, d, _NONE, threads, tiles, 0)
+            if mark:
+                mark("gemm")
+            rc |= rms(po, d, phid, ph, w.post_norm, px, n, d, eps, threads)
+            if mark:
+                mark("elementwise")
+            rc |= gemm(px, d, w.gate_up, None, 0, pact, inter, n, d, inter, _GATE_UP, threads, tiles, 0)
+            rc |= gemm(pact, inter, w.down, ph, d, out.data_ptr(), d, n, inter, d, _ADD, threads, tiles, 0)
+            if mark:
+                mark("gemm")
+            if rc:
+                raise RuntimeError(f"decode path: a kernel refused a call of layer {i}")
+            hid = out
+        return self.final_norm(hid)
