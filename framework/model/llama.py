@@ -350,7 +350,8 @@ class LlamaForCausalLM(nn.Module):
         req_to_token_pool: ReqToTokenPool,
         input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run all layers, writing this pass's K/V into `kv_pool`; returns [num_tokens, hidden]."""
+        """Run all layers, writing this pass's K/V into `kv_pool`; returns [num_tokens, hidden].
+        Pure decode steps take the decode path where it fits (`decode_path`: same results)."""
         if input_embeds is not None:
             hidden = input_embeds.to(self.model.embed_tokens.weight.dtype)
         else:
