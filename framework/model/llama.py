@@ -17,6 +17,7 @@ sharded: it runs on all ranks' tokens (all-gathered), and each rank keeps its ow
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -33,6 +34,8 @@ from framework.model.cpu import (gemm_rows, pack_linear_weight, packed_linear, p
 from framework.model.cpu_kernels import CpuKernels, FusedOps
 from framework.model.decode_path import DecodePath
 from framework.model.rotary import RopeTables, RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -376,6 +379,8 @@ class LlamaForCausalLM(nn.Module):
         built on first use; None where the model's layers do not fit it."""
         if self._decode_path is None:
             self._decode_path = DecodePath.build(self) or False
+            if self._decode_path:
+                logger.info("Decode steps run their layers as straight kernel calls (decode path)")
         return self._decode_path or None
 
     def reset_decode_path(self) -> None:
