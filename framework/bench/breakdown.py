@@ -1,4 +1,5 @@
-"""`bench offline --breakdown`: where the engine's time goes, part by part, in the timed run.
+"""`bench offline --breakdown` and `bench one-batch --breakdown`: where the engine's time goes,
+part by part, in the timed run.
 
 While active, `Breakdown` wraps the methods that run each part of a pass with wall-clock timers
 (and puts them back on exit, so nothing is left behind and an untimed run pays nothing):

@@ -11,6 +11,8 @@ batch, then output_len - 1 decode steps. Two clocks:
   difference is our scheduler's per-step overhead.
 
 Chunked prefill is turned off and the prefill budget raised so the prompts form a single batch.
+``--breakdown`` times the parts of each point's timed batch (framework/bench/breakdown.py) and
+stores them in its record as ``breakdown``.
 Like the reference, a (bs, in, out) that does not fit the KV pool is skipped. A pipelined worker
 (the default overlap) is timed resolved (launch then result), so overlap does not hide the forward
 time, and the loop runs it as a plain one: each result is processed before the next batch is built,
