@@ -170,9 +170,9 @@ def test_off_never_builds_the_kernels(no_compiler, monkeypatch):
 @pytest.mark.parametrize("march", ["native", "cooperlake", "x86-64-v3"])
 def test_every_kernel_builds_without_warnings_where_there_is_a_compiler(tmp_path, march):
     """A kernel that stops compiling would only show as the PyTorch path (a warning in the log)
-    and as these tests skipping: build each one here, warnings as errors, for this CPU and for the
-    paths of the other kinds (cooperlake: AVX512-BF16 without AMX, as the AMD EPYC kind;
-    x86-64-v3: AVX2 only)."""
+    and as these tests skipping: build each one here, warnings (shadowed names too) as errors,
+    for this CPU and for the paths of the other kinds (cooperlake: AVX512-BF16 without AMX, as
+    the AMD EPYC kind; x86-64-v3: AVX2 only)."""
     import os
     import shutil
     import subprocess
@@ -185,7 +185,7 @@ def test_every_kernel_builds_without_warnings_where_there_is_a_compiler(tmp_path
     assert {p.stem for p in sources} >= {"decode_attention", "fused_ops", "packed_gemm", "extend_attention"}
     for source in sources:
         flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_kernels.COMPILE_FLAGS]
-        cmd = [compiler, *flags, *openmp, "-Wall", "-Wextra", "-Werror", str(source),
+        cmd = [compiler, *flags, *openmp, "-Wall", "-Wextra", "-Wshadow", "-Werror", str(source),
                "-o", str(tmp_path / f"{source.stem}.so"), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, f"{source.name} does not build for -march={march}:\n{done.stderr}"

@@ -183,8 +183,8 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
         for (int64_t j = 0; j < width; j += 32) {
             __m512 x[2];
             for (int u = 0; u < 2; u++) {
-                __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16 * u), scale, shift));
-                x[u] = _mm512_maskz_mov_ps(first_lanes(seen - j - 16 * u), e);
+                __m512 num = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16 * u), scale, shift));
+                x[u] = _mm512_maskz_mov_ps(first_lanes(seen - j - 16 * u), num);
                 vsum = _mm512_add_ps(vsum, x[u]);
             }
             _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));

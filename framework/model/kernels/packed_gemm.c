@@ -275,8 +275,8 @@ static void *run_units(void *arg) {
             next0 = (const char *)(g->packed + nb0 * block_elems);
             next1 = gate_up || nb1 < blocks ? (const char *)(g->packed + nb1 * block_elems) : NULL;
             next_lines = block_elems * 2 / 64;
-            int64_t passes = (last - first + 1) / 2;
-            next_per_step = (next_lines + passes * steps - 1) / (passes * steps);
+            int64_t unit_passes = (last - first + 1) / 2;
+            next_per_step = (next_lines + unit_passes * steps - 1) / (unit_passes * steps);
         }
         for (int64_t group = first; group < last; group += 2) {
             int two_groups = group + 1 < last;
