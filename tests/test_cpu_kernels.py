@@ -449,6 +449,40 @@ def test_streamed_outputs_are_the_cached_ones(gemm, rows, n_out):
         assert gaps.isnan().all()  # nothing stored past a row's outputs
 
 
+@needs_tiles
+@pytest.mark.parametrize("epilogue", ["none", "add", "gate_up", "stream"])
+def test_prefill_tiles_go_row_pair_by_row_pair_with_the_same_bits(epilogue):
+    """From 1,024 rows the tiles take the rows in pairs of row groups outermost, the units inner
+    (run_units_by_rows, in column panels of 1 MiB of weights); below that, unit by unit. Every sum
+    runs over k in the same order either way, so 1,041 rows at once (a partial last row group, an
+    odd number of groups) give the bits of the same rows as 1,000 + 41, and match fp32. 3,088
+    columns (193 blocks: the last unit one block) or a gate_up of 2 x 1,536 at k = 576 are more
+    than one panel of each thread's units."""
+    gemm = next(g for g in GEMMS if g.tiles)
+    gen = torch.Generator().manual_seed(7)
+    rows, k = 1041, 576
+    n_out = 1536 if epilogue == "gate_up" else 3088
+    x = _bf16(gen, rows, k)
+    w = _bf16(gen, 2 * n_out if epilogue == "gate_up" else n_out, k, scale=0.05)
+    add = _bf16(gen, rows, n_out) if epilogue == "add" else None
+    packed = gemm.pack(w)
+
+    def run(part: slice) -> torch.Tensor:
+        if epilogue == "gate_up":
+            return gemm.gate_up(x[part], packed, n_out)
+        return gemm.linear(x[part], packed, n_out, add=None if add is None else add[part],
+                           stream=epilogue == "stream")
+
+    whole = run(slice(None))
+    assert torch.equal(whole, torch.cat([run(slice(0, 1000)), run(slice(1000, None))]))
+    if epilogue == "gate_up":  # (bf16(silu) may round the other way: one of its ulps, 2^-8)
+        ref = F.silu(x.float() @ w[:n_out].float().T).to(torch.bfloat16).float() * (x.float() @ w[n_out:].float().T)
+        torch.testing.assert_close(whole.float(), ref, atol=1e-3, rtol=2**-6)
+    else:
+        ref = x.float() @ w.float().T + (0 if add is None else add.float())
+        torch.testing.assert_close(whole.float(), ref, atol=1e-3, rtol=2**-7)
+
+
 @each_gemm
 def test_packed_gate_up_of_very_negative_gates_is_zero_not_nan(gemm):
     """SiLU of a gate below ~-88.7: exp(-gate) overflows fp32, and the epilogue's reciprocal of

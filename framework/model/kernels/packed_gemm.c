@@ -81,6 +81,8 @@ typedef struct {
 
 #define PANEL_BYTES (768 << 10) /* of x at a time: a share of the 2 MiB L2 (run_units, run_units_vec) */
 #define L1_UNIT_BYTES (40 << 10) /* a unit's weights that stay in the 48 KiB L1 of the AMX Xeons (run_units) */
+#define COL_PANEL_BYTES (1 << 20) /* of weights at a time in run_units_by_rows: half the L2 */
+#define ROW_ORDER_ROWS 1024      /* GEMMs of at least this many rows take run_units_by_rows */
 
 /* The epilogues run once per output, so they matter at a few hundred rows: one instruction for
  * the bf16 rounding (to_bf16x16, common.h) and a reciprocal refined by one Newton step (~23 bits)
@@ -231,14 +233,107 @@ static void finish_rows(const Gemm *g, const Pass *p, int64_t r0, int64_t r1) {
     }
 }
 
-/* The epilogue of each pass runs during the next pass's tile products, a few rows after every
- * 32 k: the vector work fills the time the tiles take, instead of following it (at a few hundred
- * rows the epilogues took a third of the time after the tiles). Two Pass buffers alternate. */
+/* The next unit's weights, prefetched into L2 a few lines every 32 k while a unit's passes run: the
+ * weights come from DRAM, and the tiles had waited for them at the start of every unit. A decode
+ * step's GEMMs (SmolLM2, 30 layers; 2-core Xeon): 16 rows 6.7 -> 6.1 ms, 64 rows 10.6 -> 8.9, 200
+ * rows 25.3 -> 19.6-20.7 (LM head 4.9 -> 4.3), 1,024 rows 99.9 -> 95-97 (LM head 40.7 -> 32). */
+typedef struct {
+    const char *b0, *b1; /* the two column blocks (b1 NULL: none) */
+    int64_t lines, done, per_step;
+} NextWeights;
+
+/* Prefetch of the weights of unit `unit` (lines of each block spread over `passes` passes), or none. */
+static NextWeights next_weights(const Gemm *g, int64_t unit, int64_t passes) {
+    const int64_t blocks = (g->n_out + 15) / 16, block_elems = g->k * 16, steps = g->k / 32;
+    const int gate_up = g->epilogue == GATE_UP;
+    int64_t b0 = gate_up ? unit : 2 * unit, b1 = gate_up ? unit + blocks : 2 * unit + 1;
+    NextWeights nw = {(const char *)(g->packed + b0 * block_elems),
+                      gate_up || b1 < blocks ? (const char *)(g->packed + b1 * block_elems) : NULL,
+                      block_elems * 2 / 64, 0, 0};
+    nw.per_step = (nw.lines + passes * steps - 1) / (passes * steps);
+    return nw;
+}
+
+/* One pass (see Pass) of unit `unit`: rows [16 group, 16 group + 32) by the unit's column blocks,
+ * the sums stored into `pass`. The epilogue of `pending` (the pass before; NULL: none) runs during
+ * the tile products, a few rows after every 32 k: the vector work fills the time the tiles take,
+ * instead of following it (at a few hundred rows the epilogues took a third of the time after the
+ * tiles). `stream_x` / `stream_w`: that operand's tiles are loaded with the hint that they will not
+ * be reused (TILELOADDT1), so that they do not evict the other's, which the next passes read again.
+ * `nw`: weights to prefetch meanwhile (NULL: none). */
+static inline __attribute__((always_inline)) void tile_pass(const Gemm *g, int64_t unit, int64_t group, Pass *pass,
+                                                           const Pass *pending, int stream_x, int stream_w,
+                                                           NextWeights *nw) {
+    const int64_t tile_elems = 512, block_elems = g->k * 16; /* a weight tile; a column block */
+    const int64_t blocks = (g->n_out + 15) / 16, steps = g->k / 32;
+    const int gate_up = g->epilogue == GATE_UP;
+    const int64_t b0 = gate_up ? unit : 2 * unit, b1 = gate_up ? unit + blocks : 2 * unit + 1;
+    const int two = gate_up || b1 < blocks, two_groups = group + 1 < (g->rows + 15) / 16;
+    const uint16_t *w0 = g->packed + b0 * block_elems, *w1 = g->packed + b1 * block_elems;
+    size_t s0 = 0, s1 = 0;
+    const uint16_t *x0 = group_rows(g, group, &s0);
+    const uint16_t *x1 = two_groups ? group_rows(g, group + 1, &s1) : NULL;
+    pass->first_row = group * 16;
+    pass->rows = (group + 2) * 16 < g->rows ? 32 : g->rows - group * 16;
+    pass->n0 = b0 * 16;
+    pass->n1 = gate_up ? b0 * 16 : b1 * 16;
+    pass->two = two;
+    int64_t done = 0, per_step = pending ? (pending->rows + steps - 1) / steps : 0;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < g->k; c += 32) {
+        if (stream_w)
+            _tile_stream_loadd(6, w0 + c / 32 * tile_elems, 64);
+        else
+            _tile_loadd(6, w0 + c / 32 * tile_elems, 64);
+        if (stream_x)
+            _tile_stream_loadd(4, x0 + c, s0);
+        else
+            _tile_loadd(4, x0 + c, s0);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+            if (stream_w)
+                _tile_stream_loadd(7, w1 + c / 32 * tile_elems, 64);
+            else
+                _tile_loadd(7, w1 + c / 32 * tile_elems, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_groups) {
+            if (stream_x)
+                _tile_stream_loadd(5, x1 + c, s1);
+            else
+                _tile_loadd(5, x1 + c, s1);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+        for (int64_t l = 0; nw && l < nw->per_step && nw->done < nw->lines; l++, nw->done++) {
+            _mm_prefetch(nw->b0 + nw->done * 64, _MM_HINT_T1);
+            if (nw->b1) _mm_prefetch(nw->b1 + nw->done * 64, _MM_HINT_T1);
+        }
+        if (pending && done < pending->rows) {
+            int64_t upto = done + per_step < pending->rows ? done + per_step : pending->rows;
+            finish_rows(g, pending, done, upto);
+            done = upto;
+        }
+    }
+    if (pending) finish_rows(g, pending, done, pending->rows);
+    _tile_stored(0, pass->sums[0], 64);
+    _tile_stored(1, pass->sums[1], 64);
+    if (two_groups) {
+        _tile_stored(2, pass->sums[2], 64);
+        _tile_stored(3, pass->sums[3], 64);
+    }
+}
+
+/* Unit by unit (a unit: two column blocks, or a gate block and its up block), each over the rows in
+ * passes of two row groups while its weights stay in L1: the order for decode steps, whose weights
+ * come from DRAM once. Two Pass buffers alternate (tile_pass). */
 static void *run_units(void *arg) {
     const Units *u = (const Units *)arg;
     const Gemm *g = u->g;
-    const int64_t tile_elems = 512, block_elems = g->k * 16; /* a weight tile; a column block */
-    const int64_t groups = (g->rows + 15) / 16, blocks = (g->n_out + 15) / 16, steps = g->k / 32;
+    const int64_t groups = (g->rows + 15) / 16;
     /* Where a unit's weights fit in L1 beside a pass's working set (k up to 640 here: qkv, o and
      * gate_up of SmolLM2, not down), x's tiles are loaded with the hint that they will not be
      * reused (TILELOADDT1), so they stop evicting the weights, which every pass of the unit reads
@@ -246,7 +341,6 @@ static void *run_units(void *arg) {
      * ms, 1,024 rows 1.55 -> 1.34-1.40; W200's decode GEMMs in the engine 3.63 -> 3.31 s. With
      * k = 1,536 (96 KiB of weights a unit) the hint made down 5 % slower. */
     const int x_stream = 2 * 16 * g->k * 2 <= L1_UNIT_BYTES;
-    int gate_up = g->epilogue == GATE_UP;
     Pass passes[2], *pending = NULL;
     int next = 0;
     amx_configure();
@@ -260,79 +354,48 @@ static void *run_units(void *arg) {
     for (int64_t item = 0; item < items; item++) {
         const int64_t first = item / units * panel, last = first + panel < groups ? first + panel : groups;
         const int64_t unit = u->begin + item % units;
-        int64_t b0 = gate_up ? unit : 2 * unit, b1 = gate_up ? unit + blocks : 2 * unit + 1;
-        int two = gate_up || b1 < blocks;
-        const uint16_t *w0 = g->packed + b0 * block_elems, *w1 = g->packed + b1 * block_elems;
-        /* The next unit's weights go into L2 while this unit's passes run, a few lines every 32 k:
-         * the weights come from DRAM, and the tiles had waited for them at the start of every
-         * unit. A decode step's GEMMs (SmolLM2, 30 layers; 2-core Xeon): 16 rows 6.7 -> 6.1 ms,
-         * 64 rows 10.6 -> 8.9, 200 rows 25.3 -> 19.6-20.7 (LM head 4.9 -> 4.3), 1,024 rows
-         * 99.9 -> 95-97 (LM head 40.7 -> 32). */
-        const char *next0 = NULL, *next1 = NULL;
-        int64_t next_lines = 0, next_done = 0, next_per_step = 0;
-        if (unit + 1 < u->end) { /* (the next panel's first unit is not prefetched) */
-            int64_t nb0 = gate_up ? unit + 1 : 2 * unit + 2, nb1 = gate_up ? unit + 1 + blocks : 2 * unit + 3;
-            next0 = (const char *)(g->packed + nb0 * block_elems);
-            next1 = gate_up || nb1 < blocks ? (const char *)(g->packed + nb1 * block_elems) : NULL;
-            next_lines = block_elems * 2 / 64;
-            int64_t unit_passes = (last - first + 1) / 2;
-            next_per_step = (next_lines + unit_passes * steps - 1) / (unit_passes * steps);
-        }
+        NextWeights nw, *prefetch = NULL; /* (the next panel's first unit is not prefetched) */
+        if (unit + 1 < u->end) nw = next_weights(g, unit + 1, (last - first + 1) / 2), prefetch = &nw;
         for (int64_t group = first; group < last; group += 2) {
-            int two_groups = group + 1 < last;
-            size_t s0 = 0, s1 = 0;
-            const uint16_t *x0 = group_rows(g, group, &s0);
-            const uint16_t *x1 = two_groups ? group_rows(g, group + 1, &s1) : NULL;
-            Pass *pass = &passes[next];
-            pass->first_row = group * 16;
-            pass->rows = (group + 2) * 16 < g->rows ? 32 : g->rows - group * 16;
-            pass->n0 = b0 * 16;
-            pass->n1 = gate_up ? b0 * 16 : b1 * 16;
-            pass->two = two;
-            int64_t done = 0, per_step = pending ? (pending->rows + steps - 1) / steps : 0;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t c = 0; c < g->k; c += 32) {
-                _tile_loadd(6, w0 + c / 32 * tile_elems, 64);
-                if (x_stream)
-                    _tile_stream_loadd(4, x0 + c, s0);
-                else
-                    _tile_loadd(4, x0 + c, s0);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two) {
-                    _tile_loadd(7, w1 + c / 32 * tile_elems, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-                if (two_groups) {
-                    if (x_stream)
-                        _tile_stream_loadd(5, x1 + c, s1);
-                    else
-                        _tile_loadd(5, x1 + c, s1);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two) _tile_dpbf16ps(3, 5, 7);
-                }
-                for (int64_t l = 0; l < next_per_step && next_done < next_lines; l++, next_done++) {
-                    _mm_prefetch(next0 + next_done * 64, _MM_HINT_T1);
-                    if (next1) _mm_prefetch(next1 + next_done * 64, _MM_HINT_T1);
-                }
-                if (pending && done < pending->rows) {
-                    int64_t upto = done + per_step < pending->rows ? done + per_step : pending->rows;
-                    finish_rows(g, pending, done, upto);
-                    done = upto;
-                }
-            }
-            if (pending) finish_rows(g, pending, done, pending->rows);
-            _tile_stored(0, pass->sums[0], 64);
-            _tile_stored(1, pass->sums[1], 64);
-            if (two_groups) {
-                _tile_stored(2, pass->sums[2], 64);
-                _tile_stored(3, pass->sums[3], 64);
-            }
-            pending = pass;
+            tile_pass(g, unit, group, &passes[next], pending, x_stream, 0, prefetch);
+            pending = &passes[next];
             next ^= 1;
         }
+    }
+    if (pending) finish_rows(g, pending, 0, pending->rows);
+    _tile_release();
+    if (g->stream) _mm_sfence(); /* this thread's streamed stores, seen before the caller reads y */
+    return NULL;
+}
+
+/* Row pairs outer, units inner, within column panels of at most COL_PANEL_BYTES of weights: the
+ * order for prefill tiles (at least ROW_ORDER_ROWS rows). A pass's x (two row groups, 36 KiB at
+ * k = 576) stays in L1 while the panel's units go over it, their weights from L2 (loaded with the
+ * no-reuse hint); the panel's weights come from DRAM once, for its first row pair (the next unit's
+ * prefetched meanwhile). The bits are those of run_units: every sum runs over k in the same order.
+ * A prefill tile's four GEMMs of a layer, 30 layers' weights, each output the next one's input
+ * (2-core Xeon with AMX): 2,048 rows 6.6-7.2 -> 5.8-6.3 ms a layer, 1,024 rows 3.47-3.50 ->
+ * 3.22-3.29; 512 rows 1.69-1.74 either way, 200 rows 0.83-0.87 -> 0.92-0.95 (so not for decode).
+ * Column panels of 512 KiB or 2 MiB were slower than 1 MiB at 2,048 rows. */
+static void *run_units_by_rows(void *arg) {
+    const Units *u = (const Units *)arg;
+    const Gemm *g = u->g;
+    const int64_t groups = (g->rows + 15) / 16;
+    int64_t per_panel = COL_PANEL_BYTES / (2 * g->k * 16 * 2); /* units: two column blocks of k bf16 */
+    if (per_panel < 1) per_panel = 1;
+    Pass passes[2], *pending = NULL;
+    int next = 0;
+    amx_configure();
+    for (int64_t p0 = u->begin; p0 < u->end; p0 += per_panel) {
+        const int64_t p1 = p0 + per_panel < u->end ? p0 + per_panel : u->end;
+        for (int64_t group = 0; group < groups; group += 2)
+            for (int64_t unit = p0; unit < p1; unit++) {
+                NextWeights nw, *prefetch = NULL; /* while the first row pair reads the panel */
+                if (group == 0 && unit + 1 < p1) nw = next_weights(g, unit + 1, 1), prefetch = &nw;
+                tile_pass(g, unit, group, &passes[next], pending, 0, 1, prefetch);
+                pending = &passes[next];
+                next ^= 1;
+            }
     }
     if (pending) finish_rows(g, pending, 0, pending->rows);
     _tile_release();
@@ -377,7 +440,7 @@ int packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
     num_threads = span_threads(num_threads, units);
     for (int s = 0; s < num_threads; s++)
         spans[s] = (Units){&g, units * s / num_threads, units * (s + 1) / num_threads};
-    run_spans(run_units, spans, sizeof spans[0], num_threads);
+    run_spans(rows >= ROW_ORDER_ROWS ? run_units_by_rows : run_units, spans, sizeof spans[0], num_threads);
     free(tail);
     return 0;
 #else
