@@ -239,6 +239,49 @@ def test_decode_path_gives_the_layers_bits(kv_dtype, monkeypatch):
     assert model.decode_path() is None
 
 
+def test_bf16_prefill_tiles_write_their_q_and_outputs_in_place(monkeypatch):
+    """A bf16 pass in several tiles: each tile's q (rope_kv) and MLP output (the packed GEMM) go
+    straight into the pass's tensors (no torch.cat, no copies); the logits and the KV written are
+    those of the same pass in one tile, bit for bit (the kernels' sums do not depend on the rows
+    next to them), and near fp32 transformers."""
+    from framework.model import cpu_kernels as ck
+
+    hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                      num_key_value_heads=1))
+    runner = _runner(hf, dtype=torch.bfloat16, packed_weights=True)
+    kernels = runner.model.kernels
+    if kernels is None or kernels.gemm is None:
+        pytest.skip("no C kernels or no packed GEMMs (AVX512-BF16) here")
+    into = {"rope_kv": 0, "linear": 0}
+    for cls, name in ((ck.FusedOps, "rope_kv"), (ck.PackedGemm, "linear")):
+        real = getattr(cls, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            into[_name] += kwargs.get("out") is not None
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, spy)
+    lens = [7, 1, 23, 12]
+    results = []
+    for tile in (4096, 16):
+        monkeypatch.setattr(llama, "PREFILL_TILE", tile)
+        reqs = _new_reqs(runner, lens)
+        batch = _batch(runner, reqs, lens, ForwardMode.EXTEND)
+        out = runner.forward(batch)
+        _check_last(hf, out, reqs, atol=0.15)  # bf16 against fp32 transformers
+        logits = out.next_token_logits
+        pool = runner.token_to_kv_pool
+        kv = [(pool.k_buffer[i][batch.out_cache_loc].clone(), pool.v_buffer[i][batch.out_cache_loc].clone())
+              for i in range(len(pool.k_buffer))]
+        results.append((logits, kv))
+    (logits_one, kv_one), (logits_tiled, kv_tiled) = results
+    assert torch.equal(logits_one, logits_tiled)
+    for (k1, v1), (k2, v2) in zip(kv_one, kv_tiled):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    layers, tiles = hf.config.num_hidden_layers, len(llama.token_tiles(sum(lens)))
+    assert tiles == 3 and into == {"rope_kv": layers * tiles, "linear": layers * tiles}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_an_fp8_kv_cache_is_read_alike_by_the_kernels_and_pytorch(dtype):
     """A float8_e5m2 KV pool (model.kv_cache_dtype = "fp8_e5m2"): prefill (AMX kernel or SDPA) and

@@ -243,14 +243,22 @@ class FusedOps:
         return k_pool.dtype == torch.bfloat16 or (
             k_pool.dtype == torch.uint8 and k_pool.shape[-2] * k_pool.shape[-1] <= self.E5M2_ROW_MAX)
 
-    def rope_kv(self, qkv, cos, sin, loc, k_pool, v_pool, heads: int, kv_heads: int) -> torch.Tensor:
+    def rope_kv(self, qkv, cos, sin, loc, k_pool, v_pool, heads: int, kv_heads: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """From the fused projection qkv [T, (heads + 2 kv_heads) * D]: rotate q and k by the
         bf16 tables cos/sin ([T, 1, D/2], contiguous), write k and v into the pools ([slots,
         kv_heads, D], bf16 or float8_e5m2 bytes rounded as TokenToKVPool.set_kv rounds them) at
-        `loc` [T] int64; returns q [T, heads * D]."""
+        `loc` [T] int64; returns q [T, heads * D], written into `out` when given (contiguous bf16
+        of that shape, e.g. some rows of a larger q)."""
         rows = qkv.shape[0]
         head_dim = k_pool.shape[-1]
-        q = torch.empty((rows, heads * head_dim), dtype=torch.bfloat16)
+        if out is None:
+            q = torch.empty((rows, heads * head_dim), dtype=torch.bfloat16)
+        elif out.dtype != torch.bfloat16 or out.shape != (rows, heads * head_dim) or not out.is_contiguous():
+            raise ValueError(f"rope_kv: q goes into contiguous bf16 {(rows, heads * head_dim)}, not {out.dtype} "
+                             f"{tuple(out.shape)} with strides {out.stride()}")
+        else:
+            q = out
         loc = loc.to(torch.int64).contiguous()
         rc = self._rope_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), q.data_ptr(),
                            k_pool.data_ptr(), v_pool.data_ptr(), kv_format(k_pool), rows, heads, kv_heads, head_dim,
@@ -318,16 +326,19 @@ class PackedGemm:
         return FusedOps.supports(x) and 0 < x.shape[0] <= self.rows and x.shape[1] == packed.shape[1]
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, add: torch.Tensor | None = None,
-               stream: bool = False) -> torch.Tensor:
+               stream: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight^T (+ `add`, [rows, n_out] bf16 with unit stride) for the weight [n_out, k]
-        that `packed` was made from, rounded to bf16 once.
+        that `packed` was made from, rounded to bf16 once; into `out` when given ([rows, n_out]
+        bf16 with unit stride, any row stride: e.g. some rows of a larger output).
 
         `stream`: store the output past the caches, for a wide output read once, later (the LM
         head's logits). Same values. A decode step of 200 requests on a 2-core Xeon with AMX,
         SmolLM2's LM head (200 x 49,152 logits, weights from DRAM): 10.7-12.0 -> 5.1 ms, as the
         cached stores read every output line from DRAM before writing it; 64 rows 3.1 -> 2.7,
         1 and 16 rows unchanged (2.0)."""
-        y = torch.empty((x.shape[0], n_out), dtype=torch.bfloat16)
+        if out is not None and (out.dtype != torch.bfloat16 or out.shape != (x.shape[0], n_out) or out.stride(1) != 1):
+            raise ValueError(f"packed GEMM: the output must be bf16 {(x.shape[0], n_out)} with unit stride")
+        y = torch.empty((x.shape[0], n_out), dtype=torch.bfloat16) if out is None else out
         self._run(x, packed, add, y, n_out, "none" if add is None else "add", stream)
         return y
 

@@ -138,21 +138,26 @@ class LlamaAttention(nn.Module):
         self.fused: FusedOps | None = None  # see use_cpu_kernels
 
     def project(
-        self, hidden: torch.Tensor, rope: RopeTables, out_cache_loc: torch.Tensor, kv_pool: TokenToKVPool
+        self, hidden: torch.Tensor, rope: RopeTables, out_cache_loc: torch.Tensor, kv_pool: TokenToKVPool,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q/k/v of some tokens: rotates q and k, writes k/v into the pool; returns q [T, q_size]."""
+        """q/k/v of some tokens: rotates q and k, writes k/v into the pool; returns q [T, q_size]
+        (in `out` when given: contiguous rows of a larger q, as a prefill tile's)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         fused = self.fused
         k_buf, v_buf = kv_pool.k_buffer[self.layer_id], kv_pool.v_buffer[self.layer_id]
-        if fused is not None and fused.supports(qkv) and fused.supports_rope_kv(k_buf) and rope.cos.is_contiguous():
-            return fused.rope_kv(qkv, rope.cos, rope.sin, out_cache_loc, k_buf, v_buf, self.num_heads, self.num_kv_heads)
+        if (fused is not None and fused.supports(qkv) and fused.supports_rope_kv(k_buf) and rope.cos.is_contiguous()
+                and (out is None or out.dtype == torch.bfloat16)):
+            return fused.rope_kv(qkv, rope.cos, rope.sin, out_cache_loc, k_buf, v_buf, self.num_heads,
+                                 self.num_kv_heads, out=out)
         # q and k heads are rotated together: [T, heads + kv_heads, D] is a view of qkv.
         num_qk_heads = self.num_heads + self.num_kv_heads
         qk = rope.apply(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim))
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         kv_pool.set_kv(self.layer_id, out_cache_loc, qk[:, self.num_heads :], v)
-        return qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
+        q = qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
+        return q if out is None else out.copy_(q)
 
 
 class LlamaMLP(nn.Module):
@@ -169,22 +174,29 @@ class LlamaMLP(nn.Module):
         self.packed_gate: torch.Tensor | None = None
         self.packed_up: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, batch: ModelWorkerBatch, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """MLP(x), plus `residual` when given."""
+    def forward(self, x: torch.Tensor, batch: ModelWorkerBatch, residual: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """MLP(x), plus `residual` when given; in `out` when given (rows of a larger output, as a
+        prefill tile's: the packed GEMM kernel writes them in place, other paths copy)."""
         if not self.par.gathers_mlp_tokens:
             if self.packed_gate is not None and x.dtype == torch.bfloat16 and self._plain_layers():
-                return self._packed_mlp(x, residual)
-            out = self._mlp(x)
+                y = self._packed_mlp(x, residual, out)
+            else:
+                y = self._mlp(x)
+                y = y if residual is None else y.add_(residual)
         else:
             counts = batch.global_num_tokens
-            out = self.par.own_rows(self._mlp(self.par.gather_rows(x, counts)), counts)
-        return out if residual is None else out.add_(residual)
+            y = self.par.own_rows(self._mlp(self.par.gather_rows(x, counts)), counts)
+            y = y if residual is None else y.add_(residual)
+        return y if out is None or y is out else out.copy_(y)
 
     def _plain_layers(self) -> bool:
         # A LoRA-wrapped projection must run its own forward (the packed copies lack the deltas).
         return type(self.gate_up_proj) is Linear and type(self.down_proj) is RowParallelLinear
 
-    def _packed_mlp(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    def _packed_mlp(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP on prepacked weights; `out` (bf16 with unit stride): where the packed GEMM kernel
+        writes the result (the caller copies what the other paths return)."""
         m = x.shape[0]
         kernels = self.kernels
         if kernels is not None and (residual is None or residual.stride(1) == 1):
@@ -193,7 +205,9 @@ class LlamaMLP(nn.Module):
             if (gate_up is not None and down is not None and self.intermediate_size % 16 == 0
                     and kernels.gemm is not None and kernels.gemm.supports(x, gate_up)):
                 act = kernels.gemm.gate_up(x, gate_up, self.intermediate_size)
-                return kernels.gemm.linear(act, down, self.down_proj.out_features, add=residual)
+                in_place = out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1
+                return kernels.gemm.linear(act, down, self.down_proj.out_features, add=residual,
+                                           out=out if in_place else None)
         # The GEMMs run at gemm_rows(m) rows: x (and the residual) are padded once, not per call.
         x = pad_rows(x, gemm_rows(m))
         gate = packed_linear_unary(x, self.packed_gate, "swish")
@@ -233,18 +247,20 @@ class LlamaDecoderLayer(nn.Module):
             return self.mlp(hidden, batch)
         attn = self.self_attn
         tiles = [slice(None)] if self.mlp.par.gathers_mlp_tokens else token_tiles(hidden.shape[0])
-        q = [
-            attn.project(self.input_layernorm(hidden[t]), rope.tile(t), batch.out_cache_loc[t], kv_pool)
-            for t in tiles
-        ]
-        attn_out = attn.backend.forward(q[0] if len(q) == 1 else torch.cat(q), attn.layer_id, meta, kv_pool)
+        if len(tiles) == 1:
+            q = attn.project(self.input_layernorm(hidden), rope.tile(tiles[0]), batch.out_cache_loc, kv_pool)
+        else:  # the tiles' q and outputs go straight into the pass's (no torch.cat, no copies)
+            q = hidden.new_empty((hidden.shape[0], attn.q_size))
+            for t in tiles:
+                attn.project(self.input_layernorm(hidden[t]), rope.tile(t), batch.out_cache_loc[t], kv_pool, out=q[t])
+        attn_out = attn.backend.forward(q, attn.layer_id, meta, kv_pool)
         out = torch.empty_like(hidden) if len(tiles) > 1 else None
         for t in tiles:
             # The sublayers return fresh tensors, so the residual adds can be in place (the MLP adds h).
             normed, h = self.post_attention_layernorm.add_and_norm(attn.o_proj(attn_out[t]), hidden[t])
             if len(tiles) == 1:
                 return self.mlp(normed, batch, residual=h)
-            out[t] = self.mlp(normed, batch, residual=h)
+            self.mlp(normed, batch, residual=h, out=out[t])
         return out
 
 

@@ -10,8 +10,10 @@
  * measurements are in cpu_kernels.PackedGemm).
  *
  * Tiles: 0-3 sums, [16 rows][16 columns] fp32, for two row groups x two column blocks; 4, 5: the
- * row groups' x for 32 k; 6, 7: the column blocks' weights for the same 32 k. A pair of column
- * blocks goes over every pair of row groups while the pair's weights (32 x k bf16) stay in L2.
+ * row groups' x for 32 k; 6, 7: the column blocks' weights for the same 32 k. At decode sizes a
+ * pair of column blocks goes over every pair of row groups while the pair's weights (32 x k bf16)
+ * stay in L1 (run_units); a prefill tile takes each pair of row groups over a panel of column
+ * blocks instead, its x in L1 and the panel's weights in L2 (run_units_by_rows).
  * Vectors: micro-tiles of VEC_ROWS rows x VEC_BLOCKS column blocks, 24 fp32 sums in registers, for
  * every k pair one weight load per block and one broadcast of x per row.
  * Epilogues, all in fp32 before one bf16 rounding:
