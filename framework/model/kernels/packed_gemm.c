@@ -329,9 +329,30 @@ static inline __attribute__((always_inline)) void tile_pass(const Gemm *g, int64
     }
 }
 
+/* A thread's passes in turn: two Pass buffers alternate, each pass finishing the one before it
+ * (tile_pass); end_passes finishes the last one and gives the tiles back. */
+typedef struct {
+    Pass buf[2];
+    Pass *pending;
+    int next;
+} Passes;
+
+static inline __attribute__((always_inline)) void next_pass(const Gemm *g, Passes *ps, int64_t unit, int64_t group,
+                                                           int stream_x, int stream_w, NextWeights *nw) {
+    tile_pass(g, unit, group, &ps->buf[ps->next], ps->pending, stream_x, stream_w, nw);
+    ps->pending = &ps->buf[ps->next];
+    ps->next ^= 1;
+}
+
+static void end_passes(const Gemm *g, Passes *ps) {
+    if (ps->pending) finish_rows(g, ps->pending, 0, ps->pending->rows);
+    _tile_release();
+    if (g->stream) _mm_sfence(); /* this thread's streamed stores, seen before the caller reads y */
+}
+
 /* Unit by unit (a unit: two column blocks, or a gate block and its up block), each over the rows in
  * passes of two row groups while its weights stay in L1: the order for decode steps, whose weights
- * come from DRAM once. Two Pass buffers alternate (tile_pass). */
+ * come from DRAM once. */
 static void *run_units(void *arg) {
     const Units *u = (const Units *)arg;
     const Gemm *g = u->g;
@@ -343,8 +364,7 @@ static void *run_units(void *arg) {
      * ms, 1,024 rows 1.55 -> 1.34-1.40; W200's decode GEMMs in the engine 3.63 -> 3.31 s. With
      * k = 1,536 (96 KiB of weights a unit) the hint made down 5 % slower. */
     const int x_stream = 2 * 16 * g->k * 2 <= L1_UNIT_BYTES;
-    Pass passes[2], *pending = NULL;
-    int next = 0;
+    Passes ps = {.pending = NULL, .next = 0};
     amx_configure();
     /* The rows go in panels of at most PANEL_BYTES of x (an even number of row groups), each
      * panel over all of the span's units, so that x is read from L2 rather than L3 once it
@@ -358,15 +378,9 @@ static void *run_units(void *arg) {
         const int64_t unit = u->begin + item % units;
         NextWeights nw, *prefetch = NULL; /* (the next panel's first unit is not prefetched) */
         if (unit + 1 < u->end) nw = next_weights(g, unit + 1, (last - first + 1) / 2), prefetch = &nw;
-        for (int64_t group = first; group < last; group += 2) {
-            tile_pass(g, unit, group, &passes[next], pending, x_stream, 0, prefetch);
-            pending = &passes[next];
-            next ^= 1;
-        }
+        for (int64_t group = first; group < last; group += 2) next_pass(g, &ps, unit, group, x_stream, 0, prefetch);
     }
-    if (pending) finish_rows(g, pending, 0, pending->rows);
-    _tile_release();
-    if (g->stream) _mm_sfence(); /* this thread's streamed stores, seen before the caller reads y */
+    end_passes(g, &ps);
     return NULL;
 }
 
@@ -385,8 +399,7 @@ static void *run_units_by_rows(void *arg) {
     const int64_t groups = (g->rows + 15) / 16;
     int64_t per_panel = COL_PANEL_BYTES / (2 * g->k * 16 * 2); /* units: two column blocks of k bf16 */
     if (per_panel < 1) per_panel = 1;
-    Pass passes[2], *pending = NULL;
-    int next = 0;
+    Passes ps = {.pending = NULL, .next = 0};
     amx_configure();
     for (int64_t p0 = u->begin; p0 < u->end; p0 += per_panel) {
         const int64_t p1 = p0 + per_panel < u->end ? p0 + per_panel : u->end;
@@ -394,14 +407,10 @@ static void *run_units_by_rows(void *arg) {
             for (int64_t unit = p0; unit < p1; unit++) {
                 NextWeights nw, *prefetch = NULL; /* while the first row pair reads the panel */
                 if (group == 0 && unit + 1 < p1) nw = next_weights(g, unit + 1, 1), prefetch = &nw;
-                tile_pass(g, unit, group, &passes[next], pending, 0, 1, prefetch);
-                pending = &passes[next];
-                next ^= 1;
+                next_pass(g, &ps, unit, group, 0, 1, prefetch);
             }
     }
-    if (pending) finish_rows(g, pending, 0, pending->rows);
-    _tile_release();
-    if (g->stream) _mm_sfence(); /* this thread's streamed stores, seen before the caller reads y */
+    end_passes(g, &ps);
     return NULL;
 }
 #endif
