@@ -194,7 +194,9 @@ class LlamaMLP(nn.Module):
         # A LoRA-wrapped projection must run its own forward (the packed copies lack the deltas).
         return type(self.gate_up_proj) is Linear and type(self.down_proj) is RowParallelLinear
 
-    def _packed_mlp(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _packed_mlp(
+        self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The MLP on prepacked weights; `out` (bf16 with unit stride): where the packed GEMM kernel
         writes the result (the caller copies what the other paths return)."""
         m = x.shape[0]
