@@ -178,16 +178,17 @@ class LlamaMLP(nn.Module):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """MLP(x), plus `residual` when given; in `out` when given (rows of a larger output, as a
         prefill tile's: the packed GEMM kernel writes them in place, other paths copy)."""
-        if not self.par.gathers_mlp_tokens:
-            if self.packed_gate is not None and x.dtype == torch.bfloat16 and self._plain_layers():
-                y = self._packed_mlp(x, residual, out)
+        gathers = self.par.gathers_mlp_tokens
+        if not gathers and self.packed_gate is not None and x.dtype == torch.bfloat16 and self._plain_layers():
+            y = self._packed_mlp(x, residual, out)  # (the residual added in its last GEMM)
+        else:
+            if gathers:
+                counts = batch.global_num_tokens
+                y = self.par.own_rows(self._mlp(self.par.gather_rows(x, counts)), counts)
             else:
                 y = self._mlp(x)
-                y = y if residual is None else y.add_(residual)
-        else:
-            counts = batch.global_num_tokens
-            y = self.par.own_rows(self._mlp(self.par.gather_rows(x, counts)), counts)
-            y = y if residual is None else y.add_(residual)
+            if residual is not None:
+                y.add_(residual)
         return y if out is None or y is out else out.copy_(y)
 
     def _plain_layers(self) -> bool:
@@ -250,7 +251,7 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn
         tiles = [slice(None)] if self.mlp.par.gathers_mlp_tokens else token_tiles(hidden.shape[0])
         if len(tiles) == 1:
-            q = attn.project(self.input_layernorm(hidden), rope.tile(tiles[0]), batch.out_cache_loc, kv_pool)
+            q = attn.project(self.input_layernorm(hidden), rope, batch.out_cache_loc, kv_pool)
         else:  # the tiles' q and outputs go straight into the pass's (no torch.cat, no copies)
             q = hidden.new_empty((hidden.shape[0], attn.q_size))
             for t in tiles:
