@@ -17,6 +17,7 @@ from framework.messages import (
 )
 from framework.request import FinishLength, FinishMatchedStr, FinishMatchedToken, SamplingParams
 from framework.server.detokenizer import IncrementalDetokenizer, find_printable_text
+from framework.server.ipc import freeze_startup_objects
 from framework.server.scheduler_process import Watchdog
 from framework.server.tokenizer_manager import hold_back_stop_prefix
 from framework.sessions import SessionController, SessionError
@@ -204,3 +205,29 @@ def test_example_serve_toml_loads():
 
     settings = Settings.load(Path(__file__).parent.parent / "docs" / "examples" / "serve.toml")
     assert settings.server.host == "127.0.0.1" and settings.server.port == 30000
+
+
+# -- start-up objects out of the garbage collector's walks ----------------------------------------
+
+
+def test_freeze_startup_objects_collects_startup_garbage_then_freezes_the_rest():
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    alive, garbage = Node(), Node()
+    alive.me, garbage.me = alive, garbage  # both in a reference cycle
+    gone = weakref.ref(garbage)
+    del garbage
+    try:
+        frozen = freeze_startup_objects()
+        assert gone() is None, "start-up's cyclic garbage must be collected, not frozen"
+        assert frozen == gc.get_freeze_count() > 0
+        assert not any(obj is alive for obj in gc.get_objects()), "a live object is still walked"
+        later = Node()
+        later.me = later
+        assert any(obj is later for obj in gc.get_objects()), "objects made afterwards are walked as usual"
+    finally:
+        gc.unfreeze()

@@ -19,7 +19,7 @@ import zmq
 
 from framework.messages import BatchStrOut, BatchTokenOut, ReqOutput, StrOutput
 from framework.request import FinishMatchedStr, FinishMatchedToken
-from framework.server.ipc import IpcNames, make_socket, setup_child_process
+from framework.server.ipc import IpcNames, freeze_startup_objects, make_socket, setup_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ def run_detokenizer_process(tokenizer_folder: str, ipc: IpcNames, log_level: str
     recv_from_scheduler = make_socket(context, zmq.PULL, ipc.detokenizer)
     send_to_tokenizer = make_socket(context, zmq.PUSH, ipc.tokenizer)
     detok = IncrementalDetokenizer(load_tokenizer(tokenizer_folder))
+    freeze_startup_objects()
     logger.info("Detokenizer ready")
     while True:
         msg = recv_from_scheduler.recv_pyobj()

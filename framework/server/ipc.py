@@ -8,6 +8,7 @@ sockets connect; high-water marks are 0 (unbounded) so a send never blocks or dr
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -100,6 +101,21 @@ def setup_child_process(name: str, log_level: str) -> None:
         threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     elif os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def freeze_startup_objects() -> int:
+    """Take every object alive now out of the garbage collector's walks; returns how many.
+
+    Called once a process has started (the scheduler with its model and pools, the main process
+    with its tokenizer). Python's oldest-generation collection walks every tracked object: ~310,000
+    of them in a scheduler on SmolLM2, ~90-110 ms during which no step runs and every running
+    request's next token waits. Frozen, they are not walked (a full collection then takes well under
+    a millisecond); they are still freed by reference counting, and garbage made from now on is
+    collected as usual. What start-up left as cyclic garbage is collected first.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _exit_now(signum, frame) -> None:

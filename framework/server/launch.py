@@ -46,7 +46,7 @@ from framework.metrics import ServerMetrics
 from framework.server.detokenizer import run_detokenizer_process
 from framework.server.dp_controller import run_dp_controller_process
 from framework.server.http_server import ServerInfo, build_app
-from framework.server.ipc import IpcNames, configure_logging
+from framework.server.ipc import IpcNames, configure_logging, freeze_startup_objects
 from framework.server.limits import RequestLimits, max_token_bytes
 from framework.server.scheduler_process import dp_rank_from_env, run_scheduler_process
 from framework.server.tokenizer_manager import TokenizerManager
@@ -306,6 +306,7 @@ class Launcher:
                               image_processor=ImageProcessor.from_model_folder(info.model_folder), limits=limits,
                               max_client_labels=settings.metrics.max_client_labels)
         tm.start()
+        freeze_startup_objects()  # a full collection here would hold up every request's tokens
         config = uvicorn.Config(
             build_app(tm, settings, info), host=settings.server.host, port=settings.server.port,
             log_config=None, log_level=settings.server.log_level.lower(),

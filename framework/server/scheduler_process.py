@@ -27,7 +27,9 @@ from framework.config import Settings
 from framework.distributed import ParallelContext, init_parallel
 from framework.messages import SchedulerFailed, SchedulerReady
 from framework.server.dp_controller import reporting_finished
-from framework.server.ipc import IpcNames, make_socket, recv_waiting, setup_child_process
+from framework.server.ipc import (
+    IpcNames, freeze_startup_objects, make_socket, recv_waiting, setup_child_process,
+)
 from framework.server.placement import pin_scheduler_process
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ def run_scheduler_process(
         )
     )
     ready_writer.close()
+    logger.info("%d start-up objects frozen out of the garbage collector's walks", freeze_startup_objects())
     timeout = settings.scheduler.watchdog_timeout
     Watchdog(scheduler, timeout, on_timeout=lambda stalled: _exit_on_watchdog(stalled, timeout)).start()
     try:
