@@ -349,6 +349,7 @@ class FakeServer:
 
     def __init__(self):
         self.bodies: list[dict] = []
+        self.peers: list[tuple] = []
         self.fail_next = 0
 
     def app(self):
@@ -376,6 +377,7 @@ class FakeServer:
 
         body = await request.json()
         self.bodies.append(body)
+        self.peers.append(request.transport.get_extra_info("peername"))  # one per client connection
         if self.fail_next:
             self.fail_next -= 1
             return web.Response(status=500, text="internal error")
@@ -444,6 +446,32 @@ def test_serving_client_times_streamed_tokens(fake_server, backend):
     for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "median_e2e_latency_ms", "output_throughput"):
         assert m[key] > 0
     assert m["median_itl_ms"] >= 1000 * FakeServer.TOKEN_DELAY_S * 0.5
+
+
+def test_serving_client_drops_idle_connections_before_servers_do(fake_server):
+    """A connection idle past KEEPALIVE_S is not reused: servers close theirs after 5 s (uvicorn's
+    default, vLLM's), and a request sent on one the server is closing is reset (aiohttp's own 15 s
+    failed ~40 % of requests sent after 5 s idle). One idle briefly is reused."""
+    from framework.bench.serving import KEEPALIVE_S, client_session, send_request
+
+    server, url = fake_server
+    req = BenchRequest("one two three", [1, 2, 3], 2)
+
+    async def two_requests(gap: float) -> list[tuple]:
+        server.peers.clear()
+        async with client_session() as session:
+            for i in range(2):
+                if i:
+                    await asyncio.sleep(gap)
+                result = await send_request(session, "batchyard", url, req)
+                assert result.success, result.error
+        return list(server.peers)
+
+    assert KEEPALIVE_S < 5.0
+    soon = asyncio.run(two_requests(0.1))
+    assert soon[0] == soon[1], "a connection idle for 0.1 s should be reused"
+    later = asyncio.run(two_requests(KEEPALIVE_S + 0.5))
+    assert later[0] != later[1], f"a connection idle for {KEEPALIVE_S + 0.5} s was reused"
 
 
 def test_serving_cli_records_and_counts_failures(fake_server, tmp_path):

@@ -40,6 +40,10 @@ BACKENDS = ("batchyard", "openai", "vllm", "llamacpp")
 REQUEST_TIMEOUT_S = 6 * 3600
 # Cumulative-text SSE lines grow with the output; aiohttp's default 64 KiB line limit is too small.
 READ_BUFSIZE = 1 << 22
+# How long an idle connection is kept for reuse: less than the servers keep one (uvicorn's default
+# and vLLM's is 5 s). aiohttp's own 15 s let it send a request on a connection the server was
+# closing: "Connection reset by peer" for ~40 % of requests sent after 5 s idle.
+KEEPALIVE_S = 2.0
 
 
 def _aiohttp():
@@ -163,6 +167,16 @@ async def send_request(session, backend: str, base_url: str, req: BenchRequest, 
     return result
 
 
+def client_session():
+    """The benchmark's HTTP session: no connection cap (the reference opens a session per request, so
+    nothing queues client-side), idle connections dropped after KEEPALIVE_S."""
+    aiohttp = _aiohttp()
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S), read_bufsize=READ_BUFSIZE,
+    )
+
+
 async def poisson_arrivals(requests: list[BenchRequest], rate: float,
                            rng: np.random.RandomState) -> AsyncIterator[BenchRequest]:
     """Yield requests with exponential gaps of mean 1/rate (none for rate = inf).
@@ -214,16 +228,11 @@ async def run_serving(
     progress: bool = True,
 ) -> tuple[list[RequestResult], float]:
     """Warm up, then send every request and collect its result; returns (results, duration)."""
-    aiohttp = _aiohttp()
     from tqdm import tqdm
 
     base_url = base_url.rstrip("/")
     kwargs = dict(model=model, ignore_eos=ignore_eos, extra_body=extra_body)
-    # No connection cap: the reference opens a session per request, so nothing queues client-side.
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                     read_bufsize=READ_BUFSIZE) as session:
+    async with client_session() as session:
         if warmup_requests > 0:
             warm = [BenchRequest(r.prompt, r.prompt_ids, min(r.output_len, 32))
                     for r in requests[:warmup_requests]]

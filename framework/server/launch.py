@@ -311,6 +311,7 @@ class Launcher:
             build_app(tm, settings, info), host=settings.server.host, port=settings.server.port,
             log_config=None, log_level=settings.server.log_level.lower(),
             access_log=settings.server.log_requests, lifespan="off", timeout_graceful_shutdown=3,
+            timeout_keep_alive=settings.server.keep_alive_timeout,
         )
         server = GracefulServer(config, tm)
         supervisor = asyncio.get_running_loop().create_task(self._supervise(server, tm, info))
