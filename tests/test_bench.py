@@ -448,30 +448,24 @@ def test_serving_client_times_streamed_tokens(fake_server, backend):
     assert m["median_itl_ms"] >= 1000 * FakeServer.TOKEN_DELAY_S * 0.5
 
 
-def test_serving_client_drops_idle_connections_before_servers_do(fake_server):
-    """A connection idle past KEEPALIVE_S is not reused: servers close theirs after 5 s (uvicorn's
-    default, vLLM's), and a request sent on one the server is closing is reset (aiohttp's own 15 s
-    failed ~40 % of requests sent after 5 s idle). One idle briefly is reused."""
-    from framework.bench.serving import KEEPALIVE_S, client_session, send_request
+def test_serving_client_sends_each_request_on_a_connection_of_its_own(fake_server):
+    """No connection is reused, however briefly idle: servers close kept-alive connections on their
+    own terms (uvicorn after 5 s idle, llama.cpp's server after some requests), and a request sent
+    on one being closed fails (reused, 4-7 of 16 back-to-back requests to llama.cpp's server did)."""
+    from framework.bench.serving import client_session, send_request
 
     server, url = fake_server
     req = BenchRequest("one two three", [1, 2, 3], 2)
 
-    async def two_requests(gap: float) -> list[tuple]:
-        server.peers.clear()
+    async def three_requests() -> list[tuple]:
         async with client_session() as session:
-            for i in range(2):
-                if i:
-                    await asyncio.sleep(gap)
+            for _ in range(3):
                 result = await send_request(session, "batchyard", url, req)
                 assert result.success, result.error
         return list(server.peers)
 
-    assert KEEPALIVE_S < 5.0
-    soon = asyncio.run(two_requests(0.1))
-    assert soon[0] == soon[1], "a connection idle for 0.1 s should be reused"
-    later = asyncio.run(two_requests(KEEPALIVE_S + 0.5))
-    assert later[0] != later[1], f"a connection idle for {KEEPALIVE_S + 0.5} s was reused"
+    peers = asyncio.run(three_requests())
+    assert len(peers) == 3 and len(set(peers)) == 3, f"connections reused: {peers}"
 
 
 def test_serving_cli_records_and_counts_failures(fake_server, tmp_path):

@@ -40,10 +40,6 @@ BACKENDS = ("batchyard", "openai", "vllm", "llamacpp")
 REQUEST_TIMEOUT_S = 6 * 3600
 # Cumulative-text SSE lines grow with the output; aiohttp's default 64 KiB line limit is too small.
 READ_BUFSIZE = 1 << 22
-# How long an idle connection is kept for reuse: less than the servers keep one (uvicorn's default
-# and vLLM's is 5 s). aiohttp's own 15 s let it send a request on a connection the server was
-# closing: "Connection reset by peer" for ~40 % of requests sent after 5 s idle.
-KEEPALIVE_S = 2.0
 
 
 def _aiohttp():
@@ -168,11 +164,14 @@ async def send_request(session, backend: str, base_url: str, req: BenchRequest, 
 
 
 def client_session():
-    """The benchmark's HTTP session: no connection cap (the reference opens a session per request, so
-    nothing queues client-side), idle connections dropped after KEEPALIVE_S."""
+    """The benchmark's HTTP session: each request on a connection of its own, and no cap on them, as
+    the reference, which opens a session per request. A server closes a kept-alive connection on
+    its own terms (uvicorn and vLLM after 5 s idle, llama.cpp's server after some requests), and a
+    request sent on one it is closing fails: with reuse, ~40 % of requests sent after 5 s idle to
+    the old uvicorn default were reset, and 4-7 of 16 back-to-back requests to llama.cpp's server."""
     aiohttp = _aiohttp()
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+        connector=aiohttp.TCPConnector(limit=0, force_close=True),
         timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S), read_bufsize=READ_BUFSIZE,
     )
 
