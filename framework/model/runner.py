@@ -19,7 +19,8 @@ from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.cpu import packed_linear_supported, tune_allocator
 from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig
-from framework.model.llama import use_cpu_kernels, use_packed_weights
+from framework.model.gguf_decode import use_gguf_decode
+from framework.model.llama import LlamaForCausalLM, use_cpu_kernels, use_packed_weights
 from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
@@ -54,6 +55,8 @@ class ModelRunner:
         lora_paths: LoRA adapters to serve, {name: PEFT folder} (framework/model/lora.py).
         cpu_kernels: worker.cpu_kernels: "auto", "on", "off" or "no_amx".
         packed_weights: worker.packed_weights: prepack bf16 linear weights for oneDNN on CPU.
+        gguf_decode: worker.gguf_decode: decode steps of a few requests on the Q4_1 weights of the
+            GGUF `model_path` was converted from (framework/model/gguf_decode.py).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class ModelRunner:
         cpu_kernels: str = "auto",
         packed_weights: bool = True,
         kv_dtype: torch.dtype | None = None,
+        gguf_decode: bool = False,
     ):
         hf_config = load_hf_config(model_path)
         self._setup(
@@ -78,6 +82,16 @@ class ModelRunner:
             device, seed, lora_paths, cpu_kernels, packed_weights, kv_dtype,
         )
         self.model_path = model_path
+        self.gguf_decode = gguf_decode
+        if gguf_decode:
+            self._use_gguf_decode(self.model, model_path)
+
+    def _use_gguf_decode(self, model: torch.nn.Module, folder: str) -> bool:
+        if not isinstance(model, LlamaForCausalLM) or self.lora is not None:
+            logger.warning("worker.gguf_decode is on, but decode steps keep the bf16 weights: it takes a plain "
+                           "llama-family model without LoRA adapters")
+            return False
+        return use_gguf_decode(model, folder)
 
     @classmethod
     def from_hf_model(cls, hf_model: Any, **kwargs: Any) -> "ModelRunner":
@@ -110,6 +124,7 @@ class ModelRunner:
             cpu_kernels, packed_weights, kv_dtype,
         )
         runner.model_path = None
+        runner.gguf_decode = False
         return runner
 
     def _setup(
@@ -192,6 +207,8 @@ class ModelRunner:
         mismatch = self._shape_mismatch(model_config, model)
         if mismatch:
             return False, f"Cannot update weights from {model_path}: {mismatch}; the old weights are kept"
+        if self.gguf_decode:  # the new weights' own Q4_1 blocks, or none (the old ones are not these weights')
+            self._use_gguf_decode(model, folder)
         self.model, self.model_config = model, model_config
         self.model_path = model_path
         return True, f"Updated weights from {model_path}"

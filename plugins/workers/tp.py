@@ -112,6 +112,7 @@ class TpWorker:
             lora_paths=parse_lora_paths(settings.model.lora_paths),
             cpu_kernels=settings.worker.cpu_kernels,
             packed_weights=settings.worker.packed_weights,
+            gguf_decode=settings.worker.gguf_decode,
             kv_dtype=resolve_kv_dtype(settings.model.kv_cache_dtype, dtype),
         )
         logger.info(

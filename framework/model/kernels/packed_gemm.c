@@ -66,6 +66,48 @@ void packed_gemm_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed)
         }
 }
 
+/* A Q4_1 block of the GGUF file: 32 consecutive k of one output column (one row of w) as
+ * w = d q + m, fp16 d and m, q in 0..15: element e's q is the low nibble of qs[e] for e < 16, the
+ * high nibble of qs[e - 16] above. */
+#define Q4_FILE_BLOCK 20
+/* Packed, per 16 columns x 32 k (Q4_BLOCK bytes): 8 groups of 32 bytes, group g for k 4g..4g+3:
+ * byte 2j = q[4g][j] | q[4g + 2][j] << 4, byte 2j + 1 = q[4g + 1][j] | q[4g + 3][j] << 4 (column
+ * j); then the columns' 16 d and 16 m, fp16. Zero-extended to 16-bit lanes, a group's bytes are
+ * two `vdpbf16ps` operands after one or two instructions each: lane pair j holds (k 4g, 4g + 1) in
+ * the low nibbles and (k 4g + 2, 4g + 3) in the high ones, and a nibble q or'ed under 0x4300 is
+ * the bf16 of 128 + q. So a block's sums are s = sum x (128 + q) and w . x = d s + (m - 128 d) sum x.
+ * Blocks are stored column block by column block, k in order within each. */
+#define Q4_BLOCK 320
+#define Q4_ROWS 4 /* rows of x at a time: 4 x 2 column blocks, 8 sums and 8 totals in registers */
+#define Q4_PREFETCH 8 /* blocks ahead */
+
+/* The packed copy (Q4_BLOCK bytes per 16 columns x 32 k, see the Q4_1 section) of a GGUF Q4_1
+ * weight of n rows (output columns, n a multiple of 16) by k (a multiple of 32): `blocks` is the
+ * file's rows, k / 32 blocks of Q4_FILE_BLOCK bytes each. Returns 0, or -1 for such n or k. */
+int q4_gemm_pack(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *packed) {
+    if (n < 16 || n % 16 || k < 32 || k % 32) return -1;
+    const int64_t kbs = k / 32;
+    for (int64_t cb = 0; cb < n / 16; cb++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            uint8_t *dst = packed + (cb * kbs + kb) * Q4_BLOCK;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t *src = blocks + ((cb * 16 + j) * kbs + kb) * Q4_FILE_BLOCK;
+                memcpy(dst + 256 + 2 * j, src, 2);     /* d */
+                memcpy(dst + 288 + 2 * j, src + 2, 2); /* m */
+                uint8_t q[32];
+                for (int e = 0; e < 16; e++) {
+                    q[e] = src[4 + e] & 15;
+                    q[e + 16] = src[4 + e] >> 4;
+                }
+                for (int grp = 0; grp < 8; grp++) {
+                    dst[32 * grp + 2 * j] = (uint8_t)(q[4 * grp] | q[4 * grp + 2] << 4);
+                    dst[32 * grp + 2 * j + 1] = (uint8_t)(q[4 * grp + 1] | q[4 * grp + 3] << 4);
+                }
+            }
+        }
+    return 0;
+}
+
 #if defined(__AVX512BF16__)
 typedef struct {
     const uint16_t *x, *packed, *other;
@@ -196,6 +238,92 @@ static void *run_units_vec(void *arg) {
         }
     }
     if (g->stream) _mm_sfence(); /* this thread's streamed stores, seen before the caller reads y */
+    return NULL;
+}
+
+/* ---- GGUF Q4_1 weights (q4_gemm_bf16) ------------------------------------------------------- */
+
+typedef struct {
+    Gemm g;          /* x, y, other, strides, rows, k, n_out, epilogue (packed: unused) */
+    const uint8_t *q4;
+    const float *xsum; /* [rows][k / 32]: the sum of each row's 32 x of a block */
+} Q4Gemm;
+
+typedef struct {
+    const Q4Gemm *q;
+    int64_t begin, end; /* units: two column blocks (gate_up: a gate block and its up block) */
+} Q4Units;
+
+/* Rows m0..m0+R of x by the unit's two column blocks (w[c]: their first k block), then the epilogue. */
+static inline __attribute__((always_inline)) void q4_tile(const Q4Gemm *q, int64_t m0, const int R,
+                                                          const uint8_t *const w[2], const int64_t n0[2]) {
+    const Gemm *g = &q->g;
+    const int64_t kbs = g->k / 32;
+    const __m512i low = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
+    __m512 tot[Q4_ROWS][2];
+    for (int r = 0; r < R; r++) tot[r][0] = tot[r][1] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < kbs; kb++) {
+        const uint8_t *b[2] = {w[0] + kb * Q4_BLOCK, w[1] + kb * Q4_BLOCK};
+        for (int c = 0; c < 2; c++)
+            for (int line = 0; line < Q4_BLOCK / 64; line++)
+                _mm_prefetch((const char *)b[c] + Q4_PREFETCH * Q4_BLOCK + 64 * line, _MM_HINT_T0);
+        __m512 acc[Q4_ROWS][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int grp = 0; grp < 8; grp++) {
+            __m512bh lo_pairs[2], hi_pairs[2];
+            for (int c = 0; c < 2; c++) {
+                __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b[c] + 32 * grp)));
+                lo_pairs[c] = (__m512bh)_mm512_ternarylogic_epi32(z, low, bias, 0xEA); /* (z & low) | bias */
+                hi_pairs[c] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(z, 4), bias);
+            }
+            for (int r = 0; r < R; r++) {
+                const uint16_t *xr = g->x + (m0 + r) * g->x_stride + kb * 32 + 4 * grp;
+                __m512bh xlo = pair_bcast(xr), xhi = pair_bcast(xr + 2);
+                for (int c = 0; c < 2; c++)
+                    acc[r][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][c], xlo, lo_pairs[c]), xhi, hi_pairs[c]);
+            }
+        }
+        for (int c = 0; c < 2; c++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b[c] + 256)));
+            const __m512 m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f),
+                                              _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b[c] + 288))));
+            for (int r = 0; r < R; r++)
+                tot[r][c] = _mm512_fmadd_ps(d, acc[r][c],
+                                            _mm512_fmadd_ps(m, _mm512_set1_ps(q->xsum[(m0 + r) * kbs + kb]), tot[r][c]));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (g->epilogue == GATE_UP) {
+            finish(g, m0 + r, n0[0], 0xFFFF, _mm512_mul_ps(tot[r][1], round_bf16x16(silu16(tot[r][0]))));
+            continue;
+        }
+        for (int c = 0; c < 2; c++)
+            if (n0[c] < g->n_out) finish(g, m0 + r, n0[c], 0xFFFF, tot[r][c]);
+    }
+}
+
+/* The span's units, each over all rows (its weights stay in L1 after the first row group). */
+static void *run_q4_units(void *arg) {
+    const Q4Units *u = (const Q4Units *)arg;
+    const Q4Gemm *q = u->q;
+    const Gemm *g = &q->g;
+    const int64_t kbs = g->k / 32, blocks = g->n_out / 16;
+    const int gate_up = g->epilogue == GATE_UP;
+    for (int64_t unit = u->begin; unit < u->end; unit++) {
+        /* gate_up: gate block `unit` and up block `unit`; else blocks 2 unit and 2 unit + 1, the
+         * second past the end for an odd count (block 0's weights read, its outputs not stored) */
+        int64_t col[2] = {gate_up ? unit : 2 * unit, gate_up ? blocks + unit : 2 * unit + 1};
+        if (!gate_up && col[1] >= blocks) col[1] = 0;
+        const uint8_t *w[2] = {q->q4 + col[0] * kbs * Q4_BLOCK, q->q4 + col[1] * kbs * Q4_BLOCK};
+        const int64_t n0[2] = {16 * col[0], gate_up || 2 * unit + 1 < blocks ? 16 * col[1] : g->n_out};
+        int64_t m = 0;
+        for (; m + Q4_ROWS <= g->rows; m += Q4_ROWS) q4_tile(q, m, Q4_ROWS, w, n0);
+        switch (g->rows - m) { /* (a constant R for each, so that the sums stay in registers) */
+        case 3: q4_tile(q, m, 3, w, n0); break;
+        case 2: q4_tile(q, m, 2, w, n0); break;
+        case 1: q4_tile(q, m, 1, w, n0); break;
+        }
+    }
     return NULL;
 }
 #endif
@@ -460,6 +588,43 @@ int packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
 #else
     (void)x, (void)x_stride, (void)packed, (void)other, (void)other_stride, (void)y, (void)y_stride;
     (void)rows, (void)k, (void)n_out, (void)epilogue, (void)num_threads, (void)tiles, (void)stream;
+    return -1;
+#endif
+}
+
+/* y = epilogue(x @ w^T) for a GGUF Q4_1 weight w packed by q4_gemm_pack ([n_out, k], [2 * n_out,
+ * k] = [gate; up] for gate_up), with the epilogues of packed_gemm_bf16; x and y as there, n_out a
+ * multiple of 16. The products are those of the file's exact weights (d q + m in fp32) with the
+ * bf16 x, summed in fp32. For a few rows (a decode step of a few requests): every Q4_ROWS rows
+ * take the weights again, from L1. Returns 0, or -1 when the call is not supported (no
+ * AVX512-BF16, k or n_out as above, no memory). */
+int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const uint16_t *other,
+                 int64_t other_stride, uint16_t *y, int64_t y_stride, int64_t rows, int64_t k, int64_t n_out,
+                 int epilogue, int num_threads) {
+#if defined(__AVX512BF16__)
+    if (rows < 1 || k < 32 || k % 32 || n_out < 16 || n_out % 16 || epilogue < PLAIN || epilogue > GATE_UP)
+        return -1;
+    const int64_t kbs = k / 32;
+    float *xsum = (float *)malloc((size_t)(rows * kbs) * sizeof(float));
+    if (!xsum) return -1;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            const uint16_t *xb = x + m * x_stride + kb * 32;
+            __m512 s = _mm512_add_ps(widen_bf16x16(_mm256_loadu_si256((const __m256i *)xb)),
+                                     widen_bf16x16(_mm256_loadu_si256((const __m256i *)(xb + 16))));
+            xsum[m * kbs + kb] = _mm512_reduce_add_ps(s);
+        }
+    Q4Gemm q = {{x, NULL, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue, 0}, packed, xsum};
+    const int64_t blocks = n_out / 16, units = epilogue == GATE_UP ? blocks : (blocks + 1) / 2;
+    Q4Units spans[MAX_THREADS];
+    num_threads = span_threads(num_threads, units);
+    for (int s = 0; s < num_threads; s++) spans[s] = (Q4Units){&q, units * s / num_threads, units * (s + 1) / num_threads};
+    run_spans(run_q4_units, spans, sizeof spans[0], num_threads);
+    free(xsum);
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)packed, (void)other, (void)other_stride, (void)y, (void)y_stride;
+    (void)rows, (void)k, (void)n_out, (void)epilogue, (void)num_threads;
     return -1;
 #endif
 }

@@ -1,0 +1,136 @@
+"""Decode steps of a few requests on the GGUF file's own Q4_1 weights (`worker.gguf_decode`).
+
+The model runs on the bf16 weights converted from its GGUF once (loader.convert_gguf). At a few
+requests a decode step's GEMMs wait on those weights streaming from DRAM: ~210 MB a step for
+SmolLM2-135M. The embedded GGUF holds every layer weight as Q4_1 blocks (32 k of one output column
+as d q + m, fp16 d and m, 4-bit q: 20 bytes where bf16 takes 64), so the packed GEMM kernel's
+Q4_1 path (kernels/packed_gemm.c, q4_gemm_bf16) reads ~66 MB a step instead. `use_gguf_decode`
+reads those blocks from the file the folder was converted from, in the rows of the converted
+weights (the q and k rows of each head reordered back as transformers' GGUF loader does), and
+gives the model their packed copies; the decode path (framework/model/decode_path.py) takes them
+for passes of at most `MAX_ROWS` requests.
+
+The products are then those of the file's exact weights (d q + m in fp32) rather than of their
+bf16 roundings, so such a pass's logits differ from the bf16 layers' in the last bits (and sit
+closer to the fp32 weights). Prefill, larger decode steps and the LM head keep the bf16 weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Written by loader.convert_gguf into each converted folder: the GGUF it came from.
+SOURCE_FILE = "batchyard-gguf-source.json"
+# Decode passes of at most this many requests take the Q4_1 weights. A decode step of SmolLM2-135M
+# on a 2-core Xeon (AMX), its 120 layer GEMMs in ms, bf16 tiles against Q4_1: see docs/performance.md.
+MAX_ROWS = 4
+# The GGUF names of a llama layer's weights, in the order of our fused ones: qkv, o, gate_up, down.
+_PARTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
+
+def write_source(folder: str, gguf_path: str) -> None:
+    """Record in a converted folder the GGUF file it came from (its path, size and mtime)."""
+    st = os.stat(gguf_path)
+    record = {"gguf_file": gguf_path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    path = os.path.join(folder, SOURCE_FILE)
+    try:
+        with open(path) as f:
+            if json.load(f) == record:
+                return
+    except (OSError, ValueError):
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def gguf_source(folder: str | None) -> str | None:
+    """The GGUF file `folder` was converted from, while it is still the same file; else None."""
+    if folder is None:
+        return None
+    try:
+        with open(os.path.join(folder, SOURCE_FILE)) as f:
+            record = json.load(f)
+        st = os.stat(record["gguf_file"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if (st.st_size, st.st_mtime_ns) != (record.get("size"), record.get("mtime_ns")):
+        return None
+    return record["gguf_file"]
+
+
+def _unpermute_rows(blocks: np.ndarray, heads: int) -> np.ndarray:
+    """The rows of a q or k weight in the order of the HF checkpoint: llama.cpp's converter
+    interleaves each head's two rotary halves, transformers' GGUF loader undoes it (its
+    `_reverse_permute_weights`); the same on whole rows of blocks."""
+    half = blocks.shape[0] // heads // 2
+    return blocks.reshape(heads, half, 2, *blocks.shape[1:]).swapaxes(1, 2).reshape(blocks.shape)
+
+
+def read_q4_layers(gguf_path: str, num_layers: int, num_heads: int, num_kv_heads: int) -> list[list[torch.Tensor]]:
+    """Each layer's (qkv, o, gate_up, down) weights as the file's Q4_1 blocks: uint8 [n, k / 32,
+    20] in the rows of our fused weights. Raises ValueError naming the first tensor that is
+    missing or not Q4_1."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(gguf_path).tensors}
+    layers = []
+    for i in range(num_layers):
+        fused = []
+        for names in _PARTS:
+            parts = []
+            for name in names:
+                full = f"blk.{i}.{name}.weight"
+                t = tensors.get(full)
+                if t is None:
+                    raise ValueError(f"{os.path.basename(gguf_path)} has no {full}")
+                if t.tensor_type != GGMLQuantizationType.Q4_1:
+                    raise ValueError(f"{full} is {t.tensor_type.name}, not Q4_1")
+                k, n = (int(s) for s in t.shape[:2])
+                blocks = np.asarray(t.data).view(np.uint8).reshape(n, k // 32, 20)
+                if name in ("attn_q", "attn_k"):
+                    blocks = _unpermute_rows(blocks, num_heads if name == "attn_q" else num_kv_heads)
+                parts.append(blocks)
+            fused.append(torch.from_numpy(np.ascontiguousarray(np.concatenate(parts))))
+        layers.append(fused)
+    return layers
+
+
+def use_gguf_decode(model, folder: str | None) -> bool:
+    """Give `model` (a bf16 LlamaForCausalLM with the packed GEMM kernel) the packed Q4_1 copies of
+    its layer weights from the GGUF `folder` was converted from; False, with a warning saying why,
+    where it cannot (the decode path then keeps the bf16 weights)."""
+    model.q4_layers = None
+    model.reset_decode_path()
+    config, gemm = model.config, model.kernels.gemm if model.kernels is not None else None
+    gguf_path = gguf_source(folder)
+    why = None
+    if model.model.embed_tokens.weight.dtype != torch.bfloat16:
+        why = "it needs model.dtype = 'bfloat16'"
+    elif gemm is None:
+        why = "it needs the C kernels on a CPU with AVX512-BF16"
+    elif model.par.tp_size > 1 or model.par.attn_tp_size > 1:
+        why = "it does not shard weights (parallel.tp_size must be 1)"
+    elif gguf_path is None:
+        why = "the model was not converted from a GGUF file that is still there"
+    if why is None:
+        try:
+            layers = read_q4_layers(gguf_path, config.num_layers, config.num_heads, config.num_kv_heads)
+            model.q4_layers = [[gemm.q4_pack(w) for w in layer] for layer in layers]
+        except (ValueError, OSError) as exc:
+            why = f"{os.path.basename(gguf_path)}: {exc}"
+    if why is not None:
+        logger.warning("worker.gguf_decode is on, but decode steps keep the bf16 weights: %s", why)
+        return False
+    size = sum(w.numel() for layer in model.q4_layers for w in layer)
+    logger.info("Decode steps of up to %d requests use the Q4_1 weights of %s (%.0f MB)", MAX_ROWS,
+                os.path.basename(gguf_path), size / 1e6)
+    return True
