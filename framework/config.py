@@ -151,14 +151,16 @@ class WorkerSettings(_Section):
         "for GEMMs of up to 2,048 rows on AMX tiles, or 256 rows without AMX. Needs AVX512-BF16 or AMX; "
         "ignored elsewhere.",
     )
-    gguf_decode: bool = Field(
-        False,
-        description="Decode steps of at most 4 requests compute their layers' GEMMs from the Q4_1 weights of the "
-        "GGUF the model was converted from (bf16 with the C kernels on a CPU with AVX512-BF16): ~66 MB read a "
-        "step instead of ~210 MB of bf16 for SmolLM2, a one-request decode step ~1.4x faster. Their logits are "
-        "those of the file's exact weights, not of their bf16 roundings (prefill, larger steps and the LM head "
-        "keep bf16), so outputs can differ from those with it off. Where it cannot apply (another model "
-        "format, float32, no AVX512-BF16, tensor parallelism, LoRA) a warning says why and bf16 is used.",
+    gguf_decode: Literal["auto", "exact", "off"] = Field(
+        "auto",
+        description="Decode steps read the layer weights from the Q4_1 blocks of the GGUF the model was "
+        "converted from (bf16, C kernels; ~66 MB a step instead of ~210 MB of bf16 for SmolLM2; ~66 MB more "
+        "memory). auto: on a CPU with AMX tiles, steps of up to 256 requests widen the blocks to the bf16 "
+        "weights on the fly: the same outputs as off, GEMMs ~1.4x faster at up to 16 requests. exact: also "
+        "steps of up to 4 requests (any CPU with AVX512-BF16) multiply by the file's exact weights: a "
+        "one-request decode step ~2x faster, its logits those of the file's weights rather than their bf16 "
+        "roundings, so outputs can differ from off. off: the bf16 weights only. Where it cannot apply "
+        "(another model format, float32, no AVX512-BF16, tensor parallelism, LoRA) the log says why.",
     )
     num_threads: int | None = Field(None, gt=0, description="Intra-op threads for the forward pass; empty: all cores.")
     heap_trim_idle_s: float = Field(

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from framework.model import gguf_decode
 from framework.model.cpu_kernels import load_packed_gemm
-from tests.test_model import Req, _batch, _new_reqs, _runner, _tiny_hf
 from framework.batch import ForwardMode
+from tests.test_model import _batch, _new_reqs, _runner, _tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +99,47 @@ def test_the_gguf_source_is_recorded_and_forgotten_when_the_file_changes(tmp_pat
 
 
 def test_a_model_without_a_gguf_source_keeps_the_bf16_weights_and_says_why(caplog):
+    """Asked for by name ("exact"), a model that cannot take the Q4_1 weights gets a warning saying
+    why; "auto" (the default) says it at INFO, since most models are not GGUF conversions."""
     hf = _tiny_hf()
     runner = _runner(hf, dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger="framework.model.gguf_decode"):
-        assert not gguf_decode.use_gguf_decode(runner.model, None)
-    assert "model.dtype = 'bfloat16'" in caplog.text and runner.model.q4_layers is None
-    runner = _runner(hf, dtype=torch.bfloat16, packed_weights=True)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="framework.model.gguf_decode"):
-        assert not gguf_decode.use_gguf_decode(runner.model, None)
-    if runner.model.kernels is None or runner.model.kernels.gemm is None:
-        assert "AVX512-BF16" in caplog.text
-    else:
-        assert "not converted from a GGUF file" in caplog.text
+    with caplog.at_level(logging.INFO, logger="framework.model.gguf_decode"):
+        assert not gguf_decode.use_gguf_decode(runner.model, None, "exact")
+    assert "model.dtype = 'bfloat16'" in caplog.text and caplog.records[-1].levelno == logging.WARNING
     assert runner.model.q4_layers is None
+    runner = _runner(hf, dtype=torch.bfloat16, packed_weights=True)
+    for mode, level in (("exact", logging.WARNING), ("auto", logging.INFO)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="framework.model.gguf_decode"):
+            assert not gguf_decode.use_gguf_decode(runner.model, None, mode)
+        gemm = runner.model.kernels.gemm if runner.model.kernels is not None else None
+        if gemm is None:
+            assert "AVX512-BF16" in caplog.text
+        elif mode == "auto" and not gemm.tiles:
+            assert "only 'exact'" in caplog.text
+        else:
+            assert "not converted from a GGUF file" in caplog.text
+        assert caplog.records[-1].levelno == level and runner.model.q4_layers is None
+
+
+@pytest.mark.parametrize("epilogue", ["none", "add", "gate_up"])
+def test_widened_q4_blocks_give_the_bits_of_the_bf16_weights(gemm, epilogue):
+    """On the tiles, the Q4_1 blocks widened on the fly (`widen`) give the bits of the packed GEMM
+    on the bf16 rounding of the dequantized weight: one row, a partial row group, more than one
+    pass of row groups, an odd number of column blocks."""
+    if not gemm.tiles:
+        pytest.skip("no AMX tiles here")
+    n, k = 48, 96
+    blocks, w = _q4_weight(2 * n if epilogue == "gate_up" else n, k, seed=5)
+    q4, bf16 = gemm.q4_pack(blocks), gemm.pack(w.to(torch.bfloat16).contiguous())
+    for rows in (1, 17, 40):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        if epilogue == "gate_up":
+            got, want = gemm.gate_up(x, q4, n, widen=True), gemm.gate_up(x, bf16, n)
+        else:
+            add = torch.randn(rows, n).to(torch.bfloat16) if epilogue == "add" else None
+            got, want = gemm.linear(x, q4, n, add=add, widen=True), gemm.linear(x, bf16, n, add=add)
+        assert torch.equal(got, want), rows
 
 
 # -- the embedded model ---------------------------------------------------------------------------
@@ -146,55 +173,109 @@ def test_the_files_q4_rows_are_the_converted_weights(default_model_folder):
                 assert torch.equal(torch.from_numpy(exact.astype(np.float32)), fused.float()), (i, names)
 
 
-@pytest.mark.e2e
-def test_small_decode_steps_take_the_q4_weights_from_the_settings(default_model_folder):
-    """With worker.gguf_decode, a bf16 decode step of at most MAX_ROWS requests runs its layer
-    GEMMs on the file's Q4_1 weights (four a layer) and gives logits as close to transformers'
-    fp32 ones (the same exact weights) as the bf16 weights do; a larger step keeps the bf16
-    weights, and so do reloaded weights only when they come with no GGUF."""
-    from transformers import AutoModelForCausalLM
+def _decode_logits(runner, prompt_lens, steps):
+    """Prefill requests of `prompt_lens` tokens, then decode steps of the first `rows` of them
+    for each `rows` in `steps`; returns (the requests, each step's logits)."""
+    reqs = _new_reqs(runner, [n + len(steps) for n in prompt_lens], seed=3)
+    runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))
+    out = []
+    for rows in steps:
+        active = reqs[:rows]
+        out.append(runner.forward(_batch(runner, active, [1] * rows, ForwardMode.DECODE)).next_token_logits.clone())
+    return reqs, out
 
+
+@pytest.fixture(scope="module")
+def real_runners(default_model_folder):
+    """Runners of the embedded model in bf16 with worker.gguf_decode auto (through the settings and
+    the worker, as a server builds it), exact and off."""
     from framework.config import Settings
+    from framework.model.runner import ModelRunner
     from plugins.workers.tp import TpWorker
 
-    settings = Settings.load(None, model={"dtype": "bfloat16"}, worker={"gguf_decode": True},
-                             cache={"max_total_tokens": 4096}, scheduler={"max_running_requests": 8})
-    runner = TpWorker.from_settings(settings).runner
-    plain = _runner_like(runner, default_model_folder)
-    gemm = runner.model.kernels.gemm if runner.model.kernels is not None else None
-    if gemm is None or runner.model.decode_path() is None:
+    settings = Settings.load(None, model={"dtype": "bfloat16"}, cache={"max_total_tokens": 4096},
+                             scheduler={"max_running_requests": 16})
+    assert settings.worker.gguf_decode == "auto"
+    runners = {"auto": TpWorker.from_settings(settings).runner}
+    for mode in ("exact", "off"):
+        runners[mode] = ModelRunner(default_model_folder, dtype=torch.bfloat16, max_total_tokens=4096,
+                                    max_running_requests=16, gguf_decode=mode)
+    model = runners["off"].model
+    if model.kernels is None or model.kernels.gemm is None or model.decode_path() is None:
         pytest.skip("no decode path here (no C kernels, or no AVX512-BF16 for the packed GEMMs)")
-    assert runner.model.q4_layers is not None and plain.model.q4_layers is None
-    calls = []
+    return runners
+
+
+def _count_q4_calls(gemm, calls: list):
     real = gemm._q4_gemm
-    gemm._q4_gemm = lambda *args: calls.append(args[7]) or real(*args)  # the rows
+    gemm._q4_gemm = lambda *args: calls.append((args[7], args[-1])) or real(*args)  # (rows, widen)
+    return real
+
+
+@pytest.mark.e2e
+def test_auto_decode_steps_read_the_q4_weights_for_the_same_bits(real_runners, monkeypatch):
+    """worker.gguf_decode = auto (the default): on the AMX tiles, decode steps of up to WIDEN_ROWS
+    requests run their four GEMMs a layer on the Q4_1 blocks widened to the bf16 weights, and give
+    the logits of the bf16 weights bit for bit; larger steps take the bf16 copies."""
+    auto, off = real_runners["auto"], real_runners["off"]
+    gemm = auto.model.kernels.gemm
+    if not gemm.tiles:
+        assert auto.model.q4_layers is None  # auto takes them on the tiles only
+        pytest.skip("no AMX tiles here")
+    assert auto.model.q4_layers is not None and not auto.model.q4_exact and off.model.q4_layers is None
+    monkeypatch.setattr(gguf_decode, "WIDEN_ROWS", 4)
+    auto.model.reset_decode_path()
+    calls = []
+    real = _count_q4_calls(gemm, calls)
+    try:
+        steps = [1, 3, 4, 5]
+        _, got = _decode_logits(auto, [7, 30, 12, 20, 9], steps)
+    finally:
+        gemm._q4_gemm = real
+    _, want = _decode_logits(off, [7, 30, 12, 20, 9], steps)
+    for rows, a, b in zip(steps, got, want):
+        assert torch.equal(a, b), rows
+    layers = auto.model_config.num_layers
+    assert calls == [(rows, 1) for rows in (1, 3, 4) for _ in range(4 * layers)]  # not the 5-row step
+
+
+@pytest.mark.e2e
+def test_exact_decode_steps_multiply_by_the_files_weights(real_runners, default_model_folder):
+    """worker.gguf_decode = exact: decode steps of up to EXACT_ROWS requests run their GEMMs on the
+    file's exact Q4_1 weights, logits as close to transformers' fp32 ones (on the same exact
+    weights) as the bf16 weights give; larger steps widen the blocks (tiles) or take the bf16
+    copies. Weights reloaded from the same folder get their own Q4_1 copies."""
+    from transformers import AutoModelForCausalLM
+
+    exact, off = real_runners["exact"], real_runners["off"]
+    gemm = exact.model.kernels.gemm
+    assert exact.model.q4_layers is not None and exact.model.q4_exact
+    calls = []
+    real = _count_q4_calls(gemm, calls)
+    steps = [4, 4, 5]
+    try:
+        reqs, got = _decode_logits(exact, [7, 30, 12, 20, 9], steps)
+    finally:
+        gemm._q4_gemm = real
+    _, want = _decode_logits(off, [7, 30, 12, 20, 9], steps)
+    layers = exact.model_config.num_layers
+    widened = [(5, 1)] * (4 * layers) if gemm.tiles else []
+    assert calls == [(4, 0)] * (2 * 4 * layers) + widened
+    # 5 rows: the bf16 weights' bits, widened or not, for the one request whose KV the exact steps
+    # before did not write
+    assert torch.equal(got[2][4], want[2][4]) and not torch.equal(got[2][0], want[2][0])
     hf = AutoModelForCausalLM.from_pretrained(default_model_folder, dtype=torch.float32).eval()
-    layers = runner.model_config.num_layers
-    prompt_lens = [7, 30, 12, 20, 9]
-    errors = {"q4": [], "bf16": []}
-    for name, r in (("q4", runner), ("bf16", plain)):
-        reqs = _new_reqs(r, [n + 3 for n in prompt_lens], seed=3)
-        r.forward(_batch(r, reqs, prompt_lens, ForwardMode.EXTEND))
-        for step in range(3):
-            active = reqs[: gguf_decode.MAX_ROWS] if step < 2 else reqs  # 4 rows twice, then 5
-            logits = r.forward(_batch(r, active, [1] * len(active), ForwardMode.DECODE)).next_token_logits
-            if step < 2:
-                errors[name] += [_max_error(hf, q, logits[i]) for i, q in enumerate(active)]
-    assert calls == [gguf_decode.MAX_ROWS] * (2 * 4 * layers)  # the 5-row step: bf16 tiles
-    q4_err, bf16_err = max(errors["q4"]), max(errors["bf16"])
-    assert q4_err < 1.0 and q4_err < 1.5 * bf16_err, (q4_err, bf16_err)
-    ok, message = runner.update_weights(default_model_folder)
+    errors = {"exact": [], "bf16": []}
+    for step in range(2):
+        for i, req in enumerate(reqs[:4]):
+            seen = len(req.tokens) - len(steps) + step + 1  # the prompt and this step's input token
+            with torch.no_grad():
+                ref = hf(torch.tensor([req.tokens[:seen]])).logits[0, -1].float()
+            errors["exact"].append((got[step][i].float() - ref).abs().max().item())
+            errors["bf16"].append((want[step][i].float() - ref).abs().max().item())
+    exact_err, bf16_err = max(errors["exact"]), max(errors["bf16"])
+    assert not torch.equal(got[0], want[0])  # the exact weights' own logits
+    assert exact_err < 1.0 and exact_err < 1.5 * bf16_err, (exact_err, bf16_err)
+    ok, message = exact.update_weights(default_model_folder)
     assert ok, message
-    assert runner.model.q4_layers is not None
-
-
-def _runner_like(runner, folder):
-    from framework.model.runner import ModelRunner
-
-    return ModelRunner(folder, dtype=torch.bfloat16, max_total_tokens=4096, max_running_requests=8)
-
-
-def _max_error(hf, req: Req, logits: torch.Tensor) -> float:
-    with torch.no_grad():
-        ref = hf(torch.tensor([req.tokens[: req.done]])).logits[0, -1].float()
-    return (logits.float() - ref).abs().max().item()
+    assert exact.model.q4_layers is not None and exact.model.q4_exact

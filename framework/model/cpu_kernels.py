@@ -306,7 +306,7 @@ class PackedGemm:
         self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
         self._q4_gemm = lib.q4_gemm_bf16
         self._q4_gemm.restype = _INT
-        self._q4_gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+        self._q4_gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT, _INT]
         self._q4_pack = lib.q4_gemm_pack
         self._q4_pack.restype = _INT
         self._q4_pack.argtypes = [_PTR, _I64, _I64, _PTR]
@@ -332,7 +332,7 @@ class PackedGemm:
         return FusedOps.supports(x) and 0 < x.shape[0] <= self.rows and x.shape[1] == packed.shape[1]
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, add: torch.Tensor | None = None,
-               stream: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+               stream: bool = False, out: torch.Tensor | None = None, widen: bool = False) -> torch.Tensor:
         """x @ weight^T (+ `add`, [rows, n_out] bf16 with unit stride) for the weight [n_out, k]
         that `packed` was made from, rounded to bf16 once; into `out` when given ([rows, n_out]
         bf16 with unit stride, any row stride: e.g. some rows of a larger output; not overlapping
@@ -342,21 +342,25 @@ class PackedGemm:
         head's logits). Same values. A decode step of 200 requests on a 2-core Xeon with AMX,
         SmolLM2's LM head (200 x 49,152 logits, weights from DRAM): 10.7-12.0 -> 5.1 ms, as the
         cached stores read every output line from DRAM before writing it; 64 rows 3.1 -> 2.7,
-        1 and 16 rows unchanged (2.0)."""
+        1 and 16 rows unchanged (2.0).
+
+        `widen`, for a Q4_1 `packed` (q4_pack) on a CPU with AMX tiles: each block widened to the
+        bf16 of its dequantized weight, then the tile products of the bf16 path: the same bits as
+        this GEMM on the bf16 copy of that weight (without: its exact weights on the vectors)."""
         if out is not None and (out.dtype != torch.bfloat16 or out.shape != (x.shape[0], n_out) or out.stride(1) != 1):
             raise ValueError(f"packed GEMM: the output must be bf16 {(x.shape[0], n_out)} with unit stride")
         y = torch.empty((x.shape[0], n_out), dtype=torch.bfloat16) if out is None else out
-        self._run(x, packed, add, y, n_out, "none" if add is None else "add", stream)
+        self._run(x, packed, add, y, n_out, "none" if add is None else "add", stream, widen)
         return y
 
-    def gate_up(self, x: torch.Tensor, packed: torch.Tensor, d: int) -> torch.Tensor:
+    def gate_up(self, x: torch.Tensor, packed: torch.Tensor, d: int, widen: bool = False) -> torch.Tensor:
         """bf16(bf16(silu(x @ gate^T)) * (x @ up^T)) for the packed [gate; up] weight [2 * d, k],
-        d a multiple of 16."""
+        d a multiple of 16 (`widen`: as in `linear`)."""
         y = torch.empty((x.shape[0], d), dtype=torch.bfloat16)
-        self._run(x, packed, None, y, d, "gate_up")
+        self._run(x, packed, None, y, d, "gate_up", widen=widen)
         return y
 
-    def _run(self, x, packed, other, y, n_out: int, epilogue: str, stream: bool = False) -> None:
+    def _run(self, x, packed, other, y, n_out: int, epilogue: str, stream: bool = False, widen: bool = False) -> None:
         k = x.shape[1]
         columns = 2 * n_out if epilogue == "gate_up" else (n_out + 15) // 16 * 16
         q4 = packed.dtype == torch.uint8
@@ -369,7 +373,7 @@ class PackedGemm:
         args = (x.data_ptr(), x.stride(0), packed.data_ptr(), None if other is None else other.data_ptr(),
                 0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), x.shape[0], k, n_out,
                 _GEMM_EPILOGUES[epilogue], torch.get_num_threads())
-        code = self._q4_gemm(*args) if q4 else self._gemm(*args, int(self.tiles), int(stream))
+        code = self._q4_gemm(*args, int(widen)) if q4 else self._gemm(*args, int(self.tiles), int(stream))
         if code != 0:
             raise ValueError(f"packed GEMM kernel refused x {tuple(x.shape)}")
 

@@ -67,7 +67,9 @@ class DecodePath:
         self.inter = model.model.layers[0].mlp.intermediate_size
         self.eps = model.model.layers[0].input_layernorm.eps
         self.final_norm = model.model.norm
-        self.q4_rows = 0  # passes of at most this many rows take the layers' Q4_1 weights (build)
+        # passes of at most this many rows take the layers' Q4_1 weights (build): their exact
+        # products, or their blocks widened to the bf16 weights on the tiles (the same bits)
+        self.exact_rows = self.widen_rows = 0
 
     @classmethod
     def build(cls, model) -> "DecodePath | None":
@@ -104,7 +106,9 @@ class DecodePath:
         path = cls(model, layers, keep)
         if path.hidden > path.fused.MAX_NORM_WIDTH or path.eps != model.model.norm.eps:
             return None
-        path.q4_rows = gguf_decode.MAX_ROWS if q4_layers else 0
+        if q4_layers:
+            path.exact_rows = gguf_decode.EXACT_ROWS if getattr(model, "q4_exact", False) else 0
+            path.widen_rows = min(gguf_decode.WIDEN_ROWS, path.gemm.rows) if path.gemm.tiles else 0
         return path
 
     @staticmethod
@@ -160,9 +164,10 @@ class DecodePath:
         pool_idx, seq_lens = plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr()
         rms, rope_kv = self.fused._rms_norm, self.fused._rope_kv
         attend, backend = self.backend.decode_kernel, self.backend
-        q4 = n <= self.q4_rows
-        # the GEMMs: on the Q4_1 weights, or on the bf16 ones with (tiles, stream) after the epilogue
-        gemm, tail = (self.gemm._q4_gemm, ()) if q4 else (self.gemm._gemm, (int(self.gemm.tiles), 0))
+        # the GEMMs: on the Q4_1 weights (`widen` after the epilogue), or on the bf16 ones (tiles, stream)
+        q4 = n <= max(self.exact_rows, self.widen_rows)
+        gemm, tail = ((self.gemm._q4_gemm, (int(n > self.exact_rows),)) if q4
+                      else (self.gemm._gemm, (int(self.gemm.tiles), 0)))
         heads, kv_heads, head_dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
         kv_fmt = kv_format(kv_pool.k_buffer[0])
         q_bf16, scale, amx = 1, backend.scaling, int(backend.decode_tiles)

@@ -28,9 +28,12 @@ logger = logging.getLogger(__name__)
 
 # Written by loader.convert_gguf into each converted folder: the GGUF it came from.
 SOURCE_FILE = "batchyard-gguf-source.json"
-# Decode passes of at most this many requests take the Q4_1 weights. A decode step of SmolLM2-135M
-# on a 2-core Xeon (AMX), its 120 layer GEMMs in ms, bf16 tiles against Q4_1: see docs/performance.md.
-MAX_ROWS = 4
+# Decode passes of up to EXACT_ROWS rows take the exact Q4_1 products with worker.gguf_decode =
+# "exact", passes of up to WIDEN_ROWS rows the Q4_1 blocks widened to the bf16 weights on the AMX
+# tiles (the same bits as those weights); larger passes the bf16 weights. The crossovers measured
+# on a 2-core Xeon with AMX are in docs/performance.md.
+EXACT_ROWS = 4
+WIDEN_ROWS = 256
 # The GGUF names of a llama layer's weights, in the order of our fused ones: qkv, o, gate_up, down.
 _PARTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 
@@ -104,11 +107,12 @@ def read_q4_layers(gguf_path: str, num_layers: int, num_heads: int, num_kv_heads
     return layers
 
 
-def use_gguf_decode(model, folder: str | None) -> bool:
+def use_gguf_decode(model, folder: str | None, mode: str = "auto") -> bool:
     """Give `model` (a bf16 LlamaForCausalLM with the packed GEMM kernel) the packed Q4_1 copies of
-    its layer weights from the GGUF `folder` was converted from; False, with a warning saying why,
-    where it cannot (the decode path then keeps the bf16 weights)."""
-    model.q4_layers = None
+    its layer weights from the GGUF `folder` was converted from, for `mode` ("auto" or "exact", see
+    worker.gguf_decode); returns whether it did. Where it cannot, the decode path keeps the bf16
+    weights, and the log says why (a warning for "exact", which was asked for by name)."""
+    model.q4_layers, model.q4_exact = None, False
     model.reset_decode_path()
     config, gemm = model.config, model.kernels.gemm if model.kernels is not None else None
     gguf_path = gguf_source(folder)
@@ -117,6 +121,8 @@ def use_gguf_decode(model, folder: str | None) -> bool:
         why = "it needs model.dtype = 'bfloat16'"
     elif gemm is None:
         why = "it needs the C kernels on a CPU with AVX512-BF16"
+    elif mode == "auto" and not gemm.tiles:
+        why = "without AMX tiles only 'exact' takes them (worker.gguf_decode)"
     elif model.par.tp_size > 1 or model.par.attn_tp_size > 1:
         why = "it does not shard weights (parallel.tp_size must be 1)"
     elif gguf_path is None:
@@ -128,9 +134,11 @@ def use_gguf_decode(model, folder: str | None) -> bool:
         except (ValueError, OSError) as exc:
             why = f"{os.path.basename(gguf_path)}: {exc}"
     if why is not None:
-        logger.warning("worker.gguf_decode is on, but decode steps keep the bf16 weights: %s", why)
+        log = logger.warning if mode == "exact" else logger.info
+        log("worker.gguf_decode = %r: decode steps keep the bf16 weights: %s", mode, why)
         return False
+    model.q4_exact = mode == "exact"
     size = sum(w.numel() for layer in model.q4_layers for w in layer)
-    logger.info("Decode steps of up to %d requests use the Q4_1 weights of %s (%.0f MB)", MAX_ROWS,
-                os.path.basename(gguf_path), size / 1e6)
+    logger.info("Decode steps read the Q4_1 weights of %s (%.0f MB)%s", os.path.basename(gguf_path), size / 1e6,
+                f", exact up to {EXACT_ROWS} requests" if model.q4_exact else "")
     return True

@@ -110,8 +110,6 @@ class RowParallelLinear(nn.Module):
         self.packed: torch.Tensor | None = None  # see use_packed_weights
         self.tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
-        # per layer, packed Q4_1 copies of (qkv, o, gate_up, down) for small decode steps (gguf_decode.py)
-        self.q4_layers: list[list[torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard_size == 1:
@@ -171,8 +169,6 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, False, par, par.tp_size)
         self.fused: FusedOps | None = None  # see use_cpu_kernels
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
-        # per layer, packed Q4_1 copies of (qkv, o, gate_up, down) for small decode steps (gguf_decode.py)
-        self.q4_layers: list[list[torch.Tensor]] | None = None
         # Prepacked gate and up halves (use_packed_weights): SiLU, the product and the residual add
         # then happen inside the three GEMMs.
         self.packed_gate: torch.Tensor | None = None
@@ -360,8 +356,10 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # see use_packed_weights
         self.lm_head_tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
-        # per layer, packed Q4_1 copies of (qkv, o, gate_up, down) for small decode steps (gguf_decode.py)
+        # per layer, packed Q4_1 copies of (qkv, o, gate_up, down) for decode steps, and whether the
+        # few-row ones take their exact products (framework/model/gguf_decode.py)
         self.q4_layers: list[list[torch.Tensor]] | None = None
+        self.q4_exact = False
         # decode_path(): None until built, False where the layers do not fit it
         self._decode_path: DecodePath | None | bool = None
 

@@ -55,8 +55,8 @@ class ModelRunner:
         lora_paths: LoRA adapters to serve, {name: PEFT folder} (framework/model/lora.py).
         cpu_kernels: worker.cpu_kernels: "auto", "on", "off" or "no_amx".
         packed_weights: worker.packed_weights: prepack bf16 linear weights for oneDNN on CPU.
-        gguf_decode: worker.gguf_decode: decode steps of a few requests on the Q4_1 weights of the
-            GGUF `model_path` was converted from (framework/model/gguf_decode.py).
+        gguf_decode: worker.gguf_decode ("auto", "exact" or "off"): decode steps on the Q4_1 weights
+            of the GGUF `model_path` was converted from (framework/model/gguf_decode.py).
     """
 
     def __init__(
@@ -73,7 +73,7 @@ class ModelRunner:
         cpu_kernels: str = "auto",
         packed_weights: bool = True,
         kv_dtype: torch.dtype | None = None,
-        gguf_decode: bool = False,
+        gguf_decode: str = "auto",
     ):
         hf_config = load_hf_config(model_path)
         self._setup(
@@ -82,16 +82,19 @@ class ModelRunner:
             device, seed, lora_paths, cpu_kernels, packed_weights, kv_dtype,
         )
         self.model_path = model_path
+        if gguf_decode not in ("auto", "exact", "off"):
+            raise ValueError(f"gguf_decode must be 'auto', 'exact' or 'off', got {gguf_decode!r}")
         self.gguf_decode = gguf_decode
-        if gguf_decode:
+        if gguf_decode != "off":
             self._use_gguf_decode(self.model, model_path)
 
     def _use_gguf_decode(self, model: torch.nn.Module, folder: str) -> bool:
         if not isinstance(model, LlamaForCausalLM) or self.lora is not None:
-            logger.warning("worker.gguf_decode is on, but decode steps keep the bf16 weights: it takes a plain "
-                           "llama-family model without LoRA adapters")
+            log = logger.warning if self.gguf_decode == "exact" else logger.info
+            log("worker.gguf_decode = %r: decode steps keep the bf16 weights: it takes a plain llama-family "
+                "model without LoRA adapters", self.gguf_decode)
             return False
-        return use_gguf_decode(model, folder)
+        return use_gguf_decode(model, folder, self.gguf_decode)
 
     @classmethod
     def from_hf_model(cls, hf_model: Any, **kwargs: Any) -> "ModelRunner":
@@ -124,7 +127,7 @@ class ModelRunner:
             cpu_kernels, packed_weights, kv_dtype,
         )
         runner.model_path = None
-        runner.gguf_decode = False
+        runner.gguf_decode = "off"
         return runner
 
     def _setup(
@@ -207,7 +210,7 @@ class ModelRunner:
         mismatch = self._shape_mismatch(model_config, model)
         if mismatch:
             return False, f"Cannot update weights from {model_path}: {mismatch}; the old weights are kept"
-        if self.gguf_decode:  # the new weights' own Q4_1 blocks, or none (the old ones are not these weights')
+        if self.gguf_decode != "off":  # the new weights' own Q4_1 blocks, or none (the old ones are not theirs)
             self._use_gguf_decode(model, folder)
         self.model, self.model_config = model, model_config
         self.model_path = model_path

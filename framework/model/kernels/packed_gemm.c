@@ -326,6 +326,32 @@ static void *run_q4_units(void *arg) {
     }
     return NULL;
 }
+
+/* One packed Q4_1 block (16 columns x 32 k) as the bf16 block packed_gemm_pack makes of the
+ * dequantized weight: bf16(d q + m) (d q is exact in fp32, so the one rounding of the fused
+ * multiply-add is that of d q + m; then round to nearest even, as torch rounds fp32 to bf16), k
+ * pair p of column j at dst[32 p + 2 j + e]. A group's 16-bit lanes are already in that order. */
+static inline void q4_widen_block(const uint8_t *src, uint16_t *dst) {
+    const __m512i low = _mm512_set1_epi32(15);
+    const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 288)));
+    /* per fp32 lane of a pair's first 16 (columns 0-7, each for its 2 k) and last 16 (columns 8-15) */
+    const __m512 d0 = _mm512_permutexvar_ps(lanes_lo, d), d1 = _mm512_permutexvar_ps(lanes_hi, d);
+    const __m512 m0 = _mm512_permutexvar_ps(lanes_lo, m), m1 = _mm512_permutexvar_ps(lanes_hi, m);
+    for (int grp = 0; grp < 8; grp++) {
+        /* a group's bytes of columns 0-7 and 8-15; low nibbles: k pair 2 grp, high: 2 grp + 1 */
+        __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 32 * grp)));
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 32 * grp + 16)));
+        __m512 a_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, low)), d0, m0);
+        __m512 b_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d1, m1);
+        __m512 a_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), d0, m0);
+        __m512 b_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1);
+        _mm512_storeu_si512(dst + 32 * (2 * grp), (__m512i)_mm512_cvtne2ps_pbh(b_lo, a_lo));
+        _mm512_storeu_si512(dst + 32 * (2 * grp + 1), (__m512i)_mm512_cvtne2ps_pbh(b_hi, a_hi));
+    }
+}
 #endif
 
 #if HAVE_AMX
@@ -541,6 +567,51 @@ static void *run_units_by_rows(void *arg) {
     end_passes(g, &ps);
     return NULL;
 }
+
+/* A Q4_1 weight on the tiles (q4_gemm_bf16 with `widen`): unit by unit as run_units, each unit's
+ * two column blocks first widened to the bf16 blocks of the dequantized weight (q4_widen_block)
+ * into a buffer of the thread's, then its passes run on them as on packed_gemm_pack's copy of the
+ * model's bf16 weight: the same tile products in the same order, so the same bits, from a quarter
+ * of the bytes. Each unit is run as the only unit of a GEMM of its own columns (y, other and
+ * n_out moved to them), its last pass finished before the next unit's. */
+typedef struct {
+    const Q4Gemm *q;
+    int64_t begin, end;
+    uint16_t *scratch; /* two column blocks of bf16: 2 x 16 k */
+} Q4TileUnits;
+
+static void *run_q4_units_tiles(void *arg) {
+    const Q4TileUnits *u = (const Q4TileUnits *)arg;
+    const Gemm *g = &u->q->g;
+    const int64_t kbs = g->k / 32, blocks = g->n_out / 16, groups = (g->rows + 15) / 16;
+    const int gate_up = g->epilogue == GATE_UP;
+    const int x_stream = 2 * 16 * g->k * 2 <= L1_UNIT_BYTES; /* as run_units */
+    amx_configure();
+    for (int64_t unit = u->begin; unit < u->end; unit++) {
+        int64_t col[2] = {gate_up ? unit : 2 * unit, gate_up ? blocks + unit : 2 * unit + 1};
+        const int two = gate_up || col[1] < blocks;
+        for (int c = 0; c < 1 + two; c++)
+            for (int64_t kb = 0; kb < kbs; kb++) {
+                const uint8_t *src = u->q->q4 + (col[c] * kbs + kb) * Q4_BLOCK;
+                for (int line = 0; line < Q4_BLOCK / 64; line++)
+                    _mm_prefetch((const char *)src + Q4_PREFETCH * Q4_BLOCK + 64 * line, _MM_HINT_T0);
+                q4_widen_block(src, u->scratch + (c * kbs + kb) * 512);
+            }
+        Gemm v = *g; /* the unit as a GEMM of its own: blocks 0 and 1 of the scratch */
+        const int64_t n0 = 16 * col[0];
+        v.packed = u->scratch;
+        v.y = g->y + n0;
+        v.other = g->other ? g->other + n0 : NULL;
+        v.n_out = gate_up ? 16 : (g->n_out - n0 < 32 ? g->n_out - n0 : 32);
+        Passes ps; /* (not zeroed: 8 KiB of sums a unit) */
+        ps.pending = NULL;
+        ps.next = 0;
+        for (int64_t group = 0; group < groups; group += 2) next_pass(&v, &ps, 0, group, x_stream, 0, NULL);
+        if (ps.pending) finish_rows(&v, ps.pending, 0, ps.pending->rows);
+    }
+    _tile_release();
+    return NULL;
+}
 #endif
 
 /* y = epilogue(x @ w^T), see the top of the file, on the tiles (`tiles` 1) or the vectors (0). x:
@@ -600,11 +671,41 @@ int packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
  * AVX512-BF16, k or n_out as above, no memory). */
 int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const uint16_t *other,
                  int64_t other_stride, uint16_t *y, int64_t y_stride, int64_t rows, int64_t k, int64_t n_out,
-                 int epilogue, int num_threads) {
+                 int epilogue, int num_threads, int widen) {
 #if defined(__AVX512BF16__)
     if (rows < 1 || k < 32 || k % 32 || n_out < 16 || n_out % 16 || epilogue < PLAIN || epilogue > GATE_UP)
         return -1;
     const int64_t kbs = k / 32;
+    if (widen) {
+#if HAVE_AMX
+        if (!amx_usable()) return -1;
+        Q4Gemm q = {{x, NULL, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue, 0}, packed, NULL};
+        const int64_t blocks = n_out / 16, units = epilogue == GATE_UP ? blocks : (blocks + 1) / 2;
+        uint16_t *tail = NULL;
+        if (rows % 16) { /* as packed_gemm_bf16 */
+            const int64_t first = rows / 16 * 16;
+            tail = (uint16_t *)calloc((size_t)16 * k, sizeof(uint16_t));
+            if (!tail) return -1;
+            for (int64_t m = first; m < rows; m++) memcpy(tail + (m - first) * k, x + m * x_stride, (size_t)k * 2);
+            q.g.x_tail = tail;
+        }
+        Q4TileUnits spans[MAX_THREADS];
+        num_threads = span_threads(num_threads, units);
+        uint16_t *scratch = (uint16_t *)aligned_alloc(64, (size_t)num_threads * 2 * 16 * k * sizeof(uint16_t));
+        if (!scratch) {
+            free(tail);
+            return -1;
+        }
+        for (int s = 0; s < num_threads; s++)
+            spans[s] = (Q4TileUnits){&q, units * s / num_threads, units * (s + 1) / num_threads, scratch + (size_t)s * 2 * 16 * k};
+        run_spans(run_q4_units_tiles, spans, sizeof spans[0], num_threads);
+        free(scratch);
+        free(tail);
+        return 0;
+#else
+        return -1;
+#endif
+    }
     float *xsum = (float *)malloc((size_t)(rows * kbs) * sizeof(float));
     if (!xsum) return -1;
     for (int64_t m = 0; m < rows; m++)
@@ -624,7 +725,7 @@ int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
     return 0;
 #else
     (void)x, (void)x_stride, (void)packed, (void)other, (void)other_stride, (void)y, (void)y_stride;
-    (void)rows, (void)k, (void)n_out, (void)epilogue, (void)num_threads;
+    (void)rows, (void)k, (void)n_out, (void)epilogue, (void)num_threads, (void)widen;
     return -1;
 #endif
 }
