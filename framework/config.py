@@ -155,8 +155,8 @@ class WorkerSettings(_Section):
         "auto",
         description="Decode steps read the layer weights from the Q4_1 blocks of the GGUF the model was "
         "converted from (bf16, C kernels; ~66 MB a step instead of ~210 MB of bf16 for SmolLM2; ~66 MB more "
-        "memory). auto: on a CPU with AMX tiles, steps of up to 256 requests widen the blocks to the bf16 "
-        "weights on the fly: the same outputs as off, GEMMs ~1.4x faster at up to 16 requests. exact: also "
+        "memory). auto: steps of up to 256 requests widen the blocks to the bf16 weights on the fly: the same "
+        "outputs as off, a one-request decode step ~1.3x faster. exact: also "
         "steps of up to 4 requests (any CPU with AVX512-BF16) multiply by the file's exact weights: a "
         "one-request decode step ~2x faster, its logits those of the file's weights rather than their bf16 "
         "roundings, so outputs can differ from off. off: the bf16 weights only. Where it cannot apply "

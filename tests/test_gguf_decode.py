@@ -115,24 +115,25 @@ def test_a_model_without_a_gguf_source_keeps_the_bf16_weights_and_says_why(caplo
         gemm = runner.model.kernels.gemm if runner.model.kernels is not None else None
         if gemm is None:
             assert "AVX512-BF16" in caplog.text
-        elif mode == "auto" and not gemm.tiles:
-            assert "only 'exact'" in caplog.text
         else:
             assert "not converted from a GGUF file" in caplog.text
         assert caplog.records[-1].levelno == level and runner.model.q4_layers is None
 
 
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "vectors"])
 @pytest.mark.parametrize("epilogue", ["none", "add", "gate_up"])
-def test_widened_q4_blocks_give_the_bits_of_the_bf16_weights(gemm, epilogue):
-    """On the tiles, the Q4_1 blocks widened on the fly (`widen`) give the bits of the packed GEMM
-    on the bf16 rounding of the dequantized weight: one row, a partial row group, more than one
-    pass of row groups, an odd number of column blocks."""
-    if not gemm.tiles:
-        pytest.skip("no AMX tiles here")
-    n, k = 48, 96
+def test_widened_q4_blocks_give_the_bits_of_the_bf16_weights(epilogue, tiles):
+    """The Q4_1 blocks widened on the fly (`widen`) give the bits of the packed GEMM on the bf16
+    rounding of the dequantized weight, on the AMX tiles and on the vectors: one row, a partial row
+    group (and micro-tile), more than one pass of row groups, a number of column blocks that leaves
+    a partial unit on both (5: units of 2 and of 4)."""
+    gemm = load_packed_gemm(tiles)
+    if gemm is None:
+        pytest.skip(f"no packed GEMM kernel on the {'tiles' if tiles else 'vectors'} here")
+    n, k = 80, 96
     blocks, w = _q4_weight(2 * n if epilogue == "gate_up" else n, k, seed=5)
     q4, bf16 = gemm.q4_pack(blocks), gemm.pack(w.to(torch.bfloat16).contiguous())
-    for rows in (1, 17, 40):
+    for rows in (1, 7, 17, 40):
         x = torch.randn(rows, k).to(torch.bfloat16)
         if epilogue == "gate_up":
             got, want = gemm.gate_up(x, q4, n, widen=True), gemm.gate_up(x, bf16, n)
@@ -214,14 +215,11 @@ def _count_q4_calls(gemm, calls: list):
 
 @pytest.mark.e2e
 def test_auto_decode_steps_read_the_q4_weights_for_the_same_bits(real_runners, monkeypatch):
-    """worker.gguf_decode = auto (the default): on the AMX tiles, decode steps of up to WIDEN_ROWS
-    requests run their four GEMMs a layer on the Q4_1 blocks widened to the bf16 weights, and give
-    the logits of the bf16 weights bit for bit; larger steps take the bf16 copies."""
+    """worker.gguf_decode = auto (the default): decode steps of up to WIDEN_ROWS requests run their
+    four GEMMs a layer on the Q4_1 blocks widened to the bf16 weights, and give the logits of the
+    bf16 weights bit for bit; larger steps take the bf16 copies."""
     auto, off = real_runners["auto"], real_runners["off"]
     gemm = auto.model.kernels.gemm
-    if not gemm.tiles:
-        assert auto.model.q4_layers is None  # auto takes them on the tiles only
-        pytest.skip("no AMX tiles here")
     assert auto.model.q4_layers is not None and not auto.model.q4_exact and off.model.q4_layers is None
     monkeypatch.setattr(gguf_decode, "WIDEN_ROWS", 4)
     auto.model.reset_decode_path()
@@ -236,15 +234,14 @@ def test_auto_decode_steps_read_the_q4_weights_for_the_same_bits(real_runners, m
     for rows, a, b in zip(steps, got, want):
         assert torch.equal(a, b), rows
     layers = auto.model_config.num_layers
-    assert calls == [(rows, 1) for rows in (1, 3, 4) for _ in range(4 * layers)]  # not the 5-row step
+    assert calls == [(rows, gemm.widen_mode) for rows in (1, 3, 4) for _ in range(4 * layers)]  # not 5 rows
 
 
 @pytest.mark.e2e
 def test_exact_decode_steps_multiply_by_the_files_weights(real_runners, default_model_folder):
     """worker.gguf_decode = exact: decode steps of up to EXACT_ROWS requests run their GEMMs on the
     file's exact Q4_1 weights, logits as close to transformers' fp32 ones (on the same exact
-    weights) as the bf16 weights give; larger steps widen the blocks (tiles) or take the bf16
-    copies. Weights reloaded from the same folder get their own Q4_1 copies."""
+    weights) as the bf16 weights give; larger steps widen the blocks to the bf16 weights. Weights reloaded from the same folder get their own Q4_1 copies."""
     from transformers import AutoModelForCausalLM
 
     exact, off = real_runners["exact"], real_runners["off"]
@@ -259,7 +256,7 @@ def test_exact_decode_steps_multiply_by_the_files_weights(real_runners, default_
         gemm._q4_gemm = real
     _, want = _decode_logits(off, [7, 30, 12, 20, 9], steps)
     layers = exact.model_config.num_layers
-    widened = [(5, 1)] * (4 * layers) if gemm.tiles else []
+    widened = [(5, gemm.widen_mode)] * (4 * layers)
     assert calls == [(4, 0)] * (2 * 4 * layers) + widened
     # 5 rows: the bf16 weights' bits, widened or not, for the one request whose KV the exact steps
     # before did not write

@@ -298,6 +298,8 @@ class PackedGemm:
     def __init__(self, lib: ctypes.CDLL, tiles: bool):
         self.tiles = tiles
         self.rows = self.TILE_ROWS if tiles else self.VECTOR_ROWS
+        # q4_gemm_bf16's `widen` for a Q4_1 weight widened to bf16 on this path's units
+        self.widen_mode = 1 if tiles else 2
         self._gemm = lib.packed_gemm_bf16
         self._gemm.restype = _INT
         self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT, _INT, _INT]
@@ -344,9 +346,9 @@ class PackedGemm:
         cached stores read every output line from DRAM before writing it; 64 rows 3.1 -> 2.7,
         1 and 16 rows unchanged (2.0).
 
-        `widen`, for a Q4_1 `packed` (q4_pack) on a CPU with AMX tiles: each block widened to the
-        bf16 of its dequantized weight, then the tile products of the bf16 path: the same bits as
-        this GEMM on the bf16 copy of that weight (without: its exact weights on the vectors)."""
+        `widen`, for a Q4_1 `packed` (q4_pack): each block widened to the bf16 of its dequantized
+        weight, then the products of the bf16 path (tiles or vectors, as `tiles`): the same bits as
+        this GEMM on the bf16 copy of that weight (without: its exact weights, on the vectors)."""
         if out is not None and (out.dtype != torch.bfloat16 or out.shape != (x.shape[0], n_out) or out.stride(1) != 1):
             raise ValueError(f"packed GEMM: the output must be bf16 {(x.shape[0], n_out)} with unit stride")
         y = torch.empty((x.shape[0], n_out), dtype=torch.bfloat16) if out is None else out
@@ -373,7 +375,7 @@ class PackedGemm:
         args = (x.data_ptr(), x.stride(0), packed.data_ptr(), None if other is None else other.data_ptr(),
                 0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), x.shape[0], k, n_out,
                 _GEMM_EPILOGUES[epilogue], torch.get_num_threads())
-        code = self._q4_gemm(*args, int(widen)) if q4 else self._gemm(*args, int(self.tiles), int(stream))
+        code = self._q4_gemm(*args, self.widen_mode if widen else 0) if q4 else self._gemm(*args, int(self.tiles), int(stream))
         if code != 0:
             raise ValueError(f"packed GEMM kernel refused x {tuple(x.shape)}")
 

@@ -108,7 +108,7 @@ class DecodePath:
             return None
         if q4_layers:
             path.exact_rows = gguf_decode.EXACT_ROWS if getattr(model, "q4_exact", False) else 0
-            path.widen_rows = min(gguf_decode.WIDEN_ROWS, path.gemm.rows) if path.gemm.tiles else 0
+            path.widen_rows = min(gguf_decode.WIDEN_ROWS, path.gemm.rows)
         return path
 
     @staticmethod
@@ -166,7 +166,7 @@ class DecodePath:
         attend, backend = self.backend.decode_kernel, self.backend
         # the GEMMs: on the Q4_1 weights (`widen` after the epilogue), or on the bf16 ones (tiles, stream)
         q4 = n <= max(self.exact_rows, self.widen_rows)
-        gemm, tail = ((self.gemm._q4_gemm, (int(n > self.exact_rows),)) if q4
+        gemm, tail = ((self.gemm._q4_gemm, (self.gemm.widen_mode if n > self.exact_rows else 0,)) if q4
                       else (self.gemm._gemm, (int(self.gemm.tiles), 0)))
         heads, kv_heads, head_dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
         kv_fmt = kv_format(kv_pool.k_buffer[0])

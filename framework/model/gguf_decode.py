@@ -29,9 +29,9 @@ logger = logging.getLogger(__name__)
 # Written by loader.convert_gguf into each converted folder: the GGUF it came from.
 SOURCE_FILE = "batchyard-gguf-source.json"
 # Decode passes of up to EXACT_ROWS rows take the exact Q4_1 products with worker.gguf_decode =
-# "exact", passes of up to WIDEN_ROWS rows the Q4_1 blocks widened to the bf16 weights on the AMX
-# tiles (the same bits as those weights); larger passes the bf16 weights. The crossovers measured
-# on a 2-core Xeon with AMX are in docs/performance.md.
+# "exact", passes of up to WIDEN_ROWS rows the Q4_1 blocks widened to the bf16 weights (the same
+# bits as those weights, on the AMX tiles or the AVX512-BF16 vectors as the bf16 GEMMs); larger
+# passes the bf16 weights. Measured on a 2-core Xeon: docs/performance.md.
 EXACT_ROWS = 4
 WIDEN_ROWS = 256
 # The GGUF names of a llama layer's weights, in the order of our fused ones: qkv, o, gate_up, down.
@@ -121,8 +121,6 @@ def use_gguf_decode(model, folder: str | None, mode: str = "auto") -> bool:
         why = "it needs model.dtype = 'bfloat16'"
     elif gemm is None:
         why = "it needs the C kernels on a CPU with AVX512-BF16"
-    elif mode == "auto" and not gemm.tiles:
-        why = "without AMX tiles only 'exact' takes them (worker.gguf_decode)"
     elif model.par.tp_size > 1 or model.par.attn_tp_size > 1:
         why = "it does not shard weights (parallel.tp_size must be 1)"
     elif gguf_path is None:

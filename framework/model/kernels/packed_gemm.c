@@ -352,6 +352,49 @@ static inline void q4_widen_block(const uint8_t *src, uint16_t *dst) {
         _mm512_storeu_si512(dst + 32 * (2 * grp + 1), (__m512i)_mm512_cvtne2ps_pbh(b_hi, a_hi));
     }
 }
+
+/* The Q4_1 blocks of a unit's columns widened (q4_widen_block) into `scratch`: a GEMM of those
+ * columns alone (y, other and n_out moved to them) on bf16 blocks laid out as packed_gemm_pack lays
+ * out its weight ([gate; up] for gate_up: each gate block, then each up block); returns it. */
+typedef struct {
+    const Q4Gemm *q;
+    int64_t begin, end; /* units: per_unit column blocks (gate_up: gate blocks and their up blocks) */
+    int64_t per_unit;
+    uint16_t *scratch; /* per_unit (gate_up: 2 per_unit) blocks of 16 x k bf16 */
+} Q4WideUnits;
+
+static Gemm q4_widen_unit(const Q4WideUnits *u, int64_t unit) {
+    const Gemm *g = &u->q->g;
+    const int64_t kbs = g->k / 32, blocks = g->n_out / 16, first = unit * u->per_unit;
+    const int gate_up = g->epilogue == GATE_UP;
+    const int64_t count = blocks - first < u->per_unit ? blocks - first : u->per_unit;
+    for (int half = 0; half < 1 + gate_up; half++)
+        for (int64_t c = 0; c < count; c++)
+            for (int64_t kb = 0; kb < kbs; kb++) {
+                const uint8_t *src = u->q->q4 + ((half * blocks + first + c) * kbs + kb) * Q4_BLOCK;
+                for (int line = 0; line < Q4_BLOCK / 64; line++)
+                    _mm_prefetch((const char *)src + Q4_PREFETCH * Q4_BLOCK + 64 * line, _MM_HINT_T0);
+                q4_widen_block(src, u->scratch + ((half * count + c) * kbs + kb) * 512);
+            }
+    Gemm v = *g;
+    v.packed = u->scratch;
+    v.y = g->y + 16 * first;
+    v.other = g->other ? g->other + 16 * first : NULL;
+    v.n_out = 16 * count;
+    return v;
+}
+
+/* A Q4_1 weight on the vectors (q4_gemm_bf16, widen 2): each unit of VEC_BLOCKS columns widened,
+ * then run as run_units_vec runs a unit: the same bits as the packed bf16 weight there. */
+static void *run_q4_units_vec(void *arg) {
+    const Q4WideUnits *u = (const Q4WideUnits *)arg;
+    for (int64_t unit = u->begin; unit < u->end; unit++) {
+        Gemm v = q4_widen_unit(u, unit);
+        Units one = {&v, 0, 1};
+        run_units_vec(&one);
+    }
+    return NULL;
+}
 #endif
 
 #if HAVE_AMX
@@ -568,42 +611,20 @@ static void *run_units_by_rows(void *arg) {
     return NULL;
 }
 
-/* A Q4_1 weight on the tiles (q4_gemm_bf16 with `widen`): unit by unit as run_units, each unit's
- * two column blocks first widened to the bf16 blocks of the dequantized weight (q4_widen_block)
- * into a buffer of the thread's, then its passes run on them as on packed_gemm_pack's copy of the
- * model's bf16 weight: the same tile products in the same order, so the same bits, from a quarter
- * of the bytes. Each unit is run as the only unit of a GEMM of its own columns (y, other and
- * n_out moved to them), its last pass finished before the next unit's. */
-typedef struct {
-    const Q4Gemm *q;
-    int64_t begin, end;
-    uint16_t *scratch; /* two column blocks of bf16: 2 x 16 k */
-} Q4TileUnits;
-
+/* A Q4_1 weight on the tiles (q4_gemm_bf16, widen 1): unit by unit as run_units, each unit's two
+ * column blocks first widened to the bf16 blocks of the dequantized weight (q4_widen_unit), then
+ * its passes run on them as on packed_gemm_pack's copy of the model's bf16 weight: the same tile
+ * products in the same order, so the same bits, from a quarter of the bytes. Each unit's last pass
+ * is finished before the next unit's. */
 static void *run_q4_units_tiles(void *arg) {
-    const Q4TileUnits *u = (const Q4TileUnits *)arg;
+    const Q4WideUnits *u = (const Q4WideUnits *)arg;
     const Gemm *g = &u->q->g;
-    const int64_t kbs = g->k / 32, blocks = g->n_out / 16, groups = (g->rows + 15) / 16;
-    const int gate_up = g->epilogue == GATE_UP;
+    const int64_t groups = (g->rows + 15) / 16;
     const int x_stream = 2 * 16 * g->k * 2 <= L1_UNIT_BYTES; /* as run_units */
     amx_configure();
     for (int64_t unit = u->begin; unit < u->end; unit++) {
-        int64_t col[2] = {gate_up ? unit : 2 * unit, gate_up ? blocks + unit : 2 * unit + 1};
-        const int two = gate_up || col[1] < blocks;
-        for (int c = 0; c < 1 + two; c++)
-            for (int64_t kb = 0; kb < kbs; kb++) {
-                const uint8_t *src = u->q->q4 + (col[c] * kbs + kb) * Q4_BLOCK;
-                for (int line = 0; line < Q4_BLOCK / 64; line++)
-                    _mm_prefetch((const char *)src + Q4_PREFETCH * Q4_BLOCK + 64 * line, _MM_HINT_T0);
-                q4_widen_block(src, u->scratch + (c * kbs + kb) * 512);
-            }
-        Gemm v = *g; /* the unit as a GEMM of its own: blocks 0 and 1 of the scratch */
-        const int64_t n0 = 16 * col[0];
-        v.packed = u->scratch;
-        v.y = g->y + n0;
-        v.other = g->other ? g->other + n0 : NULL;
-        v.n_out = gate_up ? 16 : (g->n_out - n0 < 32 ? g->n_out - n0 : 32);
-        Passes ps; /* (not zeroed: 8 KiB of sums a unit) */
+        Gemm v = q4_widen_unit(u, unit);
+        Passes ps; /* (not zeroed: 8 KiB of sums) */
         ps.pending = NULL;
         ps.next = 0;
         for (int64_t group = 0; group < groups; group += 2) next_pass(&v, &ps, 0, group, x_stream, 0, NULL);
@@ -676,35 +697,46 @@ int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
     if (rows < 1 || k < 32 || k % 32 || n_out < 16 || n_out % 16 || epilogue < PLAIN || epilogue > GATE_UP)
         return -1;
     const int64_t kbs = k / 32;
-    if (widen) {
-#if HAVE_AMX
-        if (!amx_usable()) return -1;
+    if (widen) { /* 1: on the tiles, 2: on the vectors */
         Q4Gemm q = {{x, NULL, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue, 0}, packed, NULL};
-        const int64_t blocks = n_out / 16, units = epilogue == GATE_UP ? blocks : (blocks + 1) / 2;
+        const int64_t blocks = n_out / 16;
+        int64_t per_unit = widen == 1 ? 2 : VEC_BLOCKS;
+        if (epilogue == GATE_UP) per_unit /= 2;
+        const int64_t units = (blocks + per_unit - 1) / per_unit;
+        void *(*run)(void *) = run_q4_units_vec;
         uint16_t *tail = NULL;
-        if (rows % 16) { /* as packed_gemm_bf16 */
-            const int64_t first = rows / 16 * 16;
-            tail = (uint16_t *)calloc((size_t)16 * k, sizeof(uint16_t));
-            if (!tail) return -1;
-            for (int64_t m = first; m < rows; m++) memcpy(tail + (m - first) * k, x + m * x_stride, (size_t)k * 2);
-            q.g.x_tail = tail;
+        if (widen == 1) {
+#if HAVE_AMX
+            if (!amx_usable()) return -1;
+            run = run_q4_units_tiles;
+            if (rows % 16) { /* as packed_gemm_bf16 */
+                const int64_t first = rows / 16 * 16;
+                tail = (uint16_t *)calloc((size_t)16 * k, sizeof(uint16_t));
+                if (!tail) return -1;
+                for (int64_t m = first; m < rows; m++) memcpy(tail + (m - first) * k, x + m * x_stride, (size_t)k * 2);
+                q.g.x_tail = tail;
+            }
+#else
+            return -1;
+#endif
+        } else if (widen != 2) {
+            return -1;
         }
-        Q4TileUnits spans[MAX_THREADS];
+        Q4WideUnits spans[MAX_THREADS];
         num_threads = span_threads(num_threads, units);
-        uint16_t *scratch = (uint16_t *)aligned_alloc(64, (size_t)num_threads * 2 * 16 * k * sizeof(uint16_t));
+        const size_t per_thread = (size_t)(epilogue == GATE_UP ? 2 : 1) * per_unit * 16 * k; /* bf16 values */
+        uint16_t *scratch = (uint16_t *)aligned_alloc(64, (size_t)num_threads * per_thread * sizeof(uint16_t));
         if (!scratch) {
             free(tail);
             return -1;
         }
         for (int s = 0; s < num_threads; s++)
-            spans[s] = (Q4TileUnits){&q, units * s / num_threads, units * (s + 1) / num_threads, scratch + (size_t)s * 2 * 16 * k};
-        run_spans(run_q4_units_tiles, spans, sizeof spans[0], num_threads);
+            spans[s] = (Q4WideUnits){&q, units * s / num_threads, units * (s + 1) / num_threads, per_unit,
+                                     scratch + (size_t)s * per_thread};
+        run_spans(run, spans, sizeof spans[0], num_threads);
         free(scratch);
         free(tail);
         return 0;
-#else
-        return -1;
-#endif
     }
     float *xsum = (float *)malloc((size_t)(rows * kbs) * sizeof(float));
     if (!xsum) return -1;
