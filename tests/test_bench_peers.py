@@ -33,9 +33,10 @@ FAKE_LLAMA_SERVER = textwrap.dedent('''
     ap = argparse.ArgumentParser()
     for flag in ("-m", "--host", "--port", "--parallel", "-c", "-t", "-tb", "--cache-ram"):
         ap.add_argument(flag, required=True)
-    for flag in ("--no-kv-unified", "--cont-batching", "--no-webui"):
+    for flag in ("--no-kv-unified", "--cont-batching", "--no-webui", "--no-repack"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
+    open(a.m + ".argv", "w").write(json.dumps(sys.argv[1:]))
     assert int(a.c) == int(a.parallel) * 2048, (a.c, a.parallel)
     log = open(a.m + ".requests", "a")
 
@@ -132,12 +133,15 @@ def test_offline_against_llama_cpp_records_the_ratio(bench_model, fake_llama_ser
     out = tmp_path / "cmp.jsonl"
     argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
             "--warmup-requests", "1", "--backend", "batchyard", "llamacpp", "--llamacpp-server", server,
-            "--llamacpp-model", model, "--llamacpp-parallel", "3", "--output-file", str(out)]
+            "--llamacpp-model", model, "--llamacpp-parallel", "3", "--llamacpp-args=--no-repack",
+            "--output-file", str(out)]
     assert cli_main(argv) == 0
     ours, theirs = read_lines(out)
     assert theirs["backend"] == "llamacpp" and theirs["metrics"]["total_output_tokens"] == 30
     assert theirs["metrics"]["total_input_tokens"] == ours["metrics"]["total_input_tokens"] == 120
     assert theirs["peer"]["parallel"] == 3 and "fake" in theirs["peer"]["version"]
+    # --llamacpp-args reached the server, after the bench's own flags, and the record
+    assert json.load(open(model + ".argv"))[-1] == "--no-repack" and theirs["peer"]["extra_args"] == ["--no-repack"]
     assert theirs["hardware"]["dtype"] == "bfloat16" and 0 <= theirs["hardware"]["other_cpu_busy"] <= 1
     assert ours["vs_llamacpp"]["ratio"]["output_throughput"] == pytest.approx(
         ours["metrics"]["output_throughput"] / theirs["metrics"]["output_throughput"])
@@ -262,5 +266,11 @@ def test_a_served_vllm_gets_the_kv_cache_dtype_and_llama_cpp_refuses_fp8(tmp_pat
     assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e5m2" and cmd[cmd.index("--model") + 1] == "/some/model"
     cmd, _ = peers.serve_command("vllm", 30005, folder="/some/model")
     assert cmd[cmd.index("--kv-cache-dtype") + 1] == "auto"
+    server, gguf = tmp_path / "llamacpp" / "bin" / "llama-server", tmp_path / "model.gguf"
+    server.parent.mkdir(parents=True)
+    server.write_text("")
+    gguf.write_bytes(b"GGUF")
+    cmd, _ = peers.serve_command("llamacpp", 30006, model=str(gguf), llamacpp_args=["--no-repack"])
+    assert cmd[cmd.index("-m") + 1] == str(gguf) and cmd[-1] == "--no-repack"
     assert cli_main(["bench", "peers", "serve", "llamacpp", "--kv-cache-dtype", "fp8_e5m2"]) == 2
     assert "no fp8_e5m2 KV cache" in caplog.text

@@ -114,6 +114,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--llamacpp-model", help="GGUF for llama.cpp (default: the bf16 copy of the embedded model; "
                                             "'shipped' = the embedded Q4_1 file)")
     p.add_argument("--llamacpp-parallel", type=int, default=64, help="llama-server slots = requests in flight")
+    p.add_argument("--llamacpp-args", default="",
+                   help="more llama-server flags, after an =: --llamacpp-args='--no-repack' (b11434 crashed "
+                        "repacking the shipped Q4_1 weights on a Xeon with AMX)")
     p.add_argument("--hf-mode", choices=("auto", "continuous", "static"), default="auto",
                    help="transformers batching (auto: continuous where available)")
     p.add_argument("--hf-batch-size", type=int, default=32, help="batch size of static HF generate")
@@ -171,7 +174,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e5m2"),
                    help="serve vllm: KV cache dtype, as the engine's model.kv_cache_dtype (llama.cpp has no e5m2 cache)")
     p.add_argument("--model-path", help="serve vllm: model (default: the embedded model's folder)")
-    p.add_argument("--llamacpp-model", help="serve llamacpp: GGUF (default: the bf16 copy)")
+    p.add_argument("--llamacpp-model", help="serve llamacpp: GGUF (default: the bf16 copy; 'shipped' = the embedded "
+                                            "Q4_1 file)")
+    p.add_argument("--llamacpp-args", default="", help="serve llamacpp: more llama-server flags, after an =")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for llama.cpp")
     p.set_defaults(func=_dispatch("peer_cli"))
 

@@ -140,7 +140,8 @@ def run_peer(peer: str, args, requests: list[BenchRequest], folder: str, dtype: 
     model = paths["llamacpp_model"]
     metrics, details = peers.run_llamacpp_offline(requests, server_bin=paths["llamacpp"], model=model,
                                                   parallel=args.llamacpp_parallel, ignore_eos=args.ignore_eos,
-                                                  progress=not args.disable_tqdm)
+                                                  progress=not args.disable_tqdm,
+                                                  extra_args=shlex.split(getattr(args, "llamacpp_args", "") or ""))
     details["dtype"] = "q4_1" if model and "Q4_1" in os.path.basename(model) else "bfloat16"
     return metrics, details
 

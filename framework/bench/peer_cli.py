@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 
 from framework.bench import peers
 
@@ -48,7 +49,8 @@ def serve(args) -> int:
         folder = resolve_model(args.model_path)
     try:
         cmd, env = peers.serve_command(args.peer[0], args.port, folder=folder, dtype=args.dtype,
-                                       model=args.llamacpp_model, kv_cache_dtype=args.kv_cache_dtype)
+                                       model=args.llamacpp_model, kv_cache_dtype=args.kv_cache_dtype,
+                                       llamacpp_args=shlex.split(args.llamacpp_args or ""))
     except (peers.PeerMissing, ValueError) as exc:
         logger.error("%s", exc)
         return 2

@@ -118,6 +118,7 @@ class LlamaServer:
     log_path: str | None = None
     proc: subprocess.Popen | None = None
     port: int = 0
+    extra_args: tuple[str, ...] = ()  # more llama-server flags, after ours
 
     @property
     def base_url(self) -> str:
@@ -128,7 +129,7 @@ class LlamaServer:
         return [self.binary, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port),
                 "--parallel", str(self.parallel), "-c", str(self.ctx_per_slot * self.parallel),
                 "--no-kv-unified", "--cont-batching", "-t", threads, "-tb", threads,
-                "--cache-ram", "0", "--no-webui"]
+                "--cache-ram", "0", "--no-webui", *self.extra_args]
 
     def check_installed(self) -> None:
         for path, what in ((self.binary, "llama-server"), (self.model, "GGUF")):
@@ -235,14 +236,15 @@ async def _llamacpp_load(server: LlamaServer, requests: list[BenchRequest], igno
 
 def run_llamacpp_offline(requests: list[BenchRequest], server_bin: str | None = None, model: str | None = None,
                          parallel: int = 64, threads: int = 0, ignore_eos: bool = True,
-                         progress: bool = True) -> tuple[dict, dict]:
-    """Time the workload through llama-server with `parallel` slots; returns (metrics, details)."""
+                         progress: bool = True, extra_args: list[str] | None = None) -> tuple[dict, dict]:
+    """Time the workload through llama-server with `parallel` slots (and `extra_args`, more of its
+    flags); returns (metrics, details)."""
     paths = PeerPaths.default()
     model = model or paths.llamacpp_bf16_gguf
     longest = max(r.prompt_len + r.output_len for r in requests)
     ctx = max(2048, 256 * -(-longest // 256))
     with LlamaServer(server_bin or paths.llamacpp_server, model, parallel=parallel, ctx_per_slot=ctx,
-                     threads=threads) as server:
+                     threads=threads, extra_args=tuple(extra_args or ())) as server:
         meter = ContentionMeter(pids=(server.proc.pid,))
         out_tokens, elapsed, mismatched = asyncio.run(_llamacpp_load(server, requests, ignore_eos, progress))
         other_busy = meter.other_busy_fraction()
@@ -252,15 +254,16 @@ def run_llamacpp_offline(requests: list[BenchRequest], server_bin: str | None = 
                        len(mismatched), mismatched[:5])
     metrics = offline_metrics(len(requests), sum(r.prompt_len for r in requests), out_tokens, elapsed)
     return metrics, {"version": version, "model": os.path.basename(model), "parallel": parallel,
-                     "threads": threads or os.cpu_count(), "ctx_per_slot": ctx, "other_cpu_busy": other_busy}
+                     "threads": threads or os.cpu_count(), "ctx_per_slot": ctx, "other_cpu_busy": other_busy,
+                     "extra_args": list(extra_args or [])}
 
 
 # -- servers for `bench serving --backend vllm|llamacpp` ------------------------------------------
 
 
 def serve_command(peer: str, port: int, folder: str | None = None, dtype: str = "bfloat16",
-                  model: str | None = None, parallel: int = 64,
-                  kv_cache_dtype: str = "auto") -> tuple[list[str], dict[str, str]]:
+                  model: str | None = None, parallel: int = 64, kv_cache_dtype: str = "auto",
+                  llamacpp_args: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a peer's HTTP server on 127.0.0.1:`port`, set up as the
     offline runs: vLLM on the engine's folder, dtype and KV cache dtype with every CPU bound,
     llama-server on the bf16 GGUF with `parallel` slots."""
@@ -282,7 +285,9 @@ def serve_command(peer: str, port: int, folder: str | None = None, dtype: str = 
         return cmd, env
     if kv_cache_dtype != "auto":
         raise ValueError(f"llama.cpp has no {kv_cache_dtype} KV cache")
-    server = LlamaServer(paths.llamacpp_server, model or paths.llamacpp_bf16_gguf, parallel=parallel, port=port)
+    model = shipped_gguf() if model == "shipped" else model
+    server = LlamaServer(paths.llamacpp_server, model or paths.llamacpp_bf16_gguf, parallel=parallel, port=port,
+                         extra_args=tuple(llamacpp_args or ()))
     server.check_installed()
     return server.command(), env
 
