@@ -143,6 +143,40 @@ def test_widened_q4_blocks_give_the_bits_of_the_bf16_weights(epilogue, tiles):
         assert torch.equal(got, want), rows
 
 
+def test_the_gguf_header_reader_finds_what_gguf_py_finds(tmp_path):
+    """gguf_tensors (the header alone, metadata skipped) gives each tensor's type, shape and data
+    offset as gguf-py's reader does, through every metadata type, arrays of strings and a custom
+    alignment; a cut or foreign file is a ValueError."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    path = str(tmp_path / "t.gguf")
+    writer = GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)
+    writer.add_string("a.string", "hé")
+    writer.add_array("a.strings", ["x", "yz", ""])
+    writer.add_array("a.ints", [1, 2, 3])
+    writer.add_float32("a.float", 0.5)
+    writer.add_bool("a.bool", True)
+    writer.add_uint64("a.u64", 7)
+    blocks, _ = _q4_weight(32, 64, seed=1)
+    writer.add_tensor("blk.0.attn_q.weight", blocks.reshape(32, 40).numpy(), raw_shape=(32, 40),
+                      raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.add_tensor("f", np.arange(5, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = open(path, "rb").read()
+    mine = gguf_decode.gguf_tensors(data)
+    theirs = {t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset))
+              for t in GGUFReader(path).tensors}
+    assert mine == theirs and mine["blk.0.attn_q.weight"][:2] == (3, (64, 32))
+    assert data[mine["f"][2]:mine["f"][2] + 20] == np.arange(5, dtype=np.float32).tobytes()
+    for bad in (data[:40], b"GGML" + data[4:], b""):
+        with pytest.raises(ValueError):
+            gguf_decode.gguf_tensors(bad)
+
+
 # -- the embedded model ---------------------------------------------------------------------------
 
 

@@ -375,7 +375,10 @@ class PackedGemm:
         args = (x.data_ptr(), x.stride(0), packed.data_ptr(), None if other is None else other.data_ptr(),
                 0 if other is None else other.stride(0), y.data_ptr(), y.stride(0), x.shape[0], k, n_out,
                 _GEMM_EPILOGUES[epilogue], torch.get_num_threads())
-        code = self._q4_gemm(*args, self.widen_mode if widen else 0) if q4 else self._gemm(*args, int(self.tiles), int(stream))
+        if q4:
+            code = self._q4_gemm(*args, self.widen_mode if widen else 0)
+        else:
+            code = self._gemm(*args, int(self.tiles), int(stream))
         if code != 0:
             raise ValueError(f"packed GEMM kernel refused x {tuple(x.shape)}")
 
@@ -386,9 +389,10 @@ class PackedGemm:
 
     def q4_pack(self, blocks: torch.Tensor) -> torch.Tensor:
         """The kernel's copy of a GGUF Q4_1 weight [n, k] from its file rows (`blocks`: uint8 [n,
-        k / 32, 20], n a multiple of 16): pass it to `linear` and `gate_up` as `packed`. Their
-        products are then those of the file's exact weights (d q + m in fp32) with the bf16 x,
-        summed in fp32 and rounded to bf16 once (no `stream`)."""
+        k / 32, 20], n a multiple of 16): pass it to `linear` and `gate_up` as `packed` (no
+        `stream`). Their products are then those of the file's exact weights (d q + m in fp32)
+        with the bf16 x, summed in fp32 and rounded to bf16 once; with `widen`, those of the bf16
+        rounding of d q + m, as this GEMM gives them on the bf16 weight."""
         if (blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != self.Q4_FILE_BLOCK
                 or blocks.shape[0] % 16 or not blocks.shape[0] or not blocks.shape[1]):
             raise ValueError(f"Q4_1 GEMM: cannot pack {blocks.dtype} blocks {tuple(blocks.shape)} (needs uint8 "

@@ -12,6 +12,11 @@ its activations once for all layers.
 `LlamaForCausalLM.forward` takes it for pure decode passes whose attention runs on the C decode
 kernel, one row per request in batch order (`AttentionMetadata.kernel` with no row gather), of at
 most the GEMM kernel's rows; every other pass, and every model it does not fit, keeps the layers.
+
+A model converted from a GGUF may also carry its layers' Q4_1 weights (framework/model/
+gguf_decode.py, `worker.gguf_decode`): passes of up to `widen_rows` rows then read those, widened
+to the same bf16 weights (the same bits), and with "exact" passes of up to `exact_rows` rows take
+their exact products (other bits: the one exception to the above).
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ class DecodePath:
         self.eps = model.model.layers[0].input_layernorm.eps
         self.final_norm = model.model.norm
         # passes of at most this many rows take the layers' Q4_1 weights (build): their exact
-        # products, or their blocks widened to the bf16 weights on the tiles (the same bits)
+        # products, or their blocks widened to the bf16 weights (the same bits as those)
         self.exact_rows = self.widen_rows = 0
 
     @classmethod

@@ -1,18 +1,23 @@
-"""Decode steps of a few requests on the GGUF file's own Q4_1 weights (`worker.gguf_decode`).
+"""Decode steps on the GGUF file's own Q4_1 weights (`worker.gguf_decode`).
 
-The model runs on the bf16 weights converted from its GGUF once (loader.convert_gguf). At a few
-requests a decode step's GEMMs wait on those weights streaming from DRAM: ~210 MB a step for
-SmolLM2-135M. The embedded GGUF holds every layer weight as Q4_1 blocks (32 k of one output column
-as d q + m, fp16 d and m, 4-bit q: 20 bytes where bf16 takes 64), so the packed GEMM kernel's
-Q4_1 path (kernels/packed_gemm.c, q4_gemm_bf16) reads ~66 MB a step instead. `use_gguf_decode`
-reads those blocks from the file the folder was converted from, in the rows of the converted
-weights (the q and k rows of each head reordered back as transformers' GGUF loader does), and
-gives the model their packed copies; the decode path (framework/model/decode_path.py) takes them
-for passes of at most `MAX_ROWS` requests.
+The model runs on the bf16 weights converted from its GGUF once (loader.convert_gguf). A decode
+step's GEMMs read every layer weight once, ~210 MB of bf16 for SmolLM2-135M, and at decode sizes
+they wait on those bytes. The embedded GGUF holds every layer weight as Q4_1 blocks (32 k of one
+output column as d q + m, fp16 d and m, 4-bit q: 20 bytes where bf16 takes 64), so the packed
+GEMM kernel's Q4_1 path (kernels/packed_gemm.c, q4_gemm_bf16) reads ~66 MB a step instead.
+`use_gguf_decode` reads those blocks from the file the folder was converted from (recorded there
+by the loader), in the rows of the converted weights (each head's q and k rows reordered back as
+transformers' GGUF loader does), and gives the model their packed copies; the decode path
+(framework/model/decode_path.py) takes them:
 
-The products are then those of the file's exact weights (d q + m in fp32) rather than of their
-bf16 roundings, so such a pass's logits differ from the bf16 layers' in the last bits (and sit
-closer to the fp32 weights). Prefill, larger decode steps and the LM head keep the bf16 weights.
+- "auto" (the default): passes of up to WIDEN_ROWS rows widen each block to bf16(d q + m), the
+  conversion's own rounding of it, and run the bf16 path's tile or vector products on it: the
+  same bits as the bf16 weights, from a third of the bytes.
+- "exact": passes of up to EXACT_ROWS rows multiply by d q + m in fp32 (the bf16 activations,
+  fp32 sums), the fastest at one request; their logits are the file's weights' rather than their
+  bf16 roundings, so they differ from the bf16 layers' in the last bits. Larger passes as "auto".
+
+Prefill and the LM head keep the bf16 weights.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 
 import numpy as np
 import torch
@@ -78,13 +84,85 @@ def _unpermute_rows(blocks: np.ndarray, heads: int) -> np.ndarray:
     return blocks.reshape(heads, half, 2, *blocks.shape[1:]).swapaxes(1, 2).reshape(blocks.shape)
 
 
+# GGUF value types (the format's gguf_type) and the sizes of the fixed-size ones; 8: string, 9: array.
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGML_Q4_1 = 3  # ggml_type of Q4_1 blocks
+
+
+class _Cursor:
+    """Little-endian reads from a buffer (the GGUF header)."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str):
+        values = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return values
+
+    def string(self) -> bytes:
+        (size,) = self.unpack("Q")
+        if self.pos + size > len(self.buf):
+            raise struct.error(f"a string of {size} bytes at {self.pos} past the end")
+        self.pos += size
+        return bytes(self.buf[self.pos - size:self.pos])
+
+    def skip_value(self, kind: int) -> None:
+        if kind in _SCALAR_SIZES:
+            self.pos += _SCALAR_SIZES[kind]
+        elif kind == 8:
+            self.string()
+        elif kind == 9:
+            item, count = self.unpack("IQ")
+            if item in _SCALAR_SIZES:
+                self.pos += _SCALAR_SIZES[item] * count
+            else:
+                for _ in range(count):
+                    self.skip_value(item)
+        else:
+            raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def gguf_tensors(buf) -> dict[str, tuple[int, tuple[int, ...], int]]:
+    """{name: (ggml type, shape as the file gives it (ne0 first), offset of its data in `buf`)}
+    from a GGUF file's bytes (v2 or v3). The metadata is skipped but for the data alignment:
+    gguf-py's reader builds an object per metadata value, ~3 s for SmolLM2's vocabulary."""
+    try:
+        return _gguf_tensors(_Cursor(buf))
+    except struct.error as exc:  # a header that ends before it should
+        raise ValueError(f"not a whole GGUF header: {exc}") from None
+
+
+def _gguf_tensors(cur: _Cursor) -> dict[str, tuple[int, tuple[int, ...], int]]:
+    magic, version = cur.unpack("4sI")
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"not a GGUF v2+ file (magic {magic!r}, version {version})")
+    tensor_count, kv_count = cur.unpack("QQ")
+    alignment = 32
+    for _ in range(kv_count):
+        key = cur.string()
+        (kind,) = cur.unpack("I")
+        if key == b"general.alignment" and kind == 4:
+            (alignment,) = cur.unpack("I")
+        else:
+            cur.skip_value(kind)
+    infos = {}
+    for _ in range(tensor_count):
+        name = cur.string().decode()
+        (dims,) = cur.unpack("I")
+        shape = cur.unpack("Q" * dims)
+        kind, offset = cur.unpack("IQ")
+        infos[name] = (kind, shape, offset)
+    start = -(-cur.pos // alignment) * alignment
+    return {name: (kind, shape, start + offset) for name, (kind, shape, offset) in infos.items()}
+
+
 def read_q4_layers(gguf_path: str, num_layers: int, num_heads: int, num_kv_heads: int) -> list[list[torch.Tensor]]:
     """Each layer's (qkv, o, gate_up, down) weights as the file's Q4_1 blocks: uint8 [n, k / 32,
     20] in the rows of our fused weights. Raises ValueError naming the first tensor that is
     missing or not Q4_1."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(gguf_path).tensors}
+    buf = np.memmap(gguf_path, dtype=np.uint8, mode="r")  # (unmapped once no view of it is left)
+    tensors = gguf_tensors(buf)
     layers = []
     for i in range(num_layers):
         fused = []
@@ -92,17 +170,20 @@ def read_q4_layers(gguf_path: str, num_layers: int, num_heads: int, num_kv_heads
             parts = []
             for name in names:
                 full = f"blk.{i}.{name}.weight"
-                t = tensors.get(full)
-                if t is None:
+                if full not in tensors:
                     raise ValueError(f"{os.path.basename(gguf_path)} has no {full}")
-                if t.tensor_type != GGMLQuantizationType.Q4_1:
-                    raise ValueError(f"{full} is {t.tensor_type.name}, not Q4_1")
-                k, n = (int(s) for s in t.shape[:2])
-                blocks = np.asarray(t.data).view(np.uint8).reshape(n, k // 32, 20)
+                kind, shape, offset = tensors[full]
+                if kind != _GGML_Q4_1 or len(shape) != 2 or shape[0] % 32:
+                    raise ValueError(f"{full} is not a Q4_1 matrix (ggml type {kind}, shape {shape})")
+                k, n = shape
+                size = n * k // 32 * 20
+                if offset + size > len(buf):
+                    raise ValueError(f"{full} runs past the end of the file")
+                blocks = buf[offset:offset + size].reshape(n, k // 32, 20)
                 if name in ("attn_q", "attn_k"):
                     blocks = _unpermute_rows(blocks, num_heads if name == "attn_q" else num_kv_heads)
                 parts.append(blocks)
-            fused.append(torch.from_numpy(np.ascontiguousarray(np.concatenate(parts))))
+            fused.append(torch.from_numpy(np.concatenate(parts)))  # copies, in memory
         layers.append(fused)
     return layers
 

@@ -75,6 +75,8 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         gguf_decode: str = "auto",
     ):
+        if gguf_decode not in ("auto", "exact", "off"):
+            raise ValueError(f"gguf_decode must be 'auto', 'exact' or 'off', got {gguf_decode!r}")
         hf_config = load_hf_config(model_path)
         self._setup(
             hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
@@ -82,8 +84,6 @@ class ModelRunner:
             device, seed, lora_paths, cpu_kernels, packed_weights, kv_dtype,
         )
         self.model_path = model_path
-        if gguf_decode not in ("auto", "exact", "off"):
-            raise ValueError(f"gguf_decode must be 'auto', 'exact' or 'off', got {gguf_decode!r}")
         self.gguf_decode = gguf_decode
         if gguf_decode != "off":
             self._use_gguf_decode(self.model, model_path)

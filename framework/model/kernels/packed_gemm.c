@@ -24,6 +24,12 @@
  * The sums run in another order than oneDNN's, so results match it up to fp32 rounding before the
  * bf16 rounding (the tests compare with fp32 references).
  *
+ * GGUF Q4_1 weights (q4_gemm_pack, q4_gemm_bf16; framework/model/gguf_decode.py): the file's blocks
+ * repacked per 16 columns x 32 k (a third of the bf16 bytes), for decode steps. Either widened per
+ * unit of columns to the bf16 of the dequantized weight and run as above (the same bits as the
+ * bf16 copy of that weight), or multiplied as they are on the vectors, the exact weights d q + m
+ * against the bf16 x (fewest instructions at a few rows).
+ *
  * Built on first use by framework/model/cpu_kernels.py (cc -O3 -march=native, -fopenmp where it
  * can) and called through ctypes. packed_gemm_supported says which paths the CPU and the build
  * have; without AVX512-BF16 the model keeps oneDNN.
@@ -81,7 +87,7 @@ void packed_gemm_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed)
 #define Q4_ROWS 4 /* rows of x at a time: 4 x 2 column blocks, 8 sums and 8 totals in registers */
 #define Q4_PREFETCH 8 /* blocks ahead */
 
-/* The packed copy (Q4_BLOCK bytes per 16 columns x 32 k, see the Q4_1 section) of a GGUF Q4_1
+/* The packed copy (Q4_BLOCK bytes per 16 columns x 32 k, laid out as above) of a GGUF Q4_1
  * weight of n rows (output columns, n a multiple of 16) by k (a multiple of 32): `blocks` is the
  * file's rows, k / 32 blocks of Q4_FILE_BLOCK bytes each. Returns 0, or -1 for such n or k. */
 int q4_gemm_pack(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *packed) {
@@ -686,10 +692,12 @@ int packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
 
 /* y = epilogue(x @ w^T) for a GGUF Q4_1 weight w packed by q4_gemm_pack ([n_out, k], [2 * n_out,
  * k] = [gate; up] for gate_up), with the epilogues of packed_gemm_bf16; x and y as there, n_out a
- * multiple of 16. The products are those of the file's exact weights (d q + m in fp32) with the
- * bf16 x, summed in fp32. For a few rows (a decode step of a few requests): every Q4_ROWS rows
- * take the weights again, from L1. Returns 0, or -1 when the call is not supported (no
- * AVX512-BF16, k or n_out as above, no memory). */
+ * multiple of 16. `widen` 0: the products of the file's exact weights (d q + m in fp32) with the
+ * bf16 x, summed in fp32, for a few rows (every Q4_ROWS rows take the unit's weights again, from
+ * L1); 1: each unit's blocks widened to bf16 and run on the AMX tiles as packed_gemm_bf16 runs the
+ * packed bf16 weight (the same bits as that weight there), 2: the same on the vectors. Returns
+ * 0, or -1 when the call is not supported (no AVX512-BF16, no AMX for 1, k or n_out as above, no
+ * memory). */
 int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const uint16_t *other,
                  int64_t other_stride, uint16_t *y, int64_t y_stride, int64_t rows, int64_t k, int64_t n_out,
                  int epilogue, int num_threads, int widen) {
