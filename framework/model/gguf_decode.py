@@ -202,6 +202,8 @@ def use_gguf_decode(model, folder: str | None, mode: str = "auto") -> bool:
         why = "it needs model.dtype = 'bfloat16'"
     elif gemm is None:
         why = "it needs the C kernels on a CPU with AVX512-BF16"
+    elif model.model.layers[0].self_attn.qkv_proj.tiles is None:
+        why = "it needs worker.packed_weights (the decode path runs on the packed weights)"
     elif model.par.tp_size > 1 or model.par.attn_tp_size > 1:
         why = "it does not shard weights (parallel.tp_size must be 1)"
     elif gguf_path is None:
