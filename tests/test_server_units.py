@@ -224,7 +224,9 @@ def test_freeze_startup_objects_collects_startup_garbage_then_freezes_the_rest()
     try:
         frozen = freeze_startup_objects()
         assert gone() is None, "start-up's cyclic garbage must be collected, not frozen"
-        assert frozen == gc.get_freeze_count() > 0
+        # (not equal: another thread of the test process may free a frozen object meanwhile, which
+        # leaves the permanent generation; a CI run saw 664,255 then 664,253)
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(obj is alive for obj in gc.get_objects()), "a live object is still walked"
         later = Node()
         later.me = later
