@@ -316,3 +316,24 @@ def test_exact_decode_steps_multiply_by_the_files_weights(real_runners, default_
     ok, message = exact.update_weights(default_model_folder)
     assert ok, message
     assert exact.model.q4_layers is not None and exact.model.q4_exact
+
+
+@pytest.mark.e2e
+def test_blocks_that_are_not_the_loaded_weights_are_refused(real_runners, default_model_folder, caplog):
+    """The blocks are checked against the loaded bf16 weights (a row order other than llama's, a
+    GGUF that is not the folder's source): one weight that differs keeps the bf16 weights, with a
+    warning naming it."""
+    model = real_runners["off"].model
+    weight = model.model.layers[0].mlp.down_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight[3, 5] += 1.0
+        with caplog.at_level(logging.WARNING, logger="framework.model.gguf_decode"):
+            assert not gguf_decode.use_gguf_decode(model, default_model_folder, "exact")
+        assert "not the loaded weights (layer 0's down_proj)" in caplog.text and model.q4_layers is None
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+        model.q4_layers, model.q4_exact = None, False
+        model.reset_decode_path()

@@ -7,8 +7,9 @@ output column as d q + m, fp16 d and m, 4-bit q: 20 bytes where bf16 takes 64), 
 GEMM kernel's Q4_1 path (kernels/packed_gemm.c, q4_gemm_bf16) reads ~66 MB a step instead.
 `use_gguf_decode` reads those blocks from the file the folder was converted from (recorded there
 by the loader), in the rows of the converted weights (each head's q and k rows reordered back as
-transformers' GGUF loader does), and gives the model their packed copies; the decode path
-(framework/model/decode_path.py) takes them:
+transformers' GGUF loader does; checked against the loaded weights on the first and last layers),
+and gives the model their packed copies; the decode path (framework/model/decode_path.py) takes
+them:
 
 - "auto" (the default): passes of up to WIDEN_ROWS rows widen each block to bf16(d q + m), the
   conversion's own rounding of it, and run the bf16 path's tile or vector products on it: the
@@ -153,6 +154,8 @@ def _gguf_tensors(cur: _Cursor) -> dict[str, tuple[int, tuple[int, ...], int]]:
         shape = cur.unpack("Q" * dims)
         kind, offset = cur.unpack("IQ")
         infos[name] = (kind, shape, offset)
+    if alignment <= 0:
+        raise ValueError(f"GGUF alignment {alignment}")
     start = -(-cur.pos // alignment) * alignment
     return {name: (kind, shape, start + offset) for name, (kind, shape, offset) in infos.items()}
 
@@ -188,6 +191,32 @@ def read_q4_layers(gguf_path: str, num_layers: int, num_heads: int, num_kv_heads
     return layers
 
 
+def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
+    """fp32 [n, k] of Q4_1 blocks uint8 [n, k / 32, 20]: d q + m, q of element e the low nibble of
+    byte e for e < 16, the high nibble of byte e - 16 above."""
+    n, kbs, _ = blocks.shape
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    qs = blocks[..., 4:20]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)
+    return (d * q + m).reshape(n, kbs * 32)
+
+
+def _first_mismatch(model, layers: list[list[torch.Tensor]]) -> str | None:
+    """Which of a few weights the blocks do not reproduce (their bf16 rounding against the loaded
+    bf16 weight), or None: a guard on the row order for architectures beyond llama's."""
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    for i in sorted({0, len(layers) - 1}):
+        layer = model.model.layers[i]
+        weights = (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+                   layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+        for name, blocks, weight in zip(names, layers[i], weights):
+            exact = torch.from_numpy(dequantize_q4_1(blocks.numpy()))
+            if exact.shape != weight.shape or not torch.equal(exact.to(weight.dtype), weight.detach()):
+                return f"layer {i}'s {name}"
+    return None
+
+
 def use_gguf_decode(model, folder: str | None, mode: str = "auto") -> bool:
     """Give `model` (a bf16 LlamaForCausalLM with the packed GEMM kernel) the packed Q4_1 copies of
     its layer weights from the GGUF `folder` was converted from, for `mode` ("auto" or "exact", see
@@ -211,6 +240,9 @@ def use_gguf_decode(model, folder: str | None, mode: str = "auto") -> bool:
     if why is None:
         try:
             layers = read_q4_layers(gguf_path, config.num_layers, config.num_heads, config.num_kv_heads)
+            mismatch = _first_mismatch(model, layers)
+            if mismatch is not None:
+                raise ValueError(f"its Q4_1 blocks are not the loaded weights ({mismatch})")
             model.q4_layers = [[gemm.q4_pack(w) for w in layer] for layer in layers]
         except (ValueError, OSError) as exc:
             why = f"{os.path.basename(gguf_path)}: {exc}"
