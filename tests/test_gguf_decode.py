@@ -270,6 +270,7 @@ def test_auto_decode_steps_read_the_q4_weights_for_the_same_bits(real_runners, m
         _, got = _decode_logits(auto, [7, 30, 12, 20, 9], steps)
     finally:
         gemm._q4_gemm = real
+        auto.model.reset_decode_path()  # built again, after the test, with the real WIDEN_ROWS
     _, want = _decode_logits(off, [7, 30, 12, 20, 9], steps)
     for rows, a, b in zip(steps, got, want):
         assert torch.equal(a, b), rows
@@ -281,7 +282,8 @@ def test_auto_decode_steps_read_the_q4_weights_for_the_same_bits(real_runners, m
 def test_exact_decode_steps_multiply_by_the_files_weights(real_runners, default_model_folder):
     """worker.gguf_decode = exact: decode steps of up to EXACT_ROWS requests run their GEMMs on the
     file's exact Q4_1 weights, logits as close to transformers' fp32 ones (on the same exact
-    weights) as the bf16 weights give; larger steps widen the blocks to the bf16 weights. Weights reloaded from the same folder get their own Q4_1 copies."""
+    weights) as the bf16 weights give; larger steps widen the blocks to the bf16 weights. Weights
+    reloaded from the same folder get their own Q4_1 copies."""
     from transformers import AutoModelForCausalLM
 
     exact, off = real_runners["exact"], real_runners["off"]

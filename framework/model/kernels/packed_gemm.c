@@ -293,9 +293,10 @@ static inline __attribute__((always_inline)) void q4_tile(const Q4Gemm *q, int64
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b[c] + 256)));
             const __m512 m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f),
                                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b[c] + 288))));
-            for (int r = 0; r < R; r++)
-                tot[r][c] = _mm512_fmadd_ps(d, acc[r][c],
-                                            _mm512_fmadd_ps(m, _mm512_set1_ps(q->xsum[(m0 + r) * kbs + kb]), tot[r][c]));
+            for (int r = 0; r < R; r++) {
+                const __m512 sum_x = _mm512_set1_ps(q->xsum[(m0 + r) * kbs + kb]);
+                tot[r][c] = _mm512_fmadd_ps(d, acc[r][c], _mm512_fmadd_ps(m, sum_x, tot[r][c]));
+            }
         }
     }
     for (int r = 0; r < R; r++) {
@@ -706,7 +707,8 @@ int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
         return -1;
     const int64_t kbs = k / 32;
     if (widen) { /* 1: on the tiles, 2: on the vectors */
-        Q4Gemm q = {{x, NULL, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue, 0}, packed, NULL};
+        Q4Gemm q = {{x, NULL, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue, 0},
+                    packed, NULL};
         const int64_t blocks = n_out / 16;
         int64_t per_unit = widen == 1 ? 2 : VEC_BLOCKS;
         if (epilogue == GATE_UP) per_unit /= 2;
@@ -759,7 +761,8 @@ int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
     const int64_t blocks = n_out / 16, units = epilogue == GATE_UP ? blocks : (blocks + 1) / 2;
     Q4Units spans[MAX_THREADS];
     num_threads = span_threads(num_threads, units);
-    for (int s = 0; s < num_threads; s++) spans[s] = (Q4Units){&q, units * s / num_threads, units * (s + 1) / num_threads};
+    for (int s = 0; s < num_threads; s++)
+        spans[s] = (Q4Units){&q, units * s / num_threads, units * (s + 1) / num_threads};
     run_spans(run_q4_units, spans, sizeof spans[0], num_threads);
     free(xsum);
     return 0;
