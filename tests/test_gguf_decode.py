@@ -118,6 +118,11 @@ def test_a_model_without_a_gguf_source_keeps_the_bf16_weights_and_says_why(caplo
         else:
             assert "not converted from a GGUF file" in caplog.text
         assert caplog.records[-1].levelno == level and runner.model.q4_layers is None
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="framework.model.gguf_decode"):
+        assert not gguf_decode.use_gguf_decode(runner.model, None, "exact", lora=True)
+        assert not gguf_decode.use_gguf_decode(torch.nn.Linear(2, 2), None, "exact")  # not a llama model
+    assert caplog.text.count("without LoRA adapters") == 2 and caplog.records[-1].levelno == logging.WARNING
     if runner.model.kernels is not None and runner.model.kernels.gemm is not None:
         caplog.clear()
         unpacked = _runner(hf, dtype=torch.bfloat16, packed_weights=False)

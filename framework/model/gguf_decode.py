@@ -217,11 +217,16 @@ def _first_mismatch(model, layers: list[list[torch.Tensor]]) -> str | None:
     return None
 
 
-def use_gguf_decode(model, folder: str | None, mode: str = "auto") -> bool:
-    """Give `model` (a bf16 LlamaForCausalLM with the packed GEMM kernel) the packed Q4_1 copies of
-    its layer weights from the GGUF `folder` was converted from, for `mode` ("auto" or "exact", see
-    worker.gguf_decode); returns whether it did. Where it cannot, the decode path keeps the bf16
-    weights, and the log says why (a warning for "exact", which was asked for by name)."""
+def use_gguf_decode(model, folder: str | None, mode: str = "auto", lora: bool = False) -> bool:
+    """Give `model` (a bf16 LlamaForCausalLM with the packed GEMM kernel, no LoRA adapters: `lora`)
+    the packed Q4_1 copies of its layer weights from the GGUF `folder` was converted from, for
+    `mode` ("auto" or "exact", see worker.gguf_decode); returns whether it did. Where it cannot,
+    the decode path keeps the bf16 weights, and the log says why (a warning for "exact", which was
+    asked for by name)."""
+    from framework.model.llama import LlamaForCausalLM  # (llama imports the decode path, which imports us)
+
+    if not isinstance(model, LlamaForCausalLM) or lora:
+        return _keep_bf16(mode, "it takes a plain llama-family model without LoRA adapters")
     model.q4_layers, model.q4_exact = None, False
     model.reset_decode_path()
     config, gemm = model.config, model.kernels.gemm if model.kernels is not None else None
@@ -247,11 +252,17 @@ def use_gguf_decode(model, folder: str | None, mode: str = "auto") -> bool:
         except (ValueError, OSError) as exc:
             why = f"{os.path.basename(gguf_path)}: {exc}"
     if why is not None:
-        log = logger.warning if mode == "exact" else logger.info
-        log("worker.gguf_decode = %r: decode steps keep the bf16 weights: %s", mode, why)
-        return False
+        return _keep_bf16(mode, why)
     model.q4_exact = mode == "exact"
     size = sum(w.numel() for layer in model.q4_layers for w in layer)
     logger.info("Decode steps read the Q4_1 weights of %s (%.0f MB)%s", os.path.basename(gguf_path), size / 1e6,
                 f", exact up to {EXACT_ROWS} requests" if model.q4_exact else "")
     return True
+
+
+def _keep_bf16(mode: str, why: str) -> bool:
+    """Log why decode keeps the bf16 weights (a warning for "exact", asked for by name; "auto" is
+    the default, and most models are not GGUF conversions); returns False."""
+    log = logger.warning if mode == "exact" else logger.info
+    log("worker.gguf_decode = %r: decode steps keep the bf16 weights: %s", mode, why)
+    return False

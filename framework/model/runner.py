@@ -20,7 +20,7 @@ from framework.model.cpu import packed_linear_supported, tune_allocator
 from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig
 from framework.model.gguf_decode import use_gguf_decode
-from framework.model.llama import LlamaForCausalLM, use_cpu_kernels, use_packed_weights
+from framework.model.llama import use_cpu_kernels, use_packed_weights
 from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
@@ -86,15 +86,7 @@ class ModelRunner:
         self.model_path = model_path
         self.gguf_decode = gguf_decode
         if gguf_decode != "off":
-            self._use_gguf_decode(self.model, model_path)
-
-    def _use_gguf_decode(self, model: torch.nn.Module, folder: str) -> bool:
-        if not isinstance(model, LlamaForCausalLM) or self.lora is not None:
-            log = logger.warning if self.gguf_decode == "exact" else logger.info
-            log("worker.gguf_decode = %r: decode steps keep the bf16 weights: it takes a plain llama-family "
-                "model without LoRA adapters", self.gguf_decode)
-            return False
-        return use_gguf_decode(model, folder, self.gguf_decode)
+            use_gguf_decode(self.model, model_path, gguf_decode, lora=self.lora is not None)
 
     @classmethod
     def from_hf_model(cls, hf_model: Any, **kwargs: Any) -> "ModelRunner":
@@ -211,7 +203,7 @@ class ModelRunner:
         if mismatch:
             return False, f"Cannot update weights from {model_path}: {mismatch}; the old weights are kept"
         if self.gguf_decode != "off":  # the new weights' own Q4_1 blocks, or none (the old ones are not theirs)
-            self._use_gguf_decode(model, folder)
+            use_gguf_decode(model, folder, self.gguf_decode, lora=self.lora is not None)
         self.model, self.model_config = model, model_config
         self.model_path = model_path
         return True, f"Updated weights from {model_path}"

@@ -621,7 +621,7 @@ static void *run_units_by_rows(void *arg) {
 /* A Q4_1 weight on the tiles (q4_gemm_bf16, widen 1): unit by unit as run_units, each unit's two
  * column blocks first widened to the bf16 blocks of the dequantized weight (q4_widen_unit), then
  * its passes run on them as on packed_gemm_pack's copy of the model's bf16 weight: the same tile
- * products in the same order, so the same bits, from a quarter of the bytes. Each unit's last pass
+ * products in the same order, so the same bits, from a third of the bytes. Each unit's last pass
  * is finished before the next unit's. */
 static void *run_q4_units_tiles(void *arg) {
     const Q4WideUnits *u = (const Q4WideUnits *)arg;
@@ -639,6 +639,23 @@ static void *run_q4_units_tiles(void *arg) {
     }
     _tile_release();
     return NULL;
+}
+#endif
+
+#if HAVE_AMX
+/* Gives g the zero-padded copy of x's last row group where it is partial (the tiles load 16 rows at
+ * a time; group_rows): *tail is that copy (NULL where the groups are whole), for the caller to free.
+ * Returns -1 without memory. */
+static int pad_last_group(Gemm *g, uint16_t **tail) {
+    *tail = NULL;
+    if (g->rows % 16 == 0) return 0;
+    const int64_t first = g->rows / 16 * 16;
+    *tail = (uint16_t *)calloc((size_t)16 * g->k, sizeof(uint16_t));
+    if (!*tail) return -1;
+    for (int64_t m = first; m < g->rows; m++)
+        memcpy(*tail + (m - first) * g->k, g->x + m * g->x_stride, (size_t)g->k * 2);
+    g->x_tail = *tail;
+    return 0;
 }
 #endif
 
@@ -665,15 +682,8 @@ int packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
         return 0;
     }
 #if HAVE_AMX
-    if (!amx_usable()) return -1;
-    uint16_t *tail = NULL;
-    if (rows % 16) {
-        int64_t first = rows / 16 * 16;
-        tail = (uint16_t *)calloc((size_t)16 * k, sizeof(uint16_t));
-        if (!tail) return -1;
-        for (int64_t m = first; m < rows; m++) memcpy(tail + (m - first) * k, x + m * x_stride, (size_t)k * 2);
-        g.x_tail = tail;
-    }
+    uint16_t *tail;
+    if (!amx_usable() || pad_last_group(&g, &tail)) return -1;
     int64_t units = epilogue == GATE_UP ? blocks : (blocks + 1) / 2;
     num_threads = span_threads(num_threads, units);
     for (int s = 0; s < num_threads; s++)
@@ -706,9 +716,8 @@ int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
     if (rows < 1 || k < 32 || k % 32 || n_out < 16 || n_out % 16 || epilogue < PLAIN || epilogue > GATE_UP)
         return -1;
     const int64_t kbs = k / 32;
+    Q4Gemm q = {{x, NULL, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue, 0}, packed, NULL};
     if (widen) { /* 1: on the tiles, 2: on the vectors */
-        Q4Gemm q = {{x, NULL, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue, 0},
-                    packed, NULL};
         const int64_t blocks = n_out / 16;
         int64_t per_unit = widen == 1 ? 2 : VEC_BLOCKS;
         if (epilogue == GATE_UP) per_unit /= 2;
@@ -717,15 +726,8 @@ int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
         uint16_t *tail = NULL;
         if (widen == 1) {
 #if HAVE_AMX
-            if (!amx_usable()) return -1;
+            if (!amx_usable() || pad_last_group(&q.g, &tail)) return -1;
             run = run_q4_units_tiles;
-            if (rows % 16) { /* as packed_gemm_bf16 */
-                const int64_t first = rows / 16 * 16;
-                tail = (uint16_t *)calloc((size_t)16 * k, sizeof(uint16_t));
-                if (!tail) return -1;
-                for (int64_t m = first; m < rows; m++) memcpy(tail + (m - first) * k, x + m * x_stride, (size_t)k * 2);
-                q.g.x_tail = tail;
-            }
 #else
             return -1;
 #endif
@@ -750,6 +752,7 @@ int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
     }
     float *xsum = (float *)malloc((size_t)(rows * kbs) * sizeof(float));
     if (!xsum) return -1;
+    q.xsum = xsum;
     for (int64_t m = 0; m < rows; m++)
         for (int64_t kb = 0; kb < kbs; kb++) {
             const uint16_t *xb = x + m * x_stride + kb * 32;
@@ -757,7 +760,6 @@ int q4_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
                                      widen_bf16x16(_mm256_loadu_si256((const __m256i *)(xb + 16))));
             xsum[m * kbs + kb] = _mm512_reduce_add_ps(s);
         }
-    Q4Gemm q = {{x, NULL, other, NULL, y, rows, k, n_out, x_stride, y_stride, other_stride, epilogue, 0}, packed, xsum};
     const int64_t blocks = n_out / 16, units = epilogue == GATE_UP ? blocks : (blocks + 1) / 2;
     Q4Units spans[MAX_THREADS];
     num_threads = span_threads(num_threads, units);
