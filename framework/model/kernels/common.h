@@ -220,7 +220,8 @@ static inline __m512 exp16(__m512 x) {
 /* 2^y for y <= 0 (softmax numerators in log2 units), to ~4e-5 relative: 2^n * 2^f with
  * n = round(y), |f| <= 1/2, 2^f by a degree-4 polynomial; below -126 it gives 0. For
  * probabilities that are rounded to bf16 (2^-9 relative) next: 8 instructions where exp16 takes
- * 13, and exp16 was ~30 % of the prefill attention kernel at 256-1,024 tokens. */
+ * 13, and exp16 was ~30 % of the prefill attention kernel at 256-1,024 tokens. Decode attention
+ * uses it; prefill attention now takes a cubic of its own (exp2_softmax, extend_attention.c). */
 static inline __m512 exp2_neg16(__m512 y) {
     y = _mm512_max_ps(y, _mm512_set1_ps(-127.0f));
     __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

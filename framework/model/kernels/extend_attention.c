@@ -179,7 +179,7 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
                 rmax[r] = _mm512_max_ps(rmax[r], _mm512_max_ps(_mm512_loadu_ps(scores + r * ld + b * 32),
                                                                _mm512_loadu_ps(scores + r * ld + b * 32 + 16)));
     }
-    const __m512 scale = _mm512_set1_ps(e->scale * LOG2E); /* exponents in log2 units (exp2_neg16) */
+    const __m512 scale = _mm512_set1_ps(e->scale * LOG2E); /* exponents in log2 units (exp2_softmax) */
     float inv_sum[16];
     for (int r = 0; r < 16; r++) {
         float *s = scores + r * ld;
