@@ -119,8 +119,8 @@ static void *run_copies(void *arg) {
  * |f| <= 1/2, 2^f by the cubic of least relative error there. Six instructions where common.h's
  * exp2_neg16 takes eight: no clamp (y is finite here: keys past seq_len are zero rows), and one
  * degree less for probabilities that are rounded to bf16 (2^-9 relative) next. With the loop's
- * two sums and masks on the last block only (2-core Xeon): 1,024 tokens, one thread 2.48-2.59 ->
- * 2.13-2.24 ms; W200's prefill attention replayed (its 200 prompts, 30 layers' pools, two
+ * two sums and masks on the last block only (2-core Xeon): 1,024 tokens, one thread 2.42-2.59 ->
+ * 2.06-2.31 ms; W200's prefill attention replayed (its 200 prompts, 30 layers' pools, two
  * threads) 1.30-1.32 -> 1.24-1.27 s. Against fp32 attention the mean error is unchanged, the
  * largest within an output's bf16 rounding (7.8e-3 -> 9.2e-3 at 1,000 tokens). */
 static inline __m512 exp2_softmax(__m512 y) {
