@@ -132,6 +132,18 @@ static inline __m512 exp2_softmax(__m512 y) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The softmax numerators of 32 scores s (lanes outside keep0 / keep1 zero) as bf16 into p, and
+ * added to the two sums. */
+static inline __attribute__((always_inline)) void numerators(const float *s, uint16_t *p, __m512 scale, __m512 shift,
+                                                             __mmask16 keep0, __mmask16 keep1, __m512 *sum0,
+                                                             __m512 *sum1) {
+    __m512 x0 = _mm512_maskz_mov_ps(keep0, exp2_softmax(_mm512_fmadd_ps(_mm512_loadu_ps(s), scale, shift)));
+    __m512 x1 = _mm512_maskz_mov_ps(keep1, exp2_softmax(_mm512_fmadd_ps(_mm512_loadu_ps(s + 16), scale, shift)));
+    *sum0 = _mm512_add_ps(*sum0, x0);
+    *sum1 = _mm512_add_ps(*sum1, x1);
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+}
+
 /* Query head g, queries i0..i0+15 (fewer at the end). The block's scores over all the keys it
  * sees are computed first (tile after tile, the tiles never waiting on vector code), then the
  * softmax of each whole row, then P V into four tiles that are stored once: no online rescaling,
@@ -200,22 +212,9 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
         __m512 vsum0 = _mm512_setzero_ps(), vsum1 = _mm512_setzero_ps();
         const int64_t whole = seen / 32 * 32;
         int64_t j = 0;
-        for (; j < whole; j += 32) {
-            __m512 x0 = exp2_softmax(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), scale, shift));
-            __m512 x1 = exp2_softmax(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), scale, shift));
-            vsum0 = _mm512_add_ps(vsum0, x0);
-            vsum1 = _mm512_add_ps(vsum1, x1);
-            _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-        }
-        for (; j < width; j += 32) {
-            __m512 x0 = exp2_softmax(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), scale, shift));
-            __m512 x1 = exp2_softmax(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), scale, shift));
-            x0 = _mm512_maskz_mov_ps(first_lanes(seen - j), x0);
-            x1 = _mm512_maskz_mov_ps(first_lanes(seen - j - 16), x1);
-            vsum0 = _mm512_add_ps(vsum0, x0);
-            vsum1 = _mm512_add_ps(vsum1, x1);
-            _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-        }
+        for (; j < whole; j += 32) numerators(s + j, p + j, scale, shift, 0xFFFF, 0xFFFF, &vsum0, &vsum1);
+        for (; j < width; j += 32)
+            numerators(s + j, p + j, scale, shift, first_lanes(seen - j), first_lanes(seen - j - 16), &vsum0, &vsum1);
         inv_sum[r] = 1.0f / _mm512_reduce_add_ps(_mm512_add_ps(vsum0, vsum1));
     }
     _tile_zero(0);
