@@ -274,3 +274,16 @@ def test_a_served_vllm_gets_the_kv_cache_dtype_and_llama_cpp_refuses_fp8(tmp_pat
     assert cmd[cmd.index("-m") + 1] == str(gguf) and cmd[-1] == "--no-repack"
     assert cli_main(["bench", "peers", "serve", "llamacpp", "--kv-cache-dtype", "fp8_e5m2"]) == 2
     assert "no fp8_e5m2 KV cache" in caplog.text
+
+
+def test_peer_flags_that_do_not_split_are_a_usage_error_naming_the_option(capsys, caplog):
+    """`--llamacpp-args` / `--vllm-args` are split as a shell would; an unclosed quote is an
+    error naming the option (exit 2), before any peer or engine starts."""
+    from framework.bench import peers
+
+    assert peers.peer_flags("--no-repack -ub '512'", "--llamacpp-args") == ["--no-repack", "-ub", "512"]
+    assert peers.peer_flags(None, "--vllm-args") == []
+    with pytest.raises(ValueError, match="--vllm-args: No closing quotation"):
+        peers.peer_flags("--max-num-seqs '8", "--vllm-args")
+    assert cli_main(["bench", "peers", "serve", "llamacpp", "--llamacpp-args=--foo 'x"]) == 2
+    assert "--llamacpp-args: No closing quotation" in caplog.text

@@ -128,12 +128,10 @@ def run_peer(peer: str, args, requests: list[BenchRequest], folder: str, dtype: 
              paths: dict[str, str], kv_cache_dtype: str = "auto") -> tuple[dict, dict]:
     """One peer engine on the workload (framework/bench/peers.py); returns (metrics, details).
     vLLM gets the engine's fp8_e5m2 KV cache too (llama.cpp has no e5m2 cache type)."""
-    import shlex
-
     from framework.bench import peers
 
     if peer == "vllm":
-        extra = shlex.split(args.vllm_args or "")
+        extra = peers.peer_flags(args.vllm_args, "--vllm-args")
         if kv_cache_dtype == "fp8_e5m2" and "--kv-cache-dtype" not in extra:
             extra = ["--kv-cache-dtype", kv_cache_dtype] + extra
         return peers.run_vllm_offline(requests, folder, dtype, python=paths["vllm"], extra_args=extra)
@@ -141,7 +139,7 @@ def run_peer(peer: str, args, requests: list[BenchRequest], folder: str, dtype: 
     metrics, details = peers.run_llamacpp_offline(requests, server_bin=paths["llamacpp"], model=model,
                                                   parallel=args.llamacpp_parallel, ignore_eos=args.ignore_eos,
                                                   progress=not args.disable_tqdm,
-                                                  extra_args=shlex.split(getattr(args, "llamacpp_args", "") or ""))
+                                                  extra_args=peers.peer_flags(args.llamacpp_args, "--llamacpp-args"))
     details["dtype"] = "q4_1" if model and "Q4_1" in os.path.basename(model) else "bfloat16"
     return metrics, details
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shlex
 
 from framework.bench import peers
 
@@ -50,7 +49,7 @@ def serve(args) -> int:
     try:
         cmd, env = peers.serve_command(args.peer[0], args.port, folder=folder, dtype=args.dtype,
                                        model=args.llamacpp_model, kv_cache_dtype=args.kv_cache_dtype,
-                                       llamacpp_args=shlex.split(args.llamacpp_args or ""))
+                                       llamacpp_args=peers.peer_flags(args.llamacpp_args, "--llamacpp-args"))
     except (peers.PeerMissing, ValueError) as exc:
         logger.error("%s", exc)
         return 2

@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -61,6 +62,14 @@ class PeerPaths:
         return cls(vllm_python=os.path.join(home, "vllm", "bin", "python"),
                    llamacpp_server=os.path.join(home, "llamacpp", "bin", "llama-server"),
                    llamacpp_bf16_gguf=os.path.join(home, GGUF_NAME.replace(".Q4_1.", ".bf16.")))
+
+
+def peer_flags(text: str | None, option: str) -> list[str]:
+    """More command-line flags for a peer: `text`, the value of `option`, split as a shell splits it."""
+    try:
+        return shlex.split(text or "")
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc} in {text!r}") from None
 
 
 class PeerMissing(RuntimeError):
