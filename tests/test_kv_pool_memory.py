@@ -1,0 +1,90 @@
+"""Where the KV pools live: zeroed memory advised onto transparent huge pages (framework/memory.py)."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework import memory
+from framework.memory import HUGE_PAGE, TokenToKVPool, widen_kv, zeros_on_huge_pages
+
+_HAS_ADVICE = hasattr(mmap, "MADV_HUGEPAGE")
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_honours_madvise() -> bool:
+    try:
+        text = _THP_SETTING.read_text()
+    except OSError:
+        return False
+    return "[always]" in text or "[madvise]" in text
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _pool(size: int = 40_000, dtype: torch.dtype = torch.bfloat16) -> TokenToKVPool:
+    return TokenToKVPool(size, dtype, num_kv_heads=3, head_dim=64, num_layers=2)
+
+
+@pytest.mark.skipif(not _HAS_ADVICE, reason="no MADV_HUGEPAGE on this platform")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2, torch.float32])
+def test_pool_buffers_are_zeroed_and_start_on_a_huge_page(dtype):
+    pool = _pool(dtype=dtype)
+    for buf in pool.k_buffer + pool.v_buffer:
+        assert buf.shape == (40_001, 3, 64) and buf.dtype == pool.store_dtype and buf.is_contiguous()
+        assert buf.data_ptr() % HUGE_PAGE == 0
+        assert not buf.view(torch.uint8).any()
+    # the buffers are distinct memory, written and read through the pool as before
+    loc = torch.tensor([1, 7, 40_000])
+    k = torch.full((3, 3, 64), 1.5)
+    pool.set_kv(1, loc, k, -k)
+    assert torch.equal(widen_kv(pool.k_buffer[1][loc], torch.float32), k)
+    assert torch.equal(widen_kv(pool.v_buffer[1][loc], torch.float32), -k)
+    assert not pool.k_buffer[0].view(torch.uint8).any() and not pool.v_buffer[0].view(torch.uint8).any()
+
+
+@pytest.mark.skipif(not (_HAS_ADVICE and _thp_honours_madvise() and Path("/proc/self/smaps").exists()),
+                    reason="transparent huge pages off (or not Linux)")
+def test_pool_buffers_get_huge_pages_where_the_kernel_gives_them():
+    pool = _pool()
+    got = [_anon_huge_kib(buf.data_ptr()) for buf in pool.k_buffer + pool.v_buffer]
+    # each 15.4 MB buffer spans seven whole huge pages; a busy machine may be short of some
+    assert max(got) >= HUGE_PAGE // 1024, got
+
+
+def test_a_view_outlives_its_pool():
+    pool = _pool()
+    pool.k_buffer[0][5] = 2.0
+    row = pool.k_buffer[0][5]
+    del pool
+    gc.collect()
+    assert torch.equal(row, torch.full((3, 64), 2.0, dtype=torch.bfloat16))
+
+
+def test_small_or_unmappable_buffers_are_plain_zeros(monkeypatch):
+    small = zeros_on_huge_pages((4, 3, 64), torch.bfloat16)
+    assert small.shape == (4, 3, 64) and not small.any()
+
+    def refuse(*args, **kwargs):
+        raise OSError("mmap refused")
+
+    monkeypatch.setattr(memory.mmap, "mmap", refuse)
+    big = zeros_on_huge_pages((40_001, 3, 64), torch.bfloat16)
+    assert big.shape == (40_001, 3, 64) and big.dtype == torch.bfloat16 and not big.any()
+    big[0] = 1.0  # an ordinary writable tensor
+    assert big[0].sum() == 192
