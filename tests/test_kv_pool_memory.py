@@ -13,15 +13,10 @@ from framework import memory
 from framework.memory import HUGE_PAGE, TokenToKVPool, widen_kv, zeros_on_huge_pages
 
 _HAS_ADVICE = hasattr(mmap, "MADV_HUGEPAGE")
-_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def _thp_honours_madvise() -> bool:
-    try:
-        text = _THP_SETTING.read_text()
-    except OSError:
-        return False
-    return "[always]" in text or "[madvise]" in text
+    return memory.thp_mode() in ("always", "madvise")
 
 
 def _anon_huge_kib(address: int) -> int:
@@ -74,6 +69,25 @@ def test_a_view_outlives_its_pool():
     del pool
     gc.collect()
     assert torch.equal(row, torch.full((3, 64), 2.0, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not _HAS_ADVICE, reason="no MADV_HUGEPAGE on this platform")
+def test_with_huge_pages_off_the_pool_is_plain_zeros_and_the_log_says_so(monkeypatch, tmp_path, caplog):
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(memory, "THP_SETTING", setting)
+    memory.thp_mode.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="framework.memory"):
+            pool = _pool()
+        assert memory.thp_mode() == "never"
+        assert "Transparent huge pages are off" in caplog.text and str(setting) in caplog.text
+        assert caplog.text.count("Transparent huge pages are off") == 1  # once, not per buffer
+        buf = pool.k_buffer[0]
+        assert buf.shape == (40_001, 3, 64) and not buf.any()
+        assert buf.data_ptr() % HUGE_PAGE != 0 or _anon_huge_kib(buf.data_ptr()) == 0
+    finally:
+        memory.thp_mode.cache_clear()
 
 
 def test_small_or_unmappable_buffers_are_plain_zeros(monkeypatch):
