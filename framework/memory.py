@@ -33,8 +33,8 @@ def thp_mode() -> str | None:
         return None
     mode = found.group(1) if found else None
     if mode == "never":
-        logger.info("Transparent huge pages are off (%s: never): the KV pool stays on 4 KiB pages, decode "
-                    "attention ~6 %% slower (`madvise` or `always` there gives them)", THP_SETTING)
+        logger.info("cache.kv_huge_pages: transparent huge pages are off (%s: never), so the KV pool stays "
+                    "on 4 KiB pages (`madvise` or `always` there gives them)", THP_SETTING)
     return mode
 
 
@@ -43,12 +43,15 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
     A decode step reads every running request's KV, scattered over the pools (each request's
     decoded tokens a batch's worth of slots apart), so on 4 KiB pages its reads keep missing the
-    TLB. The pools are therefore mapped on their own (anonymous and private, so zero-filled) and
-    advised MADV_HUGEPAGE, which Linux honours where /sys/kernel/mm/transparent_hugepage/enabled
+    TLB. With `cache.kv_huge_pages` the pools are mapped on their own (anonymous and private, so
+    zero-filled) and advised MADV_HUGEPAGE, which Linux honours where /sys/kernel/mm/transparent_hugepage/enabled
     is `always` or `madvise` (the usual default). Measured on a 2-core Xeon (docs/performance.md,
     issue 17's fifteenth session): decode attention over 200 requests' pools 2.29-2.31 -> 2.16-2.18
     ms a layer. The pages are faulted in here, as torch.zeros would: left to the first passes that
-    write there, the faults (on a VM, each one also the host's) made a W200 run 60 % slower.
+    write there, the faults (on a VM, each one also the host's) made a W200 run 60 % slower. That
+    is why it is not the default: where the VM hands free memory back to its host (virtio-balloon
+    free page reporting, as on the 2-core VM above), fresh huge pages come from memory the host
+    must back again, ~5 s a GB at start-up (4 KiB pages there took 0.2 s a GB).
     Elsewhere (no MADV_HUGEPAGE, THP `never`, a failed mmap, under a megabyte) this is
     torch.zeros."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -122,8 +125,10 @@ class TokenToKVPool:
         head_dim: int,
         num_layers: int,
         device: str = "cpu",
+        huge_pages: bool = False,
     ):
         self.size = size
+        self.huge_pages = huge_pages
         self.dtype = dtype
         self.store_dtype = torch.uint8 if dtype == torch.float8_e5m2 else dtype
         self.device = device
@@ -137,7 +142,7 @@ class TokenToKVPool:
         self.clear()
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if torch.device(self.device).type == "cpu":
+        if self.huge_pages and torch.device(self.device).type == "cpu":
             return zeros_on_huge_pages(shape, self.store_dtype)
         return torch.zeros(shape, dtype=self.store_dtype, device=self.device)
 

@@ -33,7 +33,16 @@ def _anon_huge_kib(address: int) -> int:
 
 
 def _pool(size: int = 40_000, dtype: torch.dtype = torch.bfloat16) -> TokenToKVPool:
-    return TokenToKVPool(size, dtype, num_kv_heads=3, head_dim=64, num_layers=2)
+    return TokenToKVPool(size, dtype, num_kv_heads=3, head_dim=64, num_layers=2, huge_pages=True)
+
+
+def test_pools_stay_on_torch_zeros_unless_asked(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("zeros_on_huge_pages called without cache.kv_huge_pages")
+
+    monkeypatch.setattr(memory, "zeros_on_huge_pages", refuse)
+    pool = TokenToKVPool(40_000, torch.bfloat16, num_kv_heads=3, head_dim=64, num_layers=2)
+    assert not pool.huge_pages and pool.k_buffer[0].shape == (40_001, 3, 64) and not pool.k_buffer[0].any()
 
 
 @pytest.mark.skipif(not _HAS_ADVICE, reason="no MADV_HUGEPAGE on this platform")
@@ -81,8 +90,8 @@ def test_with_huge_pages_off_the_pool_is_plain_zeros_and_the_log_says_so(monkeyp
         with caplog.at_level("INFO", logger="framework.memory"):
             pool = _pool()
         assert memory.thp_mode() == "never"
-        assert "Transparent huge pages are off" in caplog.text and str(setting) in caplog.text
-        assert caplog.text.count("Transparent huge pages are off") == 1  # once, not per buffer
+        assert "transparent huge pages are off" in caplog.text and str(setting) in caplog.text
+        assert caplog.text.count("transparent huge pages are off") == 1  # once, not per buffer
         buf = pool.k_buffer[0]
         assert buf.shape == (40_001, 3, 64) and not buf.any()
         assert buf.data_ptr() % HUGE_PAGE != 0 or _anon_huge_kib(buf.data_ptr()) == 0
@@ -102,3 +111,20 @@ def test_small_or_unmappable_buffers_are_plain_zeros(monkeypatch):
     assert big.shape == (40_001, 3, 64) and big.dtype == torch.bfloat16 and not big.any()
     big[0] = 1.0  # an ordinary writable tensor
     assert big[0].sum() == 192
+
+
+@pytest.mark.skipif(not _HAS_ADVICE, reason="no MADV_HUGEPAGE on this platform")
+def test_the_setting_puts_an_engines_pool_on_huge_pages_with_the_same_outputs(make_engine):
+    """cache.kv_huge_pages reaches the worker's pool (its buffers mapped on their own), and greedy
+    outputs over it are the same tokens as over the default pool (leak-checked engines)."""
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9] * 5]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    outputs = []
+    for huge in (False, True):
+        engine = make_engine(cache={"max_total_tokens": None, "kv_cache_memory_mb": 8, "kv_huge_pages": huge})
+        pool = engine.scheduler.worker.token_to_kv_pool
+        assert pool.huge_pages is huge
+        if huge:
+            assert all(buf.data_ptr() % HUGE_PAGE == 0 for buf in pool.k_buffer + pool.v_buffer)
+        outputs.append([o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)])
+    assert outputs[0] == outputs[1] and [len(o) for o in outputs[1]] == [8, 8]

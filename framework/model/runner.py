@@ -57,6 +57,8 @@ class ModelRunner:
         packed_weights: worker.packed_weights: prepack bf16 linear weights for oneDNN on CPU.
         gguf_decode: worker.gguf_decode ("auto", "exact" or "off"): decode steps on the Q4_1 weights
             of the GGUF `model_path` was converted from (framework/model/gguf_decode.py).
+        kv_huge_pages: cache.kv_huge_pages: a CPU KV pool on transparent huge pages
+            (memory.zeros_on_huge_pages).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class ModelRunner:
         packed_weights: bool = True,
         kv_dtype: torch.dtype | None = None,
         gguf_decode: str = "auto",
+        kv_huge_pages: bool = False,
     ):
         if gguf_decode not in ("auto", "exact", "off"):
             raise ValueError(f"gguf_decode must be 'auto', 'exact' or 'off', got {gguf_decode!r}")
@@ -81,7 +84,7 @@ class ModelRunner:
         self._setup(
             hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
             max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
-            device, seed, lora_paths, cpu_kernels, packed_weights, kv_dtype,
+            device, seed, lora_paths, cpu_kernels, packed_weights, kv_dtype, kv_huge_pages,
         )
         self.model_path = model_path
         self.gguf_decode = gguf_decode
@@ -111,12 +114,13 @@ class ModelRunner:
         cpu_kernels: str = "auto",
         packed_weights: bool = True,
         kv_dtype: torch.dtype | None = None,
+        kv_huge_pages: bool = False,
     ) -> "ModelRunner":
         runner = cls.__new__(cls)
         runner._setup(
             hf_config, state_dict.items(), tokenizer, dtype, max_total_tokens,
             kv_cache_memory_bytes, max_running_requests, context_length, device, seed, lora_paths,
-            cpu_kernels, packed_weights, kv_dtype,
+            cpu_kernels, packed_weights, kv_dtype, kv_huge_pages,
         )
         runner.model_path = None
         runner.gguf_decode = "off"
@@ -138,6 +142,7 @@ class ModelRunner:
         cpu_kernels: str = "auto",
         packed_weights: bool = True,
         kv_dtype: torch.dtype | None = None,
+        kv_huge_pages: bool = False,
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
@@ -145,6 +150,7 @@ class ModelRunner:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be float32, bfloat16 or float8_e5m2, got {kv_dtype}")
         self.kv_dtype = kv_dtype
+        self.kv_huge_pages = kv_huge_pages
         torch.manual_seed(seed)
         if device == "cpu":
             tuned = tune_allocator()
@@ -261,7 +267,7 @@ class ModelRunner:
         )
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_num_tokens, self.kv_dtype, self.num_local_kv_heads, cfg.head_dim, cfg.num_layers,
-            device=self.device,
+            device=self.device, huge_pages=self.kv_huge_pages,
         )
 
     # -- passes ---------------------------------------------------------------------------------
