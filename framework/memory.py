@@ -44,16 +44,15 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     A decode step reads every running request's KV, scattered over the pools (each request's
     decoded tokens a batch's worth of slots apart), so on 4 KiB pages its reads keep missing the
     TLB. With `cache.kv_huge_pages` the pools are mapped on their own (anonymous and private, so
-    zero-filled) and advised MADV_HUGEPAGE, which Linux honours where /sys/kernel/mm/transparent_hugepage/enabled
-    is `always` or `madvise` (the usual default). Measured on a 2-core Xeon (docs/performance.md,
-    issue 17's fifteenth session): decode attention over 200 requests' pools 2.29-2.31 -> 2.16-2.18
-    ms a layer. The pages are faulted in here, as torch.zeros would: left to the first passes that
-    write there, the faults (on a VM, each one also the host's) made a W200 run 60 % slower. That
-    is why it is not the default: where the VM hands free memory back to its host (virtio-balloon
-    free page reporting, as on the 2-core VM above), fresh huge pages come from memory the host
-    must back again, ~5 s a GB at start-up (4 KiB pages there took 0.2 s a GB).
-    Elsewhere (no MADV_HUGEPAGE, THP `never`, a failed mmap, under a megabyte) this is
-    torch.zeros."""
+    zero-filled) and advised MADV_HUGEPAGE, which Linux honours where THP_SETTING is `always` or
+    `madvise` (the usual default). Measured on a 2-core Xeon (docs/performance.md, issue 17's
+    fifteenth session): decode attention over 200 requests' pools 2.29-2.31 -> 2.16-2.18 ms a
+    layer. The pages are faulted in here, as torch.zeros would: left to the first passes that write
+    there, the faults (on a VM, each one also the host's) made a W200 run 60 % slower. And that is
+    why it is not the default: where the VM hands free memory back to its host (virtio-balloon free
+    page reporting, as on that Xeon), fresh huge pages come from memory the host must back again,
+    ~5 s a GB at start-up (4 KiB pages there took 0.2 s a GB). Elsewhere (no MADV_HUGEPAGE, THP
+    `never`, a failed mmap, under a megabyte) this is torch.zeros."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or nbytes < HUGE_PAGE // 2 or thp_mode() == "never":
