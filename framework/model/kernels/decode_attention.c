@@ -328,7 +328,11 @@ static float softmax_numerators(float *scores, int64_t len, float scale) {
  * A decode step with drafts (jump-forward) gives a request one row per token: up to MULTI_MAX of
  * them share one pass over its K blocks (amx_request), then each takes its own pass over V, the
  * first from DRAM and the rest from L2. 200 requests of 150-350 + 64 tokens (30 layers' pools,
- * 2-core Xeon), three rows each: 3.95 -> 3.51 ms a layer (one row each: 2.31-2.35 either way). */
+ * 2-core Xeon), three rows each: 3.95 -> 3.51 ms a layer (one row each: 2.31-2.35 either way).
+ * In the V pass a block's P tiles are written while the block before it is in the tiles, and the
+ * softmax's maximum runs in four chains: with the KV in the L3 (one layer's pools read again,
+ * 200 requests) 1.32-1.42 -> 1.28-1.32 ms a layer; from DRAM the memory sets the pace either way
+ * (2.19-2.35 -> 2.20-2.23). */
 
 typedef struct {
     float *scores;  /* [queries][16 * blocks][16]: token t's scores for the 16 query heads at t * 16 */
@@ -457,48 +461,62 @@ static void amx_values(const Args *a, const float *scores, const int64_t *slots,
     if (prefetch) prefetch_l2(v, slots, 0, 32, len, pool_slot_bytes);
     /* P's numerators 2^(log2(e) (scale * s - scale * max)) (exp2_neg16) */
     const __m512 scale = _mm512_set1_ps(a->scale * LOG2E);
-    __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t++) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(scores + t * 16));
+    /* the maxima in four chains (one waited on each max's latency, a token at a time) */
+    __m512 m4[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                    _mm512_set1_ps(-INFINITY)};
+    int64_t t = 0;
+    for (; t + 4 <= len; t += 4)
+        for (int c = 0; c < 4; c++) m4[c] = _mm512_max_ps(m4[c], _mm512_loadu_ps(scores + (t + c) * 16));
+    for (; t < len; t++) m4[0] = _mm512_max_ps(m4[0], _mm512_loadu_ps(scores + t * 16));
+    __m512 vmax = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
+    __m512 vsum = _mm512_setzero_ps();
     const __m512 shift = _mm512_mul_ps(vmax, _mm512_set1_ps(-a->scale * LOG2E));
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     rows[0] = block_rows(v, a->kv_fmt, slots, 0, len, slot, s->rows, &stride[0]);
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t t0 = b * 16;
-        __m512i p[16];
-        for (int u = 0; u < 16; u++) {
-            if (t0 + u < len) {
-                __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(scores + (t0 + u) * 16), scale, shift));
-                vsum = _mm512_add_ps(vsum, e);
-                p[u] = _mm512_cvtepu16_epi32(to_bf16x16(e));
-            } else {
-                p[u] = _mm512_setzero_si512();
+    /* Block b's P tiles are written a block ahead, while block b - 1's products run: a tile load
+     * right after the vector stores of its bytes waited for them to reach L1. */
+    for (int64_t b = 0; b <= blocks; b++) {
+        if (b < blocks) {
+            const int64_t t0 = b * 16;
+            __m512i p[16];
+            for (int u = 0; u < 16; u++) {
+                if (t0 + u < len) {
+                    __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(scores + (t0 + u) * 16), scale, shift));
+                    vsum = _mm512_add_ps(vsum, e);
+                    p[u] = _mm512_cvtepu16_epi32(to_bf16x16(e));
+                } else {
+                    p[u] = _mm512_setzero_si512();
+                }
+            }
+            transpose16(p); /* p[g]: query head g's 16 probabilities, bf16 in the low halves */
+            uint32_t *pt = s->pt + (b & 1) * kv_heads * 2 * 256;
+            for (int g = 0; g < heads; g++) {
+                uint32_t *tile = pt + (g / group) * 2 * 256 + g * 16;
+                _mm512_storeu_si512(tile, p[g]);
+                _mm512_storeu_si512(tile + 256, _mm512_slli_epi32(p[g], 16));
             }
         }
-        transpose16(p); /* p[g]: query head g's 16 probabilities, bf16 in the low halves */
-        uint32_t *pt = s->pt + (b & 1) * kv_heads * 2 * 256;
-        for (int g = 0; g < heads; g++) {
-            uint32_t *tile = pt + (g / group) * 2 * 256 + g * 16;
-            _mm512_storeu_si512(tile, p[g]);
-            _mm512_storeu_si512(tile + 256, _mm512_slli_epi32(p[g], 16));
-        }
-        const uint16_t *r = rows[b & 1];
+        if (b == 0) continue;
+        const int64_t t0 = (b - 1) * 16;
+        uint32_t *pt = s->pt + ((b - 1) & 1) * kv_heads * 2 * 256;
+        const uint16_t *r = rows[(b - 1) & 1];
         for (int h = 0; h < kv_heads; h++) {
             _tile_loadd(4, pt + h * 2 * 256, 64);
             _tile_loadd(5, pt + h * 2 * 256 + 256, 64);
-            _tile_loadd(6, r + h * 64, stride[b & 1]);
-            _tile_loadd(7, r + h * 64 + 32, stride[b & 1]);
+            _tile_loadd(6, r + h * 64, stride[(b - 1) & 1]);
+            _tile_loadd(7, r + h * 64 + 32, stride[(b - 1) & 1]);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 5, 6);
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
         if (prefetch) prefetch_l2(v, slots, t0 + 32, t0 + 48, len, pool_slot_bytes);
-        if (b + 1 < blocks)
-            rows[(b + 1) & 1] = block_rows(v, a->kv_fmt, slots, t0 + 16, len, slot, s->rows + ((b + 1) & 1) * 16 * slot,
-                                           &stride[(b + 1) & 1]);
+        if (b < blocks)
+            rows[b & 1] = block_rows(v, a->kv_fmt, slots, t0 + 16, len, slot, s->rows + (b & 1) * 16 * slot,
+                                     &stride[b & 1]);
     }
     /* o[c]: [16 query heads][16 columns]: head_dim 2j (c = 0), 2j + 1 (1), 32 + 2j (2), 33 + 2j (3) */
     float o[4][256], sums[16];
