@@ -461,7 +461,7 @@ static void amx_values(const Args *a, const float *scores, const int64_t *slots,
     if (prefetch) prefetch_l2(v, slots, 0, 32, len, pool_slot_bytes);
     /* P's numerators 2^(log2(e) (scale * s - scale * max)) (exp2_neg16) */
     const __m512 scale = _mm512_set1_ps(a->scale * LOG2E);
-    /* the maxima in four chains (one waited on each max's latency, a token at a time) */
+    /* the maxima in four chains (a single chain waited on each max's latency, token by token) */
     __m512 m4[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
                     _mm512_set1_ps(-INFINITY)};
     int64_t t = 0;
