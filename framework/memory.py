@@ -53,7 +53,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     page reporting, as on that Xeon), fresh huge pages come from memory the host must back again,
     ~5 s a GB at start-up (4 KiB pages there took 0.2 s a GB). Elsewhere (no MADV_HUGEPAGE, THP
     `never`, a failed mmap, under a megabyte) this is torch.zeros."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or nbytes < HUGE_PAGE // 2 or thp_mode() == "never":
         return torch.zeros(shape, dtype=dtype)
@@ -148,7 +148,7 @@ class TokenToKVPool:
     @staticmethod
     def cell_size(num_kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype) -> int:
         """Bytes one token of KV takes over all layers (reference P3)."""
-        return num_kv_heads * head_dim * num_layers * 2 * torch.empty((), dtype=dtype).element_size()
+        return num_kv_heads * head_dim * num_layers * 2 * dtype.itemsize
 
     def available_size(self) -> int:
         return int(self.free_slots.numel())
