@@ -381,9 +381,10 @@ def test_the_default_packed_gemm_takes_the_tiles_where_there_are():
 @needs_kernel
 def test_no_amx_picks_the_kernels_of_a_cpu_without_amx():
     kernels = cpu_kernels.pick("no_amx", "cpu")
-    assert kernels is not None and not kernels.decode_tiles and kernels.extend_attention is None
+    assert kernels is not None and not kernels.decode_tiles
     assert kernels.gemm is None if not GEMMS else not kernels.gemm.tiles
-    assert KERNELS.decode_tiles and (KERNELS.extend_attention is not None) == HAS_TILES
+    assert kernels.extend_attention is None if not GEMMS else not kernels.extend_attention.tiles
+    assert KERNELS.decode_tiles
     assert "AMX tiles not used" in cpu_kernels.kernels_note(kernels) or not GEMMS
 
 
@@ -517,10 +518,23 @@ def test_packed_gemm_refuses_what_it_cannot_do(gemm):
         gemm.linear(x, packed, 32, add=torch.zeros(3, 31, dtype=torch.bfloat16))
 
 
-# -- prefill attention on AMX tiles (kernels/extend_attention.c) -------------------------------------
+# -- prefill attention on AMX tiles and AVX512-BF16 vectors (kernels/extend_attention.c) ------------
 
-EXTEND = KERNELS.extend_attention if KERNELS is not None else None
-needs_extend = pytest.mark.skipif(EXTEND is None, reason="no C compiler or no AMX tiles on this CPU")
+# Every path this CPU has, as for the GEMMs.
+EXTENDS = [] if KERNELS is None else [
+    x for x in (cpu_kernels.load_extend_kernel(tiles=True), cpu_kernels.load_extend_kernel(tiles=False)) if x is not None
+]
+each_extend = pytest.mark.parametrize(
+    "extend", EXTENDS or [pytest.param(None, marks=pytest.mark.skip(reason="no C compiler or no AVX512-BF16"))],
+    ids=lambda x: "none" if x is None else "tiles" if x.tiles else "vectors",
+)
+
+
+def test_prefill_attention_takes_the_tiles_where_there_are_else_the_vectors():
+    if not GEMMS:
+        pytest.skip("no C compiler or no AVX512-BF16 on this CPU")
+    assert sorted(x.tiles for x in EXTENDS) == ([False, True] if HAS_TILES else [False])
+    assert KERNELS.extend_attention is not None and KERNELS.extend_attention.tiles == HAS_TILES
 
 
 def _extend_reference(q, k_pool, v_pool, slots, prefix_len, round_p: bool = False):
@@ -539,11 +553,12 @@ def _extend_reference(q, k_pool, v_pool, slots, prefix_len, round_p: bool = Fals
     return ((num.bfloat16().float() @ v) / num.sum(-1, keepdim=True)).transpose(0, 1)
 
 
-@needs_extend
+@each_extend
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("ext_len,prefix_len,heads,kv_heads", [(37, 0, 9, 3), (2, 0, 4, 4), (16, 0, 9, 3),
-                                                                 (100, 45, 9, 3), (17, 300, 8, 1), (300, 7, 6, 2)])
-def test_extend_attention_matches_fp32(ext_len, prefix_len, heads, kv_heads, kv_dtype):
+                                                                 (100, 45, 9, 3), (17, 300, 8, 1), (300, 7, 6, 2),
+                                                                 (13, 0, 9, 3), (9, 20, 2, 1)])
+def test_extend_attention_matches_fp32(extend, ext_len, prefix_len, heads, kv_heads, kv_dtype):
     """Against fp32 attention of the same bf16 inputs (or the fp8 pool's values), within bf16
     rounding (P is rounded to bf16 before P V, as torch's flash attention does): query blocks cut
     at 16, key blocks at 32, a cached prefix, grouped-query heads, slots scattered over the pool;
@@ -554,7 +569,7 @@ def test_extend_attention_matches_fp32(ext_len, prefix_len, heads, kv_heads, kv_
     slots = torch.randperm(pool, generator=gen)[: prefix_len + ext_len]
     q = _bf16(gen, ext_len, heads + 1, 64, scale=2.0)[:, :heads]  # strided rows
     out = torch.full((ext_len, heads + 2, 64), float("nan"), dtype=torch.bfloat16)
-    rc = EXTEND(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), cpu_kernels.kv_format(k_pool),
+    rc = extend(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), cpu_kernels.kv_format(k_pool),
                 slots.data_ptr(), prefix_len + ext_len, prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads,
                 64, 0.125, 2)
     assert rc == 0
@@ -568,9 +583,9 @@ def test_extend_attention_matches_fp32(ext_len, prefix_len, heads, kv_heads, kv_
     assert out[:, heads:].isnan().all()  # nothing written past the heads
 
 
-@needs_extend
+@each_extend
 @pytest.mark.parametrize("prefix_len", [0, 70])
-def test_extend_attention_keeps_later_keys_out_of_each_rows_max(prefix_len):
+def test_extend_attention_keeps_later_keys_out_of_each_rows_max(extend, prefix_len):
     """A key with a huge score, seen by the later rows of a query block only: the earlier rows'
     softmax must not take it as their max (their probabilities would all underflow to 0 and the
     row turn NaN). The rows' max over the blocks every row sees is taken apart from the rest."""
@@ -583,7 +598,7 @@ def test_extend_attention_keeps_later_keys_out_of_each_rows_max(prefix_len):
     k_pool[big + 1] = (q[32, 0].float() * 60).to(torch.bfloat16)
     slots = torch.arange(1, seq_len + 1)
     out = torch.full((ext_len, heads, 64), float("nan"), dtype=torch.bfloat16)
-    rc = EXTEND(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), cpu_kernels.kv_format(k_pool),
+    rc = extend(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), cpu_kernels.kv_format(k_pool),
                 slots.data_ptr(), seq_len, prefix_len, out.data_ptr(), out.stride(0), heads, 1, 64, 0.125, 2)
     assert rc == 0
     assert not out.isnan().any()
@@ -591,19 +606,23 @@ def test_extend_attention_keeps_later_keys_out_of_each_rows_max(prefix_len):
                                atol=2e-2, rtol=2e-2)
 
 
-@needs_extend
-def test_extend_attention_refuses_what_it_cannot_do():
+@each_extend
+def test_extend_attention_refuses_what_it_cannot_do(extend):
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     pool, slots = torch.zeros(8, 1, 64, dtype=torch.bfloat16), torch.arange(4)
 
     def call(heads=2, kv_heads=1, head_dim=64, seq_len=4, prefix_len=0, kv_fmt=1):
         out = torch.zeros_like(q)
-        return EXTEND(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.data_ptr(), kv_fmt, slots.data_ptr(), seq_len,
+        return extend(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.data_ptr(), kv_fmt, slots.data_ptr(), seq_len,
                       prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads, head_dim, 0.125, 2)
 
     assert call() == 0 and call(kv_fmt=2) == 0
     assert call(head_dim=32) == -1 and call(heads=3, kv_heads=2) == -1 and call(prefix_len=4) == -1
     assert call(kv_fmt=0) == -1  # an fp32 pool
+    if not HAS_TILES:  # the tiles, asked for where there are none
+        tiles = cpu_kernels.ExtendAttention(extend._fn, True)
+        assert tiles(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.data_ptr(), 1, slots.data_ptr(), 4, 0,
+                     q.clone().data_ptr(), q.stride(0), 2, 1, 64, 0.125, 2) == -1
 
 
 # -- decode attention on AMX tiles (amx_request in kernels/decode_attention.c) ----------------------

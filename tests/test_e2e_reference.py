@@ -93,8 +93,11 @@ def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype):
                     cache={"max_total_tokens": 4096})
     try:
         tok = engine.tokenizer
+        # Not "What is the capital of France?": its first token is a near-tie in bf16 ("The" and "L"
+        # 0-0.125 apart on an AMD EPYC, depending on the kernels and a cached prefix), where this
+        # one's tokens are >= 0.5 apart on every path measured.
         prompt = tok.apply_chat_template(
-            [{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+            [{"role": "user", "content": "Name the capital city of France."}], tokenize=False,
             add_generation_prompt=True,
         )
         out = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0})

@@ -144,16 +144,16 @@ def test_extend_with_prefix_matches_hf(hf_model, runner):
         assert out.input_token_logprobs[i] == pytest.approx(expected, abs=ATOL)
 
 
-def test_bf16_prefill_attention_runs_on_the_amx_kernel():
+def test_bf16_prefill_attention_runs_on_the_c_kernel():
     """With head_dim 64 in bf16, multi-token requests (a plain prefill and one over a cached
-    prefix) are attended by the AMX kernel where there is one; the logits stay close to fp32
-    transformers."""
+    prefix) are attended by the C kernel (AMX tiles or AVX512-BF16 vectors) where there is one;
+    the logits stay close to fp32 transformers."""
     hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
                                       num_key_value_heads=1))
     runner = _runner(hf, dtype=torch.bfloat16, packed_weights=True)
     backend = runner.model.attn_backend
     if backend.extend_kernel is None:
-        pytest.skip("no prefill attention kernel here (no C compiler or no AMX tiles)")
+        pytest.skip("no prefill attention kernel here (no C compiler or no AVX512-BF16)")
     calls: list[int] = []
     real = backend.extend_kernel
     backend.extend_kernel = lambda *args: calls.append(args[6]) or real(*args)  # the KV length
@@ -312,8 +312,8 @@ def test_an_fp8_kv_cache_is_read_alike_by_the_kernels_and_pytorch(dtype):
 
 
 def test_no_amx_runs_the_paths_of_a_cpu_without_amx():
-    """worker.cpu_kernels = "no_amx": the packed GEMMs on AVX512-BF16 vectors, SDPA for prefill
-    and decode attention off the tiles, as on a CPU without AMX, with logits close to fp32
+    """worker.cpu_kernels = "no_amx": the packed GEMMs, prefill attention and decode attention on
+    AVX512-BF16 vectors, off the tiles, as on a CPU without AMX, with logits close to fp32
     transformers (on such a CPU "auto" takes these paths by itself)."""
     hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
                                       num_key_value_heads=1))
@@ -321,11 +321,14 @@ def test_no_amx_runs_the_paths_of_a_cpu_without_amx():
     kernels, backend = runner.cpu_kernels, runner.model.attn_backend
     if kernels is None or kernels.gemm is None:
         pytest.skip("no C GEMM kernel here (no C compiler, or no AVX512-BF16)")
-    assert not kernels.gemm.tiles and not kernels.decode_tiles and kernels.extend_attention is None
-    assert backend.extend_kernel is None and not backend.decode_tiles
+    assert not kernels.gemm.tiles and not kernels.decode_tiles and not kernels.extend_attention.tiles
+    assert backend.extend_kernel is kernels.extend_attention and not backend.decode_tiles
     flags: list[int] = []
     real = backend.decode_kernel
     backend.decode_kernel = lambda *args: flags.append(args[-1]) or real(*args)  # the tiles flag
+    extends: list[int] = []
+    real_extend = backend.extend_kernel
+    backend.extend_kernel = lambda *args: extends.append(args[6]) or real_extend(*args)  # the KV length
     rows: list[int] = []
     for name in ("linear", "gate_up"):
         real_gemm = getattr(kernels.gemm, name)
@@ -339,6 +342,8 @@ def test_no_amx_runs_the_paths_of_a_cpu_without_amx():
         _check_last(hf, out, reqs, atol=0.15)
     layers = hf.config.num_hidden_layers
     assert flags and set(flags) == {0}
+    # the longer prompts by the prefill kernel on the vectors (5 tokens: the decode kernel's rows)
+    assert extends == [40, 17] * layers
     # on the vectors: the prefill's layer GEMMs (62 rows) and every LM head (3 rows); each decode
     # step's layer GEMMs too, through the decode path where the model takes it (its own calls of
     # the same kernel, told the same: not the tiles)

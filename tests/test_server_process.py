@@ -90,7 +90,9 @@ def test_default_model_chat(tmp_path):
         assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
         resp = client.chat.completions.create(
             model="SmolLM2-135M-Instruct", max_tokens=24, temperature=0,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            # (not "What is the capital of France?": a near-tie at its first token in bf16, see
+            # test_bf16_capital_of_france)
+            messages=[{"role": "user", "content": "Name the capital city of France."}],
         )
         assert "Paris" in resp.choices[0].message.content
         assert resp.choices[0].finish_reason in ("stop", "length")

@@ -117,19 +117,40 @@ def torch_openmp() -> str | None:
 _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
-def load_extend_kernel():
-    """`extend_attention` of kernels/extend_attention.c (prefill attention on AMX tiles, see
-    TorchNativeAttention.use_extend_kernel), or None where it cannot be built or there is no AMX."""
+class ExtendAttention:
+    """`extend_attention` of kernels/extend_attention.c on one path: prefill attention of one
+    request straight from the KV pool, on AMX tiles (`tiles`) or AVX512-BF16 vectors. Called with
+    the C function's arguments but the last (see TorchNativeAttention._kernel_extend); returns
+    its code (0, or -1 where it does not take the call)."""
+
+    def __init__(self, fn, tiles: bool):
+        self._fn = fn
+        self.tiles = tiles
+
+    def __call__(self, *args) -> int:
+        return self._fn(*args, int(self.tiles))
+
+
+def load_extend_kernel(tiles: bool | None = None) -> ExtendAttention | None:
+    """Prefill attention (kernels/extend_attention.c, see TorchNativeAttention.use_extend_kernel)
+    on AMX tiles where the CPU and OS give them, else on AVX512-BF16 vectors (`tiles` False: the
+    vectors even where there are tiles, True: tiles or None); None where it cannot be built or
+    the CPU lacks AVX512-BF16 (PyTorch's SDPA then).
+
+    Measured on a 2-core AMD EPYC (Zen 4, family 25 model 17: AVX512-BF16, no AMX), W200's
+    prefill attention (200 ShareGPT prompts, 30 layers) in the engine: SDPA 15.0 s, the vectors
+    VECTOR_SECONDS s."""
     lib = load("extend_attention")
     if lib is None:
         return None
     lib.extend_attention_supported.restype = _INT
-    if not lib.extend_attention_supported():
+    paths = lib.extend_attention_supported()
+    if paths == 0 or (tiles and paths < 2):
         return None
     fn = lib.extend_attention
     fn.restype = _INT
-    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _INT, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT, _INT, _FLOAT, _INT]
-    return fn
+    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _INT, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT, _INT, _FLOAT, _INT, _INT]
+    return ExtendAttention(fn, paths == 2 if tiles is None else tiles)
 
 
 def kv_format(buf: torch.Tensor) -> int:
@@ -428,8 +449,8 @@ class CpuKernels:
     # bf16 GEMMs of up to gemm.rows rows on packed weights (AMX tiles or AVX512-BF16); oneDNN does
     # the rest, and every GEMM where there is no AVX512-BF16 (None)
     gemm: PackedGemm | None = None
-    # bf16 prefill attention on AMX tiles (ctypes function); None: PyTorch's SDPA
-    extend_attention: Any = None
+    # bf16 prefill attention on AMX tiles or AVX512-BF16 vectors; None: PyTorch's SDPA
+    extend_attention: ExtendAttention | None = None
     # bf16 decode attention may take the AMX tiles where the CPU has them (TorchNativeAttention.decode_tiles)
     decode_tiles: bool = True
 
@@ -442,14 +463,14 @@ def kernels_note(kernels: CpuKernels) -> str:
                 "query heads) on AMX tiles")
     if kernels.gemm is not None:
         amx_off = "" if kernels.decode_tiles else " (AMX tiles not used: worker.cpu_kernels = 'no_amx')"
-        return f", bf16 GEMMs of up to {kernels.gemm.rows} rows on AVX512-BF16{amx_off}"
+        return f", bf16 GEMMs of up to {kernels.gemm.rows} rows{prefill} on AVX512-BF16{amx_off}"
     return "; no AVX512-BF16: oneDNN does every GEMM"
 
 
 def pick(setting: str, device: str) -> CpuKernels | None:
     """The C kernels for worker.cpu_kernels ("auto", "on", "off", "no_amx") on `device`; None:
     PyTorch only. "no_amx" is "auto" without the AMX tiles: the paths a CPU with AVX512-BF16 but
-    no AMX takes (the packed GEMMs on vectors, SDPA for prefill, decode attention on vectors)."""
+    no AMX takes (the packed GEMMs, prefill and decode attention on vectors)."""
     if setting == "off":
         return None
     kernels = None
@@ -458,7 +479,7 @@ def pick(setting: str, device: str) -> CpuKernels | None:
         if decode is not None and fused is not None:
             amx = setting != "no_amx"
             kernels = CpuKernels(decode, FusedOps(fused), load_packed_gemm(None if amx else False),
-                                 load_extend_kernel() if amx else None, decode_tiles=amx)
+                                 load_extend_kernel(None if amx else False), decode_tiles=amx)
     if kernels is None and setting == "on":
         raise RuntimeError(
             f"worker.cpu_kernels = 'on' but the C kernels are unavailable on {device!r} (they need a CPU "

@@ -16,10 +16,18 @@
  * per 32-key block was tried first and was slower than SDPA: every block handed its scores from
  * the tiles to the vector registers and back, and the tiles' latency was never hidden.
  *
+ * On CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5), the same blocks run on the vectors
+ * (`tiles` 0): the copies of K and V are laid out as `vdpbf16ps` takes them too, a 64-byte row of
+ * a K tile being 16 keys x one head_dim pair and a row of a V tile 16 columns x one key pair. So
+ * S = Q K^T is 8 query rows x 32 keys in 16 registers, each head_dim pair of a row broadcast
+ * against the block's two K rows, and O = P V is 6 query rows x 64 columns in 24 registers, each
+ * pair of P broadcast against four V rows. The softmax between them is the tiles' own.
+ *
  * Work: the copies are split over the threads by KV head, then the (query head, query block)
  * pairs, longest first, dealt to the threads in turn. Built on first use by
  * framework/model/cpu_kernels.py (cc -O3 -march=native, -fopenmp where it can) and called through
- * ctypes. Where there is no AMX, extend_attention_supported returns 0 and PyTorch's SDPA stays.
+ * ctypes. extend_attention_supported says which paths the CPU and the build give; where there is
+ * no AVX512-BF16, PyTorch's SDPA stays.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,15 +40,22 @@
 #define HEAD_DIM 64
 #define TILE_ELEMS 512 /* bf16 elements of a 16 x 64-byte tile */
 
+/* The vector path needs AVX512-BF16 (and BW for the copies' 16-bit shuffles). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_VECTORS 1
+#else
+#define HAVE_VECTORS 0
+#endif
+
+/* 2: the tiles and the vectors, 1: the vectors only, 0: neither (SDPA then). */
 int extend_attention_supported(void) {
 #if HAVE_AMX
-    return amx_usable();
-#else
-    return 0;
+    if (amx_usable()) return 2;
 #endif
+    return HAVE_VECTORS;
 }
 
-#if HAVE_AMX
+#if HAVE_VECTORS
 typedef struct {
     const uint16_t *q;
     const void *k, *v; /* the pool: bf16, or float8_e5m2 bytes (kv_fmt) */
@@ -51,6 +66,7 @@ typedef struct {
     int64_t q_stride, out_stride, seq_len, prefix_len, ext_len, kv_blocks; /* kv_blocks: of 32 keys */
     int heads, kv_heads;
     float scale;
+    int tiles; /* the AMX tiles (else the vectors) */
 } Ext;
 
 typedef struct {
@@ -144,51 +160,145 @@ static inline __attribute__((always_inline)) void numerators(const float *s, uin
     _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
 }
 
+#if HAVE_AMX
+/* The scores of 16 query rows (Q's two tiles loaded in tiles 4 and 5) against key block b into
+ * scores + b * 32 (row stride ld). */
+static inline void tile_scores(const Ext *e, int h, int64_t b, float *scores, int64_t ld) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(7, k_tile(e, h, b, 0, 0), 64);
+    _tile_dpbf16ps(0, 4, 7);
+    _tile_loadd(7, k_tile(e, h, b, 0, 1), 64);
+    _tile_dpbf16ps(0, 5, 7);
+    _tile_loadd(7, k_tile(e, h, b, 1, 0), 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(7, k_tile(e, h, b, 1, 1), 64);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_stored(0, scores + b * 32, ld * 4);
+    _tile_stored(1, scores + b * 32 + 16, ld * 4);
+}
+
+/* o [16][64] = P V over `blocks` key blocks, on the tiles. */
+static void tile_values(const Ext *e, int h, int64_t blocks, const uint16_t *probs, int64_t ldp, float *o) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b < blocks; b++) {
+        _tile_loadd(6, probs + b * 32, ldp * 2);
+        _tile_loadd(7, v_tile(e, h, b, 0), 64);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(7, v_tile(e, h, b, 1), 64);
+        _tile_dpbf16ps(1, 6, 7);
+        _tile_loadd(7, v_tile(e, h, b, 2), 64);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(7, v_tile(e, h, b, 3), 64);
+        _tile_dpbf16ps(3, 6, 7);
+    }
+    _tile_stored(0, o, HEAD_DIM * 4);
+    _tile_stored(1, o + 16, HEAD_DIM * 4);
+    _tile_stored(2, o + 32, HEAD_DIM * 4);
+    _tile_stored(3, o + 48, HEAD_DIM * 4);
+}
+#endif
+
+/* A bf16 pair (two consecutive elements) as the 32-bit lane `vdpbf16ps` broadcasts. */
+static inline __m512bh pair_bcast(const uint16_t *p) {
+    int32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+/* The scores of `n` (<= 8) query rows q (row stride qs) against key block b (its K copy `kb`:
+ * half 0's 32 head_dim pairs of 16 keys, then half 1's) into s (row stride ld), on the vectors. */
+static inline __attribute__((always_inline)) void vector_scores(const uint16_t *q, int64_t qs, const uint16_t *kb,
+                                                                float *s, int64_t ld, int n) {
+    __m512 lo[8], hi[8];
+    for (int r = 0; r < n; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int d = 0; d < HEAD_DIM / 2; d++) {
+        const __m512bh k0 = (__m512bh)_mm512_load_si512(kb + d * 32);
+        const __m512bh k1 = (__m512bh)_mm512_load_si512(kb + 1024 + d * 32);
+        for (int r = 0; r < n; r++) {
+            const __m512bh x = pair_bcast(q + r * qs + 2 * d);
+            lo[r] = _mm512_dpbf16_ps(lo[r], k0, x);
+            hi[r] = _mm512_dpbf16_ps(hi[r], k1, x);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        _mm512_storeu_ps(s + r * ld, lo[r]);
+        _mm512_storeu_ps(s + r * ld + 16, hi[r]);
+    }
+}
+
+/* o [n][64] (n <= 6 rows of P, row stride ldp) = P V over `blocks` key blocks of V's copy `vh`
+ * (a block: four column tiles of 16 key pairs x 16 columns), on the vectors. */
+static inline __attribute__((always_inline)) void vector_values(const uint16_t *p, int64_t ldp, const uint16_t *vh,
+                                                                int64_t blocks, float *o, int n) {
+    __m512 acc[6][4];
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *vb = vh + b * 4 * TILE_ELEMS;
+        for (int j = 0; j < 16; j++) {
+            __m512bh v[4];
+            for (int c = 0; c < 4; c++) v[c] = (__m512bh)_mm512_load_si512(vb + c * TILE_ELEMS + j * 32);
+            for (int r = 0; r < n; r++) {
+                const __m512bh x = pair_bcast(p + r * ldp + b * 32 + 2 * j);
+                for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], x);
+            }
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + r * HEAD_DIM + c * 16, acc[r][c]);
+}
+
 /* Query head g, queries i0..i0+15 (fewer at the end). The block's scores over all the keys it
- * sees are computed first (tile after tile, the tiles never waiting on vector code), then the
- * softmax of each whole row, then P V into four tiles that are stored once: no online rescaling,
- * and only three hand-overs between the tiles and the vector registers per block. `scores` and
- * `probs` hold 16 rows of up to kv_blocks * 32 keys (and a cache line). */
+ * sees are computed first (on the tiles: tile after tile, the tiles never waiting on vector code),
+ * then the softmax of each whole row, then P V: no online rescaling, and on the tiles only three
+ * hand-overs between the tiles and the vector registers per block. `scores` and `probs` hold 16
+ * rows of up to kv_blocks * 32 keys (and a cache line). */
 static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM], float *scores, uint16_t *probs) {
     const int h = g / (e->heads / e->kv_heads);
     const int rows = e->ext_len - i0 < 16 ? (int)(e->ext_len - i0) : 16;
     const uint16_t *q = e->q + i0 * e->q_stride + g * HEAD_DIM;
-    size_t q_bytes = (size_t)e->q_stride * 2;
+    int64_t qs = e->q_stride;
     if (rows < 16) { /* past the request's last query: zeros, never read beyond q */
         memset(q_pad, 0, 16 * HEAD_DIM * sizeof(uint16_t));
         for (int r = 0; r < rows; r++) memcpy(q_pad + r * HEAD_DIM, q + r * e->q_stride, HEAD_DIM * 2);
         q = q_pad;
-        q_bytes = HEAD_DIM * 2;
+        qs = HEAD_DIM;
     }
     /* row r sees keys [0, prefix_len + i0 + r] */
     const int64_t blocks = (e->prefix_len + i0 + rows + 31) / 32, width = blocks * 32;
     /* row strides a cache line past width: a power of two would put a tile's 16 rows in one L1 set */
     const int64_t ld = width + 16, ldp = width + 32;
-    _tile_loadd(4, q, q_bytes);
-    _tile_loadd(5, q + 32, q_bytes);
+#if HAVE_AMX
+    if (e->tiles) {
+        _tile_loadd(4, q, qs * 2);
+        _tile_loadd(5, q + 32, qs * 2);
+    }
+#endif
     /* Each row's max over the blocks that every row of the block sees whole, taken as they are
      * stored (in L1 then; a pass over a long row afterwards read them back from L2: 16 rows of 975
      * fp32 scores are 62 KiB); the rest of the row in the softmax, masked. One thread, 975
      * tokens: 2.48-2.54 -> 2.07-2.22 ms; W200's prefill attention in the engine 1.83-1.85 ->
-     * 1.63-1.69 s (2-core Xeon). */
+     * 1.63-1.69 s (2-core Xeon, on the tiles). */
     const int64_t shared = (e->prefix_len + i0 + 1) / 32;
+    const uint16_t *kh = e->kt + (size_t)h * e->kv_blocks * 4 * TILE_ELEMS;
     __m512 rmax[16];
     for (int r = 0; r < 16; r++) rmax[r] = _mm512_set1_ps(-INFINITY);
     for (int64_t b = 0; b < blocks; b++) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_loadd(7, k_tile(e, h, b, 0, 0), 64);
-        _tile_dpbf16ps(0, 4, 7);
-        _tile_loadd(7, k_tile(e, h, b, 0, 1), 64);
-        _tile_dpbf16ps(0, 5, 7);
-        _tile_loadd(7, k_tile(e, h, b, 1, 0), 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(7, k_tile(e, h, b, 1, 1), 64);
-        _tile_dpbf16ps(1, 5, 7);
-        _tile_stored(0, scores + b * 32, ld * 4);
-        _tile_stored(1, scores + b * 32 + 16, ld * 4);
+#if HAVE_AMX
+        if (e->tiles)
+            tile_scores(e, h, b, scores, ld);
+        else
+#endif
+        {
+            vector_scores(q, qs, kh + b * 4 * TILE_ELEMS, scores + b * 32, ld, rows < 8 ? rows : 8);
+            if (rows > 8) vector_scores(q + 8 * qs, qs, kh + b * 4 * TILE_ELEMS, scores + 8 * ld + b * 32, ld, rows - 8);
+        }
         if (b < shared)
-            for (int r = 0; r < 16; r++)
+            for (int r = 0; r < rows; r++)
                 rmax[r] = _mm512_max_ps(rmax[r], _mm512_max_ps(_mm512_loadu_ps(scores + r * ld + b * 32),
                                                                _mm512_loadu_ps(scores + r * ld + b * 32 + 16)));
     }
@@ -217,26 +327,21 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
             numerators(s + j, p + j, scale, shift, first_lanes(seen - j), first_lanes(seen - j - 16), &vsum0, &vsum1);
         inv_sum[r] = 1.0f / _mm512_reduce_add_ps(_mm512_add_ps(vsum0, vsum1));
     }
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t b = 0; b < blocks; b++) {
-        _tile_loadd(6, probs + b * 32, ldp * 2);
-        _tile_loadd(7, v_tile(e, h, b, 0), 64);
-        _tile_dpbf16ps(0, 6, 7);
-        _tile_loadd(7, v_tile(e, h, b, 1), 64);
-        _tile_dpbf16ps(1, 6, 7);
-        _tile_loadd(7, v_tile(e, h, b, 2), 64);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(7, v_tile(e, h, b, 3), 64);
-        _tile_dpbf16ps(3, 6, 7);
-    }
     float o[16 * HEAD_DIM];
-    _tile_stored(0, o, HEAD_DIM * 4);
-    _tile_stored(1, o + 16, HEAD_DIM * 4);
-    _tile_stored(2, o + 32, HEAD_DIM * 4);
-    _tile_stored(3, o + 48, HEAD_DIM * 4);
+#if HAVE_AMX
+    if (e->tiles)
+        tile_values(e, h, blocks, probs, ldp, o);
+    else
+#endif
+    {
+        const uint16_t *vh = e->vt + (size_t)h * e->kv_blocks * 4 * TILE_ELEMS;
+        for (int r0 = 0; r0 < rows; r0 += 6) {
+            if (rows - r0 >= 6)
+                vector_values(probs + r0 * ldp, ldp, vh, blocks, o + r0 * HEAD_DIM, 6);
+            else
+                vector_values(probs + r0 * ldp, ldp, vh, blocks, o + r0 * HEAD_DIM, rows - r0);
+        }
+    }
     for (int r = 0; r < rows; r++) {
         __m512 inv = _mm512_set1_ps(inv_sum[r]);
         uint16_t *dst = e->out + (i0 + r) * e->out_stride + g * HEAD_DIM;
@@ -254,11 +359,15 @@ static void *run_attention(void *arg) {
     uint16_t *probs = (uint16_t *)aligned_alloc(64, (size_t)16 * (e->kv_blocks * 32 + 32) * sizeof(uint16_t));
     s->failed = !scores || !probs;
     if (!s->failed) {
-        amx_configure();
+#if HAVE_AMX
+        if (e->tiles) amx_configure();
+#endif
         /* item n: query block q_blocks - 1 - n / heads (the longest first), head n % heads */
         for (int64_t n = s->first; n < items; n += s->step)
             attend(e, (int)(n % e->heads), (q_blocks - 1 - n / e->heads) * 16, q_pad, scores, probs);
-        _tile_release();
+#if HAVE_AMX
+        if (e->tiles) _tile_release();
+#endif
     }
     free(scores);
     free(probs);
@@ -268,15 +377,17 @@ static void *run_attention(void *arg) {
 
 /* out[i, g * 64 ..] = attention of query i (q + i * q_stride, head g at g * 64) over the KV slots
  * kv_indices[0 .. prefix_len + i]; k, v: the pool, [slots, kv_heads, 64] bf16 or float8_e5m2
- * (kv_fmt: KV_BF16 or KV_E5M2). Returns 0, or -1 when the call is not supported (no AMX,
- * head_dim not 64, heads not a multiple of kv_heads, fp32 KV, no memory). */
+ * (kv_fmt: KV_BF16 or KV_E5M2); on the AMX tiles (`tiles` 1) or the AVX512-BF16 vectors (0).
+ * Returns 0, or -1 when the call is not supported (no AVX512-BF16, no AMX for `tiles`, head_dim
+ * not 64, heads not a multiple of kv_heads, fp32 KV, no memory). */
 int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const void *v, int kv_fmt,
                      const int64_t *kv_indices, int64_t seq_len, int64_t prefix_len, uint16_t *out,
-                     int64_t out_stride, int heads, int kv_heads, int head_dim, float scale, int num_threads) {
-#if HAVE_AMX
+                     int64_t out_stride, int heads, int kv_heads, int head_dim, float scale, int num_threads,
+                     int tiles) {
+#if HAVE_VECTORS
     int64_t ext_len = seq_len - prefix_len;
     if (head_dim != HEAD_DIM || kv_heads < 1 || heads % kv_heads || ext_len < 1 || prefix_len < 0 ||
-        (kv_fmt != KV_BF16 && kv_fmt != KV_E5M2) || !amx_usable())
+        (kv_fmt != KV_BF16 && kv_fmt != KV_E5M2) || (tiles && extend_attention_supported() != 2))
         return -1;
     int64_t kv_blocks = (seq_len + 31) / 32;
     size_t copy_elems = (size_t)kv_heads * kv_blocks * 32 * HEAD_DIM;
@@ -287,7 +398,7 @@ int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const v
         return -1;
     }
     Ext e = {q, k, v, kv_fmt, kv_indices, out, kt, vt, q_stride, out_stride, seq_len, prefix_len, ext_len, kv_blocks,
-             heads, kv_heads, scale};
+             heads, kv_heads, scale, tiles != 0};
     num_threads = span_threads(num_threads, (ext_len + 15) / 16 * heads);
     Share shares[MAX_THREADS];
     for (int s = 0; s < num_threads; s++) shares[s] = (Share){&e, s, num_threads, 0};
@@ -300,7 +411,7 @@ int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const v
     return failed ? -1 : 0;
 #else
     (void)q, (void)q_stride, (void)k, (void)v, (void)kv_fmt, (void)kv_indices, (void)seq_len, (void)prefix_len, (void)out;
-    (void)out_stride, (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)num_threads;
+    (void)out_stride, (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)num_threads, (void)tiles;
     return -1;
 #endif
 }
