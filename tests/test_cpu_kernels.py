@@ -557,12 +557,14 @@ def _extend_reference(q, k_pool, v_pool, slots, prefix_len, round_p: bool = Fals
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("ext_len,prefix_len,heads,kv_heads", [(37, 0, 9, 3), (2, 0, 4, 4), (16, 0, 9, 3),
                                                                  (100, 45, 9, 3), (17, 300, 8, 1), (300, 7, 6, 2),
-                                                                 (13, 0, 9, 3), (9, 20, 2, 1)])
+                                                                 (13, 0, 9, 3), (9, 20, 2, 1), (7, 0, 9, 3),
+                                                                 (22, 5, 9, 3), (3, 40, 4, 2)])
 def test_extend_attention_matches_fp32(extend, ext_len, prefix_len, heads, kv_heads, kv_dtype):
     """Against fp32 attention of the same bf16 inputs (or the fp8 pool's values), within bf16
     rounding (P is rounded to bf16 before P V, as torch's flash attention does): query blocks cut
     at 16, key blocks at 32, a cached prefix, grouped-query heads, slots scattered over the pool;
-    rows are read with the pass's stride and written into a strided output."""
+    rows are read with the pass's stride and written into a strided output. The last blocks'
+    row counts take each of the vectors' copies (1-8 rows of scores, 1-6 of P V)."""
     gen = torch.Generator().manual_seed(ext_len * 7 + prefix_len)
     pool = 1200
     k_pool, v_pool = _as_pool(_bf16(gen, pool, kv_heads, 64), kv_dtype), _as_pool(_bf16(gen, pool, kv_heads, 64), kv_dtype)

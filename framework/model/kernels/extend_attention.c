@@ -252,6 +252,33 @@ static inline __attribute__((always_inline)) void vector_values(const uint16_t *
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + r * HEAD_DIM + c * 16, acc[r][c]);
 }
 
+/* vector_scores and vector_values for n rows, each count a constant in its own copy: with n
+ * unknown at compile time the sums were kept on the stack, not in registers (1,024 tokens, 9
+ * heads, two threads of a Zen 4: 4.2 -> 2.9 ms). */
+static void scores_rows(const uint16_t *q, int64_t qs, const uint16_t *kb, float *s, int64_t ld, int n) {
+    switch (n) {
+    case 8: vector_scores(q, qs, kb, s, ld, 8); break;
+    case 7: vector_scores(q, qs, kb, s, ld, 7); break;
+    case 6: vector_scores(q, qs, kb, s, ld, 6); break;
+    case 5: vector_scores(q, qs, kb, s, ld, 5); break;
+    case 4: vector_scores(q, qs, kb, s, ld, 4); break;
+    case 3: vector_scores(q, qs, kb, s, ld, 3); break;
+    case 2: vector_scores(q, qs, kb, s, ld, 2); break;
+    case 1: vector_scores(q, qs, kb, s, ld, 1); break;
+    }
+}
+
+static void values_rows(const uint16_t *p, int64_t ldp, const uint16_t *vh, int64_t blocks, float *o, int n) {
+    switch (n) {
+    case 6: vector_values(p, ldp, vh, blocks, o, 6); break;
+    case 5: vector_values(p, ldp, vh, blocks, o, 5); break;
+    case 4: vector_values(p, ldp, vh, blocks, o, 4); break;
+    case 3: vector_values(p, ldp, vh, blocks, o, 3); break;
+    case 2: vector_values(p, ldp, vh, blocks, o, 2); break;
+    case 1: vector_values(p, ldp, vh, blocks, o, 1); break;
+    }
+}
+
 /* Query head g, queries i0..i0+15 (fewer at the end). The block's scores over all the keys it
  * sees are computed first (on the tiles: tile after tile, the tiles never waiting on vector code),
  * then the softmax of each whole row, then P V: no online rescaling, and on the tiles only three
@@ -294,8 +321,8 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
         else
 #endif
         {
-            vector_scores(q, qs, kh + b * 4 * TILE_ELEMS, scores + b * 32, ld, rows < 8 ? rows : 8);
-            if (rows > 8) vector_scores(q + 8 * qs, qs, kh + b * 4 * TILE_ELEMS, scores + 8 * ld + b * 32, ld, rows - 8);
+            scores_rows(q, qs, kh + b * 4 * TILE_ELEMS, scores + b * 32, ld, rows < 8 ? rows : 8);
+            if (rows > 8) scores_rows(q + 8 * qs, qs, kh + b * 4 * TILE_ELEMS, scores + 8 * ld + b * 32, ld, rows - 8);
         }
         if (b < shared)
             for (int r = 0; r < rows; r++)
@@ -335,12 +362,8 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
 #endif
     {
         const uint16_t *vh = e->vt + (size_t)h * e->kv_blocks * 4 * TILE_ELEMS;
-        for (int r0 = 0; r0 < rows; r0 += 6) {
-            if (rows - r0 >= 6)
-                vector_values(probs + r0 * ldp, ldp, vh, blocks, o + r0 * HEAD_DIM, 6);
-            else
-                vector_values(probs + r0 * ldp, ldp, vh, blocks, o + r0 * HEAD_DIM, rows - r0);
-        }
+        for (int r0 = 0; r0 < rows; r0 += 6)
+            values_rows(probs + r0 * ldp, ldp, vh, blocks, o + r0 * HEAD_DIM, rows - r0 < 6 ? rows - r0 : 6);
     }
     for (int r = 0; r < rows; r++) {
         __m512 inv = _mm512_set1_ps(inv_sum[r]);
