@@ -17,9 +17,10 @@ Paths:
   so the KV heads are never expanded, which on CPU is much faster than SDPA's single-query path;
 * multi-token requests (prefill, possibly on top of a cached prefix) go through
   `scaled_dot_product_attention` one request at a time, causal with the prefix fully visible;
-  in bf16 with head_dim 64 on a CPU with AMX, the C kernel framework/model/kernels/
-  extend_attention.c does them instead, straight from the pool (`use_extend_kernel`; 1.5-2.5x
-  faster than SDPA at 64-1,024 tokens, measured on a 2-core Xeon).
+  in bf16 with head_dim 64 on a CPU with AVX512-BF16, the C kernel framework/model/kernels/
+  extend_attention.c does them instead, straight from the pool (`use_extend_kernel`; on AMX tiles
+  1.5-2.5x faster than SDPA at 64-1,024 tokens on a 2-core Xeon, on the vectors 2.8-3.8x at
+  64-2,048 tokens on a 2-core AMD EPYC Zen 4).
 A float8_e5m2 pool (model.kv_cache_dtype; bytes, see TokenToKVPool) is widened to q's dtype right
 after each gather (`widen_kv`); the C kernels widen its bytes themselves (`kv_format`).
 """
@@ -108,8 +109,8 @@ def _tensors_to(plan, device: torch.device):
 
 
 # With the C kernel, extends of at most this many tokens run as one kernel row per token (decode
-# steps with jump-forward drafts); longer ones, prefills, go to SDPA, which reuses each K/V row
-# across the queries.
+# steps with jump-forward drafts); longer ones, prefills, go to the prefill kernel (or SDPA), which
+# reuses each K/V row across the queries.
 _KERNEL_MAX_EXTEND = 16
 
 # A decode request shorter than this fraction of its group's longest starts a new group, so the
@@ -215,7 +216,7 @@ class TorchNativeAttention:
 
     def use_extend_kernel(self, kernel) -> None:
         """Attend bf16 multi-token requests with `kernel` (cpu_kernels.CpuKernels.extend_attention,
-        AMX tiles, head_dim 64; None: PyTorch's SDPA)."""
+        on AMX tiles or AVX512-BF16 vectors, head_dim 64; None: PyTorch's SDPA)."""
         self.extend_kernel = kernel if self.head_dim == 64 else None
 
     def prepare(self, batch: ModelWorkerBatch, req_to_token_pool: ReqToTokenPool) -> AttentionMetadata:
@@ -537,7 +538,7 @@ class TorchNativeAttention:
         return out
 
     def _kernel_extend(self, q, k_buf, v_buf, req: _ExtendReq, out: torch.Tensor) -> bool:
-        """`_extend_one` by the AMX kernel (`use_extend_kernel`) into `out` ([L, heads, D] rows of
+        """`_extend_one` by the C kernel (`use_extend_kernel`) into `out` ([L, heads, D] rows of
         the pass's output); False where the kernel does not take it (PyTorch's turn then)."""
         if (self.extend_kernel is None or q.dtype != torch.bfloat16 or k_buf.dtype == torch.float32
                 or q.stride(2) != 1 or q.stride(1) != self.head_dim or out.stride(2) != 1

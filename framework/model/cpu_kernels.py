@@ -139,7 +139,7 @@ def load_extend_kernel(tiles: bool | None = None) -> ExtendAttention | None:
 
     Measured on a 2-core AMD EPYC (Zen 4, family 25 model 17: AVX512-BF16, no AMX), W200's
     prefill attention (200 ShareGPT prompts, 30 layers) in the engine: SDPA 15.0 s, the vectors
-    VECTOR_SECONDS s."""
+    3.4 s (one request of 1,024 tokens, 9 heads: 12.3 against 3.6 ms)."""
     lib = load("extend_attention")
     if lib is None:
         return None
