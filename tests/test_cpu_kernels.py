@@ -655,21 +655,26 @@ def _prompt_then_decode_pool(lens, kv_heads, decoded, seed, dtype=torch.bfloat16
     return k, v, req_to_token, torch.arange(len(lens))
 
 
-@needs_tiles
+@needs_kernel
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (15, 5), (16, 16), (8, 1), (4, 4)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (15, 5), (16, 16), (8, 1), (4, 4), (8, 2), (6, 3), (10, 2)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_on_tiles_matches_reference(heads, kv_heads, threads, kv_dtype, monkeypatch):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_decode_attention_on_tiles_matches_reference(heads, kv_heads, threads, kv_dtype, tiles, monkeypatch):
     """Within bf16 rounding of float64 attention (P is rounded to bf16 before P V): blocks of 16
     tokens cut anywhere (1, 15, 16, 17, 33 tokens), prompts read in place and decoded tokens
     copied out (an fp8 pool's rows always, widened), every grouping the tiles take (up to 16
-    query heads)."""
-    assert _decode_uses_tiles(heads, kv_heads)
+    query heads); the same requests on the vector code (tiles False: each grouping of its bf16
+    scores has its own copy)."""
+    if tiles and not HAS_TILES:
+        pytest.skip("no C compiler or no AMX tiles on this CPU")
+    assert _decode_uses_tiles(heads, kv_heads) or not tiles
     lens = [1, 15, 16, 17, 33, 300, 129, 1000]
     k, v, req_to_token, pool_idx = _prompt_then_decode_pool(lens, kv_heads, decoded=40, seed=heads, dtype=kv_dtype)
     q = _bf16(torch.Generator().manual_seed(5), len(lens), heads, 64, scale=2.0)
     attn = TorchNativeAttention(heads, kv_heads, 64)
     attn.use_decode_kernel(KERNEL)
+    attn.decode_tiles = tiles
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     out = attn._kernel_decode(q, k, v, _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens)))
     ref = _reference(q, k, v, req_to_token, pool_idx, lens, heads // kv_heads, 0.125)

@@ -151,6 +151,45 @@ static inline void k_row_bf16(const char *p, int fmt, __m512bh out[2]) {
 }
 #endif
 
+#if defined(__AVX512BF16__)
+/* head_scores' bf16 pool and q, 16 tokens at a time (t0..t1 a multiple of 16 long), with the
+ * group a constant (group_scores_bf16 dispatches), so that the query rows stay in registers, and
+ * the 16 rows' addresses taken once for the group. On a 2-core AMD EPYC (Zen 4, no AMX), decode
+ * attention of 50 requests with the KV in the caches 0.42 -> 0.40 ms a layer, of 200 from DRAM
+ * 2.65-2.72 -> 2.55-2.60. */
+static inline __attribute__((always_inline)) void scores_bf16(const uint16_t *q, const int group, const uint16_t *k,
+                                                              int64_t kv_stride, const int64_t *slots, int64_t t0,
+                                                              int64_t t1, int64_t len, float *scores, Prefetcher *pf) {
+    __m512bh qv[8][2];
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < 2; c++) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * 64 + c * 32);
+    for (int64_t t = t0; t < t1; t += 16) {
+        const uint16_t *rows[16];
+        for (int u = 0; u < 16; u++) rows[u] = k + (size_t)slots[t + u] * kv_stride;
+        for (int g = 0; g < group; g++) {
+            __m512 acc[16];
+            prefetch_next(pf);
+            for (int u = 0; u < 16; u++) {
+                acc[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)_mm512_loadu_si512(rows[u]));
+                acc[u] = _mm512_dpbf16_ps(acc[u], qv[g][1], (__m512bh)_mm512_loadu_si512(rows[u] + 32));
+            }
+            _mm512_storeu_ps(scores + g * len + t, hsum16(acc));
+        }
+    }
+}
+
+static void group_scores_bf16(const uint16_t *q, int group, const uint16_t *k, int64_t kv_stride, const int64_t *slots,
+                              int64_t t0, int64_t t1, int64_t len, float *scores, Prefetcher *pf) {
+    switch (group) {
+    case 1: scores_bf16(q, 1, k, kv_stride, slots, t0, t1, len, scores, pf); break;
+    case 2: scores_bf16(q, 2, k, kv_stride, slots, t0, t1, len, scores, pf); break;
+    case 3: scores_bf16(q, 3, k, kv_stride, slots, t0, t1, len, scores, pf); break;
+    case 4: scores_bf16(q, 4, k, kv_stride, slots, t0, t1, len, scores, pf); break;
+    default: scores_bf16(q, group, k, kv_stride, slots, t0, t1, len, scores, pf); break;
+    }
+}
+#endif
+
 /* scores[g * len + t] = q[g] . k_t for t in [t0, t1), the group's query heads over one KV head;
  * `q` is the query rows in their own dtype (`qf` the same rows as fp32). */
 static void head_scores(const void *q, const float *qf, int group, const void *k, int64_t kv_stride, int d,
@@ -167,24 +206,22 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
                 qv[g][c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q + g * d + c * 32);
         int64_t t = t0;
         /* 16 tokens at a time: 16 dot-product vectors, summed lane-wise by one transpose tree
-         * (hsum16) instead of 16 horizontal reductions */
+         * (hsum16) instead of 16 horizontal reductions; a bf16 pool's rows read in place
+         * (scores_bf16), an e5m2 pool's widened once for all the group's query heads */
+        if (kv_fmt == KV_BF16) {
+            t = t0 + (t1 - t0) / 16 * 16;
+            group_scores_bf16((const uint16_t *)q, group, (const uint16_t *)k, kv_stride, slots, t0, t, len, scores, pf);
+        }
         for (; t + 16 <= t1; t += 16) {
-            /* e5m2 rows widened once for all the group's query heads (bf16 rows are read in place) */
             __m512bh wide[16][2];
-            if (kv_fmt == KV_E5M2)
-                for (int u = 0; u < 16; u++)
-                    k_row_bf16((const char *)k + (size_t)slots[t + u] * kv_stride * elem, kv_fmt, wide[u]);
+            for (int u = 0; u < 16; u++)
+                k_row_bf16((const char *)k + (size_t)slots[t + u] * kv_stride * elem, kv_fmt, wide[u]);
             for (int g = 0; g < group; g++) {
                 __m512 acc[16];
                 prefetch_next(pf);
                 for (int u = 0; u < 16; u++) {
-                    __m512bh kr[2];
-                    if (kv_fmt == KV_E5M2)
-                        kr[0] = wide[u][0], kr[1] = wide[u][1];
-                    else
-                        k_row_bf16((const char *)k + (size_t)slots[t + u] * kv_stride * elem, kv_fmt, kr);
-                    acc[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kr[0]);
-                    acc[u] = _mm512_dpbf16_ps(acc[u], qv[g][1], kr[1]);
+                    acc[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], wide[u][0]);
+                    acc[u] = _mm512_dpbf16_ps(acc[u], qv[g][1], wide[u][1]);
                 }
                 _mm512_storeu_ps(scores + g * len + t, hsum16(acc));
             }
