@@ -664,8 +664,8 @@ def test_decode_attention_on_tiles_matches_reference(heads, kv_heads, threads, k
     """Within bf16 rounding of float64 attention (P is rounded to bf16 before P V): blocks of 16
     tokens cut anywhere (1, 15, 16, 17, 33 tokens), prompts read in place and decoded tokens
     copied out (an fp8 pool's rows always, widened), every grouping the tiles take (up to 16
-    query heads); the same requests on the vector code (tiles False: each grouping of its bf16
-    scores has its own copy)."""
+    query heads); the same requests on the vector code (tiles False: its bf16 scores have a copy
+    for each group size up to 4, and one for larger groups)."""
     if tiles and not HAS_TILES:
         pytest.skip("no C compiler or no AMX tiles on this CPU")
     assert _decode_uses_tiles(heads, kv_heads) or not tiles

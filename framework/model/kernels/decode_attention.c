@@ -153,10 +153,10 @@ static inline void k_row_bf16(const char *p, int fmt, __m512bh out[2]) {
 
 #if defined(__AVX512BF16__)
 /* head_scores' bf16 pool and q, 16 tokens at a time (t0..t1 a multiple of 16 long), with the
- * group a constant (group_scores_bf16 dispatches), so that the query rows stay in registers, and
- * the 16 rows' addresses taken once for the group. On a 2-core AMD EPYC (Zen 4, no AMX), decode
- * attention of 50 requests with the KV in the caches 0.42 -> 0.40 ms a layer, of 200 from DRAM
- * 2.65-2.72 -> 2.55-2.60. */
+ * group a constant (group_scores_bf16 dispatches: 1-4, larger groups in one shared copy), so that
+ * the query rows stay in registers, and the 16 rows' addresses taken once for the group. On a
+ * 2-core AMD EPYC (Zen 4, no AMX), decode attention of 50 requests with the KV in the caches 0.42
+ * -> 0.40 ms a layer, of 200 from DRAM 2.65-2.72 -> 2.55-2.60. */
 static inline __attribute__((always_inline)) void scores_bf16(const uint16_t *q, const int group, const uint16_t *k,
                                                               int64_t kv_stride, const int64_t *slots, int64_t t0,
                                                               int64_t t1, int64_t len, float *scores, Prefetcher *pf) {
