@@ -197,6 +197,25 @@ static inline void store16_bf16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__
 /* x rounded to bf16 and widened back: the value torch holds after a bf16 op. */
 static inline __m512 round_bf16x16(__m512 x) { return widen_bf16x16(to_bf16x16(x)); }
 
+/* The index for _mm512_permutex2var_epi16(a, index, b) that interleaves the first 16 words of a
+ * and b: (a0, b0, a1, b1, ..., a15, b15); plus 16 in every word, their last 16. Word 2j picks a's
+ * word j, word 2j + 1 b's (index 32 + j). Two rows' 16 columns so become the pairs `vdpbf16ps`
+ * sums over (the V copies of extend_attention.c, decode attention's P V on vectors). */
+static inline __m512i interleave_words_index(void) {
+    const __m512i j = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_or_si512(j, _mm512_slli_epi32(_mm512_add_epi32(j, _mm512_set1_epi32(32)), 16));
+}
+
+#ifdef __AVX512BF16__
+/* A bf16 pair (two consecutive elements at p) broadcast to every 32-bit lane: the operand
+ * `vdpbf16ps` takes against 16 pairs of the other side. */
+static inline __m512bh pair_bcast(const uint16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+#endif
+
 #define LOG2E 1.44269504088896341f
 
 /* exp(x) for 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6

@@ -301,9 +301,7 @@ static void head_values(const float *probs, const uint16_t *probs_bf16, int grou
          * requests from DRAM 2.85-3.17 -> 2.79-2.82 (there the memory's time adds to the
          * arithmetic's, so the vectors' share of it counts in full); W200's decode attention
          * 9.67 -> 9.05 s. */
-        uint16_t order[32];
-        for (int j = 0; j < 32; j++) order[j] = (uint16_t)(j % 2 ? 32 + j / 2 : j / 2);
-        const __m512i lo = _mm512_loadu_si512(order), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        const __m512i lo = interleave_words_index(), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
         __m512 av[8][4];
         for (int g = 0; g < group; g++)
             for (int c = 0; c < 4; c++) av[g][c] = _mm512_loadu_ps(acc + g * d + c * 16);

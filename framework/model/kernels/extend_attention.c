@@ -103,9 +103,7 @@ static void copy_head(const Ext *e, int h) {
     /* K: a key's 16 head_dim pairs 16 c.. go down column key % 16 of tile (b, half, c) */
     const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
     /* V: two keys' 16 columns interleaved, one 64-byte tile row */
-    uint16_t order[32];
-    for (int j = 0; j < 32; j++) order[j] = (uint16_t)(j % 2 ? 32 + j / 2 : j / 2);
-    const __m512i interleave = _mm512_loadu_si512(order);
+    const __m512i interleave = interleave_words_index();
     for (int64_t t = 0; t < e->kv_blocks * 32; t += 2) {
         const uint16_t *k0 = head_row(e, e->k, t, h, wide[0]), *k1 = head_row(e, e->k, t + 1, h, wide[1]);
         const uint16_t *v0 = head_row(e, e->v, t, h, wide[2]), *v1 = head_row(e, e->v, t + 1, h, wide[3]);
@@ -201,13 +199,6 @@ static void tile_values(const Ext *e, int h, int64_t blocks, const uint16_t *pro
     _tile_stored(3, o + 48, HEAD_DIM * 4);
 }
 #endif
-
-/* A bf16 pair (two consecutive elements) as the 32-bit lane `vdpbf16ps` broadcasts. */
-static inline __m512bh pair_bcast(const uint16_t *p) {
-    int32_t bits;
-    memcpy(&bits, p, sizeof bits);
-    return (__m512bh)_mm512_set1_epi32(bits);
-}
 
 /* The scores of `n` (<= 8) query rows q (row stride qs) against key block b (its K copy `kb`:
  * half 0's 32 head_dim pairs of 16 keys, then half 1's) into s (row stride ld), on the vectors. */

@@ -173,12 +173,6 @@ static inline void finish(const Gemm *g, int64_t m, int64_t n0, __mmask16 store,
 #define VEC_ROWS 6
 #define VEC_BLOCKS 4
 
-static inline __m512bh pair_bcast(const uint16_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return (__m512bh)_mm512_set1_epi32(v);
-}
-
 /* Rows m0..m0+R of x by the unit's column blocks w[0..VEC_BLOCKS), then their epilogue. */
 static inline __attribute__((always_inline)) void vec_tile(const Gemm *g, int64_t m0, const int R,
                                                            const uint16_t *const w[VEC_BLOCKS],
