@@ -5,9 +5,11 @@ While active, `Breakdown` wraps the methods that run each part of a pass with wa
 (and puts them back on exit, so nothing is left behind and an untimed run pays nothing):
 
 * ``attention``: the attention backend's forward (gathers, kernels, softmax), every layer;
-* ``gemm``: the layers' linear layers (the packed GEMM kernel, oneDNN, or ``F.linear``);
+* ``gemm``: the layers' linear layers (the packed GEMM kernel, oneDNN, or ``F.linear``; with
+  model.quantization = "w8a8" the int8 GEMMs with their quantizations and dequantizations);
 * ``lm_head``: the logits of each pass;
-* ``elementwise``: RMSNorms (with their residual adds), RoPE with the KV writes, SiLU·up;
+* ``elementwise``: RMSNorms (with their residual adds, and in int8 the quantization of their
+  output), RoPE with the KV writes, SiLU·up;
 * ``other``: the rest of the forward pass (the embedding lookup, the attention plan, Python
   between the kernels: ``forward`` minus the parts above);
 * ``sampling``: choosing the next tokens from the logits.
@@ -35,6 +37,10 @@ TIMED: tuple[tuple[str, str | None, str, str], ...] = (
     ("framework.model.llama", None, "packed_linear_unary", "gemm"),
     ("framework.model.llama", None, "packed_linear_binary", "gemm"),
     ("framework.model.cpu_kernels", "PackedGemm", "_run", "gemm"),
+    ("framework.model.int8", "Int8Ops", "quantize", "gemm"),
+    ("framework.model.int8", "Int8Ops", "linear", "gemm"),
+    ("framework.model.int8", "Int8Ops", "gate_up", "gemm"),
+    ("framework.model.int8", "Int8Ops", "rms_norm_quantize", "elementwise"),
     ("framework.model.llama", "LlamaForCausalLM", "compute_logits", "lm_head"),
     ("framework.model.llama", "RMSNorm", "forward", "elementwise"),
     ("framework.model.llama", "RMSNorm", "add_and_norm", "elementwise"),

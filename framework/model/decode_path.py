@@ -28,6 +28,7 @@ import torch
 
 from framework.model import gguf_decode
 from framework.model.cpu_kernels import _GEMM_EPILOGUES, kv_format
+from framework.model.int8 import MIN_ROWS as MIN_INT8_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class _Layer:
     post_norm: int
     tiles: _Weights  # the packed bf16 weights (packed_gemm_bf16)
     q4: _Weights | None  # the GGUF's Q4_1 weights (q4_gemm_bf16, see framework/model/gguf_decode.py)
+    int8: tuple | None = None  # the int8 weights (qkv, o, gate_up, down: Int8Weight, framework/model/int8.py)
 
 
 class DecodePath:
@@ -75,6 +77,10 @@ class DecodePath:
         # passes of at most this many rows take the layers' Q4_1 weights (build): their exact
         # products, or their blocks widened to the bf16 weights (the same bits as those)
         self.exact_rows = self.widen_rows = 0
+        # passes of at least this many rows take the int8 GEMMs (model.quantization = "w8a8"),
+        # before the Q4_1 weights; 0: none do
+        self.int8_rows = 0
+        self.int8_ops = getattr(model.model.layers[0].mlp, "int8_ops", None)
 
     @classmethod
     def build(cls, model) -> "DecodePath | None":
@@ -103,14 +109,18 @@ class DecodePath:
                 return None
             q4 = q4_layers[i] if q4_layers else ()
             keep += [*tiles, *q4, *(n.weight for n in norms)]
+            int8 = (attn.qkv_proj.int8, attn.o_proj.int8, mlp.gate_up_proj.int8, mlp.down_proj.int8)
             layers.append(_Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
                                  _Weights(*(t.data_ptr() for t in tiles)),
-                                 _Weights(*(t.data_ptr() for t in q4)) if q4 else None))
+                                 _Weights(*(t.data_ptr() for t in q4)) if q4 else None,
+                                 int8 if all(w is not None for w in int8) else None))
         if not layers or model.model.norm.weight.dtype != torch.bfloat16:
             return None
         path = cls(model, layers, keep)
         if path.hidden > path.fused.MAX_NORM_WIDTH or path.eps != model.model.norm.eps:
             return None
+        if path.int8_ops is not None and path.int8_ops.lib is not None and all(lay.int8 for lay in layers):
+            path.int8_rows = MIN_INT8_ROWS
         if q4_layers:
             path.exact_rows = gguf_decode.EXACT_ROWS if getattr(model, "q4_exact", False) else 0
             path.widen_rows = min(gguf_decode.WIDEN_ROWS, path.gemm.rows)
@@ -169,8 +179,9 @@ class DecodePath:
         pool_idx, seq_lens = plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr()
         rms, rope_kv = self.fused._rms_norm, self.fused._rope_kv
         attend, backend = self.backend.decode_kernel, self.backend
+        int8 = Int8Pass(self.int8_ops, n, d, self.qkv_size, self.q_size, self.inter) if 0 < self.int8_rows <= n else None
         # the GEMMs: on the Q4_1 weights (`widen` after the epilogue), or on the bf16 ones (tiles, stream)
-        q4 = n <= max(self.exact_rows, self.widen_rows)
+        q4 = int8 is None and n <= max(self.exact_rows, self.widen_rows)
         gemm, tail = ((self.gemm._q4_gemm, (self.gemm.widen_mode if n > self.exact_rows else 0,)) if q4
                       else (self.gemm._gemm, (int(self.gemm.tiles), 0)))
         heads, kv_heads, head_dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
@@ -185,10 +196,16 @@ class DecodePath:
             phid = hid.data_ptr()
             k_buf, v_buf = kv_pool.k_buffer[i].data_ptr(), kv_pool.v_buffer[i].data_ptr()
             out = outs[i % 2]  # never the layer's input (the other one, or `hidden` itself)
-            rc = rms(phid, d, None, None, layer.input_norm, px, n, d, eps, threads)
-            if mark:
-                mark("elementwise")
-            rc |= gemm(px, d, w.qkv, None, 0, pqkv, qkv_size, n, d, qkv_size, _NONE, threads, *tail)
+            if int8 is not None:
+                rc = int8.rms_norm(phid, None, None, layer.input_norm, eps, d)
+                if mark:
+                    mark("elementwise")
+                rc |= int8.linear(layer.int8[0], pqkv, qkv_size)
+            else:
+                rc = rms(phid, d, None, None, layer.input_norm, px, n, d, eps, threads)
+                if mark:
+                    mark("elementwise")
+                rc |= gemm(px, d, w.qkv, None, 0, pqkv, qkv_size, n, d, qkv_size, _NONE, threads, *tail)
             if mark:
                 mark("gemm")
             rc |= rope_kv(pqkv, qkv_size, cos, sin, ploc, pq, k_buf, v_buf, kv_fmt, n, heads, kv_heads, head_dim,
@@ -199,17 +216,81 @@ class DecodePath:
                          q_bf16, kv_fmt, scale, threads, amx)
             if mark:
                 mark("attention")
-            rc |= gemm(pattn, q_size, w.o, None, 0, po, d, n, q_size, d, _NONE, threads, *tail)
-            if mark:
-                mark("gemm")
-            rc |= rms(po, d, phid, ph, layer.post_norm, px, n, d, eps, threads)
-            if mark:
-                mark("elementwise")
-            rc |= gemm(px, d, w.gate_up, None, 0, pact, inter, n, d, inter, _GATE_UP, threads, *tail)
-            rc |= gemm(pact, inter, w.down, ph, d, out.data_ptr(), d, n, inter, d, _ADD, threads, *tail)
+            if int8 is not None:
+                rc |= int8.quantize(pattn, q_size)
+                rc |= int8.linear(layer.int8[1], po, d)
+                if mark:
+                    mark("gemm")
+                rc |= int8.rms_norm(po, phid, ph, layer.post_norm, eps, d)
+                if mark:
+                    mark("elementwise")
+                rc |= int8.gate_up(layer.int8[2])
+                rc |= int8.linear(layer.int8[3], out.data_ptr(), d, add=ph)
+            else:
+                rc |= gemm(pattn, q_size, w.o, None, 0, po, d, n, q_size, d, _NONE, threads, *tail)
+                if mark:
+                    mark("gemm")
+                rc |= rms(po, d, phid, ph, layer.post_norm, px, n, d, eps, threads)
+                if mark:
+                    mark("elementwise")
+                rc |= gemm(px, d, w.gate_up, None, 0, pact, inter, n, d, inter, _GATE_UP, threads, *tail)
+                rc |= gemm(pact, inter, w.down, ph, d, out.data_ptr(), d, n, inter, d, _ADD, threads, *tail)
             if mark:
                 mark("gemm")
             if rc:
                 raise RuntimeError(f"decode path: a kernel refused a call of layer {i}")
             hid = out
         return self.final_norm(hid)
+
+
+class Int8Pass:
+    """The buffers and calls of one decode pass's int8 GEMMs (`DecodePath.run` with int8 weights):
+    each layer's input rows quantized once into `x` (with their scales `x_scale`), the int32 sums
+    of every GEMM in a buffer of their shape, reused by all layers."""
+
+    def __init__(self, ops, n: int, d: int, qkv_size: int, q_size: int, inter: int):
+        self.ops, self.n, self.threads = ops, n, torch.get_num_threads()
+        widest = max(d, q_size, inter)
+        self.x_all = torch.empty((n, widest), dtype=torch.int8)
+        self.x_scale = torch.empty(n, dtype=torch.float32)
+        self.x = self.x_all[:, :d]  # the rows the next GEMM takes: [n, their width], see _rows
+        self.sums: dict[int, torch.Tensor] = {}
+        for width in (qkv_size, d, 2 * inter):
+            self.sums.setdefault(width, torch.empty((n, width), dtype=torch.int32))
+        self.px, self.pscale = self.x_all.data_ptr(), self.x_scale.data_ptr()
+
+    def _rows(self, width: int) -> torch.Tensor:
+        """`x` as [n, width] rows (the next GEMM's input width), over the same buffer."""
+        self.x = self.x_all.view(-1)[: self.n * width].view(self.n, width)
+        return self.x
+
+    def rms_norm(self, phid: int, residual: int | None, residual_out: int | None, weight: int, eps: float,
+                 d: int) -> int:
+        """RMSNorm of the hidden rows at `phid` (bf16 [n, d], after the residual add when there is
+        one, written to `residual_out`) into `x`."""
+        self._rows(d)
+        return self.ops._rms_quantize(phid, d, residual, residual_out, weight, eps, self.px, self.pscale, self.n, d,
+                                      self.threads)
+
+    def quantize(self, px: int, width: int) -> int:
+        """bf16 rows [n, width] at `px` into `x`."""
+        self._rows(width)
+        return self.ops._quantize(px, width, self.px, self.pscale, self.n, width, self.threads)
+
+    def linear(self, w, out: int, out_stride: int, add: int | None = None) -> int:
+        """bf16(x @ W^T [+ add]) into `out` (`add`: bf16 rows of the output's shape, contiguous)."""
+        n_out = w.out_features
+        sums = self.sums[n_out]
+        torch._int_mm(self.x, w.q, out=sums)
+        return self.ops._dequantize(sums.data_ptr(), self.pscale, w.scale.data_ptr(), add, n_out if add else 0, out,
+                                    out_stride, self.n, n_out, self.threads)
+
+    def gate_up(self, w) -> int:
+        """SiLU(gate) * up of x and the fused gate-up weight, quantized into `x` (the down
+        projection's input)."""
+        sums = self.sums[w.out_features]
+        torch._int_mm(self.x, w.q, out=sums)
+        inter = w.out_features // 2
+        self._rows(inter)
+        return self.ops._silu_mul_quantize(sums.data_ptr(), self.pscale, w.scale.data_ptr(), self.px, self.pscale,
+                                           self.n, inter, self.threads)

@@ -33,6 +33,8 @@ from framework.model.cpu import (gemm_rows, pack_linear_weight, packed_linear, p
                                  packed_linear_unary, pad_rows, to_float32)
 from framework.model.cpu_kernels import CpuKernels, FusedOps
 from framework.model.decode_path import DecodePath
+from framework.model.int8 import Int8Ops, Int8Weight, QuantizedRows
+from framework.model.int8 import takes as takes_int8
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -68,12 +70,17 @@ class RMSNorm(nn.Module):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
-           kernels: CpuKernels | None = None, tiles: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor:
+           kernels: CpuKernels | None = None, tiles: torch.Tensor | None = None, stream: bool = False,
+           int8: Int8Weight | None = None, int8_ops: Int8Ops | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy for oneDNN,
     `use_packed_weights`) when there is one and x is bf16. Without a bias, GEMMs of up to
     `kernels.gemm.rows` rows run on the packed GEMM kernel instead, from `tiles` (weight's copy
     in its layout); `stream`: that kernel stores the output past the caches (`PackedGemm.linear`,
-    for the LM head)."""
+    for the LM head). With `int8` (weight's int8 copy, model.quantization = "w8a8"), passes of
+    bf16 rows that `int8.takes` run in int8 (framework/model/int8.py)."""
+    if int8 is not None and (isinstance(x, QuantizedRows) or takes_int8(x)):
+        y = int8_ops.linear(x if isinstance(x, QuantizedRows) else int8_ops.quantize(x), int8)
+        return y if bias is None else y.add_(bias)
     if packed is not None and x.dtype == torch.bfloat16:
         gemm = kernels.gemm if kernels is not None and bias is None and tiles is not None else None
         if gemm is not None and gemm.supports(x, tiles):
@@ -88,9 +95,12 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
     kernels: CpuKernels | None = None  # see use_cpu_kernels
+    int8: Int8Weight | None = None  # see framework/model/int8.py's use_int8_weights
+    int8_ops: Int8Ops | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.kernels, self.tiles)
+        return linear(x, self.weight, self.bias, self.packed, self.kernels, self.tiles, int8=self.int8,
+                      int8_ops=self.int8_ops)
 
 
 class RowParallelLinear(nn.Module):
@@ -110,10 +120,13 @@ class RowParallelLinear(nn.Module):
         self.packed: torch.Tensor | None = None  # see use_packed_weights
         self.tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
+        self.int8: Int8Weight | None = None  # see framework/model/int8.py's use_int8_weights
+        self.int8_ops: Int8Ops | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard_size == 1:
-            return linear(x, self.weight, self.bias, self.packed, self.kernels, self.tiles)
+            return linear(x, self.weight, self.bias, self.packed, self.kernels, self.tiles, int8=self.int8,
+                          int8_ops=self.int8_ops)
         # The bias is added once, after the sum of the ranks' partial products.
         y = self.par.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
@@ -173,13 +186,17 @@ class LlamaMLP(nn.Module):
         # then happen inside the three GEMMs.
         self.packed_gate: torch.Tensor | None = None
         self.packed_up: torch.Tensor | None = None
+        self.int8_ops: Int8Ops | None = None  # with the projections' int8 weights (use_int8_weights)
 
     def forward(self, x: torch.Tensor, batch: ModelWorkerBatch, residual: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """MLP(x), plus `residual` when given; in `out` when given (rows of a larger output, as a
         prefill tile's: the packed GEMM kernel writes them in place, other paths copy)."""
         gathers = self.par.gathers_mlp_tokens
-        if not gathers and self.packed_gate is not None and x.dtype == torch.bfloat16 and self._plain_layers():
+        if isinstance(x, QuantizedRows) or (not gathers and self.int8_ops is not None and takes_int8(x)
+                                            and self._int8_layers()):
+            y = self._int8_mlp(x, residual, out)
+        elif not gathers and self.packed_gate is not None and x.dtype == torch.bfloat16 and self._plain_layers():
             y = self._packed_mlp(x, residual, out)  # (the residual added in its last GEMM)
         else:
             if gathers:
@@ -194,6 +211,19 @@ class LlamaMLP(nn.Module):
     def _plain_layers(self) -> bool:
         # A LoRA-wrapped projection must run its own forward (the packed copies lack the deltas).
         return type(self.gate_up_proj) is Linear and type(self.down_proj) is RowParallelLinear
+
+    def _int8_layers(self) -> bool:
+        return self._plain_layers() and self.gate_up_proj.int8 is not None and self.down_proj.int8 is not None
+
+    def _int8_mlp(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+        """The MLP in int8 (framework/model/int8.py): SiLU(gate) * up quantized straight from the
+        gate-up sums, the residual added in the down projection's dequantization."""
+        ops = self.int8_ops
+        act = ops.gate_up(x if isinstance(x, QuantizedRows) else ops.quantize(x), self.gate_up_proj.int8)
+        if residual is not None and residual.stride(1) != 1:
+            residual = residual.contiguous()
+        in_place = out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1
+        return ops.linear(act, self.down_proj.int8, add=residual, out=out if in_place else None)
 
     def _packed_mlp(
         self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None = None
@@ -243,6 +273,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, par)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.int8_ops: Int8Ops | None = None  # see framework/model/int8.py's use_int8_weights
 
     def forward(self, hidden, rope, batch, meta, kv_pool) -> torch.Tensor:
         if hidden.shape[0] == 0:
@@ -250,21 +281,36 @@ class LlamaDecoderLayer(nn.Module):
             return self.mlp(hidden, batch)
         attn = self.self_attn
         tiles = [slice(None)] if self.mlp.par.gathers_mlp_tokens else token_tiles(hidden.shape[0])
+        norm_in, norm_post = self._norms(hidden)
         if len(tiles) == 1:
-            q = attn.project(self.input_layernorm(hidden), rope, batch.out_cache_loc, kv_pool)
+            q = attn.project(norm_in(hidden), rope, batch.out_cache_loc, kv_pool)
         else:  # the tiles' q and outputs go straight into the pass's (no torch.cat, no copies)
             q = hidden.new_empty((hidden.shape[0], attn.q_size))
             for t in tiles:
-                attn.project(self.input_layernorm(hidden[t]), rope.tile(t), batch.out_cache_loc[t], kv_pool, out=q[t])
+                attn.project(norm_in(hidden[t]), rope.tile(t), batch.out_cache_loc[t], kv_pool, out=q[t])
         attn_out = attn.backend.forward(q, attn.layer_id, meta, kv_pool)
         out = torch.empty_like(hidden) if len(tiles) > 1 else None
         for t in tiles:
             # The sublayers return fresh tensors, so the residual adds can be in place (the MLP adds h).
-            normed, h = self.post_attention_layernorm.add_and_norm(attn.o_proj(attn_out[t]), hidden[t])
+            normed, h = norm_post(attn.o_proj(attn_out[t]), hidden[t])
             if len(tiles) == 1:
                 return self.mlp(normed, batch, residual=h)
             self.mlp(normed, batch, residual=h, out=out[t])
         return out
+
+    def _norms(self, hidden: torch.Tensor):
+        """(input norm, post-attention add-and-norm) for this pass: with int8 weights
+        (use_int8_weights) and a pass the int8 GEMMs take, the norms give the int8 rows of their
+        output (`Int8Ops.rms_norm_quantize`: QuantizedRows, which the projections take as they are)."""
+        ops = self.int8_ops
+        attn, mlp = self.self_attn, self.mlp
+        if (ops is None or not takes_int8(hidden) or type(attn.qkv_proj) is not Linear or attn.qkv_proj.int8 is None
+                or type(attn.o_proj) is not RowParallelLinear or attn.o_proj.int8 is None or not mlp._int8_layers()
+                or mlp.par.gathers_mlp_tokens):
+            return self.input_layernorm, self.post_attention_layernorm.add_and_norm
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        return (lambda x: ops.rms_norm_quantize(x, norm_in.weight, norm_in.eps)[0],
+                lambda x, residual: ops.rms_norm_quantize(x, norm_post.weight, norm_post.eps, residual))
 
 
 def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:

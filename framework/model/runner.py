@@ -20,6 +20,8 @@ from framework.model.cpu import packed_linear_supported, tune_allocator
 from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig
 from framework.model.gguf_decode import use_gguf_decode
+from framework.model.int8 import MIN_ROWS as INT8_MIN_ROWS
+from framework.model.int8 import QUANTIZATIONS, Int8Ops, use_int8_weights
 from framework.model.llama import use_cpu_kernels, use_packed_weights
 from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
@@ -59,6 +61,8 @@ class ModelRunner:
             of the GGUF `model_path` was converted from (framework/model/gguf_decode.py).
         kv_huge_pages: cache.kv_huge_pages: a CPU KV pool on transparent huge pages
             (memory.zeros_on_huge_pages).
+        quantization: model.quantization: "none", or "w8a8" for int8 GEMMs in the layers
+            (framework/model/int8.py; bf16 on the CPU only).
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         gguf_decode: str = "auto",
         kv_huge_pages: bool = False,
+        quantization: str = "none",
     ):
         if gguf_decode not in ("auto", "exact", "off"):
             raise ValueError(f"gguf_decode must be 'auto', 'exact' or 'off', got {gguf_decode!r}")
@@ -84,7 +89,7 @@ class ModelRunner:
         self._setup(
             hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
             max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
-            device, seed, lora_paths, cpu_kernels, packed_weights, kv_dtype, kv_huge_pages,
+            device, seed, lora_paths, cpu_kernels, packed_weights, kv_dtype, kv_huge_pages, quantization,
         )
         self.model_path = model_path
         self.gguf_decode = gguf_decode
@@ -115,12 +120,13 @@ class ModelRunner:
         packed_weights: bool = True,
         kv_dtype: torch.dtype | None = None,
         kv_huge_pages: bool = False,
+        quantization: str = "none",
     ) -> "ModelRunner":
         runner = cls.__new__(cls)
         runner._setup(
             hf_config, state_dict.items(), tokenizer, dtype, max_total_tokens,
             kv_cache_memory_bytes, max_running_requests, context_length, device, seed, lora_paths,
-            cpu_kernels, packed_weights, kv_dtype, kv_huge_pages,
+            cpu_kernels, packed_weights, kv_dtype, kv_huge_pages, quantization,
         )
         runner.model_path = None
         runner.gguf_decode = "off"
@@ -143,9 +149,16 @@ class ModelRunner:
         packed_weights: bool = True,
         kv_dtype: torch.dtype | None = None,
         kv_huge_pages: bool = False,
+        quantization: str = "none",
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        if quantization == "w8a8" and (dtype != torch.bfloat16 or device != "cpu"):
+            raise ValueError(f"model.quantization = 'w8a8' runs bf16 activations on the CPU, but the model is {dtype} "
+                             f"on {device!r}: set model.dtype = 'bfloat16' and worker.device = 'cpu'")
+        self.quantization = quantization
         kv_dtype = kv_dtype or dtype
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be float32, bfloat16 or float8_e5m2, got {kv_dtype}")
@@ -191,6 +204,12 @@ class ModelRunner:
                                 time.perf_counter() - start)
                 else:  # the packed GEMM kernel takes every GEMM of a prefill tile
                     logger.debug("No oneDNN GEMM kernels to build ahead")
+        if self.quantization == "w8a8":
+            text = getattr(model, "language_model", model)
+            ops = Int8Ops.load()
+            count = use_int8_weights(text, ops)
+            logger.info("model.quantization = 'w8a8': %d linear weights in int8, passes of %d+ rows on int8 GEMMs "
+                        "(their ends %s)", count, INT8_MIN_ROWS, "in C" if ops.lib is not None else "in PyTorch")
         return model_config, model
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:

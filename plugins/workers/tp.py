@@ -113,6 +113,7 @@ class TpWorker:
             cpu_kernels=settings.worker.cpu_kernels,
             packed_weights=settings.worker.packed_weights,
             gguf_decode=settings.worker.gguf_decode,
+            quantization=settings.model.quantization,
             kv_dtype=resolve_kv_dtype(settings.model.kv_cache_dtype, dtype),
             kv_huge_pages=settings.cache.kv_huge_pages,
         )

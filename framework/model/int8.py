@@ -1,0 +1,199 @@
+"""W8A8 int8 GEMMs for a model's layers (model.quantization = "w8a8").
+
+Each linear weight of the layers (qkv, o, gate-up, down; not the embedding or the LM head) is kept
+as int8 with one fp32 scale per output column (`Int8Weight`: max|w| / 127 of the column), and each
+GEMM's input rows are quantized as they are made, one scale per row (token). The product is
+`torch._int_mm` (oneDNN's int8 GEMM, `vpdpbusd` on AVX512-VNNI: twice the multiply-adds of bf16's
+`vdpbf16ps` per instruction) and its int32 sums become bf16 again in one pass with what follows
+them (`Int8Ops`, kernels/int8_ops.c):
+
+    x (bf16) --RMSNorm + quantize--> int8 rows --_int_mm--> int32 --dequantize--> qkv (bf16)
+    attention out --quantize--> int8 --_int_mm--> int32 --dequantize--> o (bf16)
+    o + residual --RMSNorm + quantize--> int8 --_int_mm--> int32 --SiLU(gate) * up + quantize--> int8
+        --_int_mm--> int32 --dequantize + residual--> the layer's output (bf16)
+
+It changes the outputs: docs/performance.md has what it costs in perplexity and greedy agreement
+on the embedded model, and what it gains in speed. Passes of fewer than `MIN_ROWS` rows keep the
+bf16 (or GGUF Q4_1, `worker.gguf_decode`) path, where the weights' bytes, not the multiply-adds,
+set the time. Without the C kernels the same arithmetic runs in PyTorch (`Int8Ops(None)`), which is
+also what the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from framework.model.cpu_kernels import load
+
+# Passes of fewer rows keep the bf16 weights (see the module docstring; measured in
+# docs/performance.md, "Issue 17, eighteenth session").
+MIN_ROWS = 32
+QUANTIZATIONS = ("none", "w8a8")
+
+_PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+@dataclass
+class Int8Weight:
+    """A linear weight [n, k] as int8 values `q` [k, n] (transposed: torch._int_mm's second
+    operand) and fp32 column scales `scale` [n]: weight[c] ~ q[:, c] * scale[c]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[1]
+
+
+class QuantizedRows(NamedTuple):
+    """Activations [m, k] as int8 values `q` [m, k] and fp32 row scales `scale` [m]:
+    row r ~ q[r] * scale[r]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def quantize_weight(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric int8 of each output column (row of `weight` [n, k]): scale max|w| / 127, values
+    round(w / scale) (a column of zeros: scale 0, values 0)."""
+    w = weight.detach().float()
+    q, scale = quantize_rows(w)
+    return Int8Weight(q.t().contiguous(), scale)
+
+
+def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+    """fp32 rows [m, k] as int8 rows, as kernels/int8_ops.c's quantize_row."""
+    amax = x.abs().amax(dim=1)
+    # (a true division: `127 / amax` would be torch's reciprocal times 127, which rounds differently)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127).div_(amax), torch.zeros_like(amax))
+    return QuantizedRows(torch.round(x * inv[:, None]).clamp_(-127, 127).to(torch.int8), amax / 127)
+
+
+class Int8Ops:
+    """The int8 GEMMs and their ends, on the C kernels of kernels/int8_ops.c (`lib`) or, with
+    `lib` None, the same arithmetic in PyTorch. Activations are bf16 2-D tensors with unit stride
+    along their rows; int8 rows come with their fp32 scales (QuantizedRows)."""
+
+    def __init__(self, lib: ctypes.CDLL | None):
+        self.lib = lib
+        if lib is None:
+            return
+        self._quantize = lib.quantize_bf16
+        self._quantize.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _INT]
+        self._rms_quantize = lib.rms_norm_quantize
+        self._rms_quantize.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _FLOAT, _PTR, _PTR, _I64, _I64, _INT]
+        self._dequantize = lib.dequantize_bf16
+        self._dequantize.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]
+        self._silu_mul_quantize = lib.silu_mul_quantize
+        self._silu_mul_quantize.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT]
+        for fn in (self._quantize, self._rms_quantize, self._dequantize, self._silu_mul_quantize):
+            fn.restype = _INT
+
+    @classmethod
+    def load(cls) -> "Int8Ops":
+        """On the C kernels where they build, else in PyTorch."""
+        return cls(load("int8_ops"))
+
+    @staticmethod
+    def _check(rc: int, op: str) -> None:
+        if rc != 0:
+            raise MemoryError(f"int8 {op} kernel: no memory for its row buffer")
+
+    @staticmethod
+    def _empty_rows(m: int, k: int) -> QuantizedRows:
+        return QuantizedRows(torch.empty((m, k), dtype=torch.int8), torch.empty(m, dtype=torch.float32))
+
+    def quantize(self, x: torch.Tensor) -> QuantizedRows:
+        """bf16 rows [m, k] as int8 rows and their scales."""
+        if self.lib is None:
+            return quantize_rows(x.float())
+        m, k = x.shape
+        q, s = self._empty_rows(m, k)
+        self._check(self._quantize(x.data_ptr(), x.stride(0), q.data_ptr(), s.data_ptr(), m, k,
+                                   torch.get_num_threads()), "quantize")
+        return QuantizedRows(q, s)
+
+    def rms_norm_quantize(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                          residual: torch.Tensor | None = None):
+        """((q, scale) of RMSNorm(h) * weight, h), h = x, or bf16(x + residual) with a residual
+        (contiguous, x's shape); the normed rows are quantized from fp32."""
+        if self.lib is None:
+            h = x if residual is None else (x.float() + residual.float()).to(torch.bfloat16)
+            hf = h.float()
+            normed = hf * torch.rsqrt(hf.pow(2).mean(dim=1, keepdim=True) + eps) * weight.float()
+            return quantize_rows(normed), h
+        m, d = x.shape
+        q, s = self._empty_rows(m, d)
+        h = x if residual is None else torch.empty((m, d), dtype=torch.bfloat16)
+        res, res_out = (None, None) if residual is None else (residual.data_ptr(), h.data_ptr())
+        self._check(self._rms_quantize(x.data_ptr(), x.stride(0), res, res_out, weight.data_ptr(), eps, q.data_ptr(),
+                                       s.data_ptr(), m, d, torch.get_num_threads()), "RMSNorm")
+        return QuantizedRows(q, s), h
+
+    def linear(self, x: QuantizedRows, w: Int8Weight, add: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16(x @ W^T [+ add]) for int8 rows x; `add`: bf16 [m, n] (unit stride along rows), added
+        before the one rounding; `out`: a bf16 [m, n] with unit stride along rows to write into."""
+        q, s = x
+        m, n = q.shape[0], w.out_features
+        acc = torch._int_mm(q, w.q)
+        if self.lib is None:
+            y = acc.float() * (s[:, None] * w.scale[None, :])
+            if add is not None:
+                y += add.float()
+            return y.to(torch.bfloat16) if out is None else out.copy_(y)
+        if out is None:
+            out = torch.empty((m, n), dtype=torch.bfloat16)
+        self._check(self._dequantize(acc.data_ptr(), s.data_ptr(), w.scale.data_ptr(),
+                                     None if add is None else add.data_ptr(), 0 if add is None else add.stride(0),
+                                     out.data_ptr(), out.stride(0), m, n, torch.get_num_threads()), "dequantize")
+        return out
+
+    def gate_up(self, x: QuantizedRows, w: Int8Weight) -> QuantizedRows:
+        """The int8 rows of SiLU(gate) * up for int8 rows x and the fused [gate | up] weight."""
+        q, s = x
+        m, d = q.shape[0], w.out_features // 2
+        acc = torch._int_mm(q, w.q)
+        if self.lib is None:
+            y = acc.float() * (s[:, None] * w.scale[None, :])
+            gate, up = y[:, :d], y[:, d:]
+            return quantize_rows(gate / (1 + torch.exp(-gate)) * up)
+        aq, a_s = self._empty_rows(m, d)
+        self._check(self._silu_mul_quantize(acc.data_ptr(), s.data_ptr(), w.scale.data_ptr(), aq.data_ptr(),
+                                            a_s.data_ptr(), m, d, torch.get_num_threads()), "SiLU-mul")
+        return QuantizedRows(aq, a_s)
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether a layer's pass of activations x runs its GEMMs in int8 (bf16 rows, enough of them)."""
+    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= MIN_ROWS and x.stride(1) == 1
+
+
+def use_int8_weights(model, ops: Int8Ops | None) -> int:
+    """Give the linear layers of `model`'s decoder layers their int8 weights (`ops` the int8
+    GEMMs to run them with), or take them away (`ops` None); returns how many weights were made.
+    A layer split over TP ranks keeps its bf16 GEMMs; under LoRA the base product is int8 and the
+    adapters' deltas are added in bf16, as on the bf16 weights."""
+    from framework.model.llama import Linear, LlamaDecoderLayer, LlamaMLP, RowParallelLinear
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (Linear, RowParallelLinear)):
+            plain = type(module) in (Linear, RowParallelLinear) and getattr(module, "shard_size", 1) == 1
+            module.int8 = quantize_weight(module.weight) if ops is not None and plain else None
+            module.int8_ops = ops if module.int8 is not None else None
+            count += module.int8 is not None
+        if isinstance(module, (LlamaMLP, LlamaDecoderLayer)):
+            module.int8_ops = ops
+    if hasattr(model, "reset_decode_path"):
+        model.reset_decode_path()
+    return count

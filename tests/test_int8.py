@@ -1,0 +1,221 @@
+"""model.quantization = "w8a8": int8 GEMMs in the layers (framework/model/int8.py, kernels/int8_ops.c)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework.batch import ForwardMode
+from framework.model import int8 as int8_mod
+from framework.model.int8 import Int8Ops, QuantizedRows, quantize_weight
+from framework.model.runner import ModelRunner
+from tests.test_model import _batch, _new_reqs, _runner, _tiny_hf
+
+TORCH_OPS = Int8Ops(None)
+
+
+@pytest.fixture(scope="module")
+def c_ops() -> Int8Ops:
+    ops = Int8Ops.load()
+    if ops.lib is None:
+        pytest.skip("the int8 kernels do not build here (no C compiler)")
+    return ops
+
+
+def _rows(rows: int, width: int, seed: int = 0) -> torch.Tensor:
+    """bf16 rows of different magnitudes, the first all zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * torch.logspace(-2, 2, rows)[:, None]
+    x[0] = 0
+    return x.bfloat16()
+
+
+SHAPES = [(1, 64), (5, 100), (37, 576), (200, 1536)]
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+def test_quantized_rows_are_within_half_a_step_and_match_pytorch(c_ops, rows, width):
+    x = _rows(rows, width)
+    got, want = c_ops.quantize(x), TORCH_OPS.quantize(x)
+    assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
+    assert got.scale[0] == 0 and not got.q[0].any()  # a row of zeros
+    if rows > 1:
+        assert (got.q[1:].abs().amax(dim=1) == 127).all()  # each row's largest value is +-127
+    err = (got.q.float() * got.scale[:, None] - x.float()).abs()
+    assert (err <= got.scale[:, None] * 0.5001 + 1e-30).all()
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_quantize_quantizes_the_norm(c_ops, rows, width, residual):
+    x, res = _rows(rows, width, 1), _rows(rows, width, 2) if residual else None
+    weight = (torch.rand(width) + 0.5).bfloat16()
+    (q, scale), h = c_ops.rms_norm_quantize(x, weight, 1e-5, res)
+    (q_ref, scale_ref), h_ref = TORCH_OPS.rms_norm_quantize(x, weight, 1e-5, res)
+    assert torch.equal(h, h_ref)
+    if residual:
+        assert torch.equal(h, (x.float() + res.float()).bfloat16())
+    assert torch.allclose(scale, scale_ref, rtol=1e-5, atol=0)
+    assert (q.int() - q_ref.int()).abs().max() <= 1  # (a sum's order can move a value across a .5)
+    normed = F.rms_norm(h.float(), (width,), weight.float(), 1e-5)
+    assert ((q.float() * scale[:, None] - normed).abs() <= scale[:, None] * 0.51 + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows,width,n", [(2, 64, 48), (37, 576, 960), (200, 1536, 576)])
+@pytest.mark.parametrize("add", [False, True])
+def test_int8_linear_dequantizes_as_pytorch_and_is_close_to_the_product(c_ops, rows, width, n, add):
+    x = _rows(rows, width, 3)
+    w = (torch.randn(n, width, generator=torch.Generator().manual_seed(4)) * 0.05).bfloat16()
+    w8 = quantize_weight(w)
+    other = _rows(rows, n, 5) if add else None
+    got = c_ops.linear(c_ops.quantize(x), w8, add=other)
+    want = TORCH_OPS.linear(TORCH_OPS.quantize(x), w8, add=other)
+    assert got.dtype == torch.bfloat16
+    if add:  # (the kernel may fuse the scaling and the add into one rounding: one bf16 step apart at most)
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-30).all()
+    else:
+        assert torch.equal(got, want)
+    # into rows of a larger tensor
+    big = torch.zeros(rows, n + 16, dtype=torch.bfloat16)
+    c_ops.linear(c_ops.quantize(x), w8, add=other, out=big[:, 8 : 8 + n])
+    assert torch.equal(big[:, 8 : 8 + n], got) and not big[:, :8].any() and not big[:, 8 + n :].any()
+    exact = x.float() @ w.float().T + (other.float() if add else 0)
+    assert ((got.float() - exact).norm() / exact.norm()) < 0.02
+
+
+@pytest.mark.parametrize("rows", [2, 37, 200])
+def test_gate_up_quantizes_silu_gate_times_up(c_ops, rows):
+    x, d = _rows(rows, 576, 6), 256
+    w = (torch.randn(2 * d, 576, generator=torch.Generator().manual_seed(7)) * 0.05).bfloat16()
+    w8 = quantize_weight(w)
+    got = c_ops.gate_up(c_ops.quantize(x), w8)
+    want = TORCH_OPS.gate_up(TORCH_OPS.quantize(x), w8)
+    assert got.q.shape == (rows, d) and torch.allclose(got.scale, want.scale, rtol=1e-5, atol=0)
+    assert (got.q.int() - want.q.int()).abs().max() <= 1
+    gate, up = (x.float() @ w.float().T).split(d, dim=1)
+    exact = F.silu(gate) * up
+    assert ((got.q.float() * got.scale[:, None] - exact).norm() / exact[1:].norm()) < 0.03
+
+
+def test_weights_are_quantized_per_output_column():
+    w = torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]
+    w[5] = 0
+    w8 = quantize_weight(w.bfloat16())
+    assert w8.q.shape == (64, 48) and w8.q.dtype == torch.int8 and w8.q.is_contiguous()
+    assert w8.scale[5] == 0 and not w8.q[:, 5].any()
+    back = w8.q.float().T * w8.scale[:, None]
+    assert ((back - w.bfloat16().float()).abs() <= w8.scale[:, None] * 0.5001 + 1e-30).all()
+    assert torch.equal(w8.scale, w.bfloat16().float().abs().amax(dim=1) / 127)
+
+
+def _counting_int_mm(monkeypatch) -> list:
+    calls = []
+    real = torch._int_mm
+
+    def counted(a, b, **kw):
+        calls.append(a.shape[0])
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(torch, "_int_mm", counted)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return _tiny_hf()
+
+
+def _prefill_logits(runner, lens):
+    reqs = _new_reqs(runner, lens, seed=5)
+    return runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone()
+
+
+def test_w8a8_prefill_runs_on_int8_gemms_close_to_bf16(hf_model, monkeypatch):
+    """A pass of >= MIN_ROWS rows: every layer's four GEMMs on torch._int_mm, logits close to bf16's;
+    a smaller pass keeps the bf16 GEMMs."""
+    bf16 = _runner(hf_model, dtype=torch.bfloat16)
+    w8 = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
+    layers = len(w8.model.model.layers)
+    calls = _counting_int_mm(monkeypatch)
+    lens = [30, 12, 7]
+    got = _prefill_logits(w8, lens)
+    assert calls == [sum(lens)] * (4 * layers)
+    want = _prefill_logits(bf16, lens)
+    assert not torch.equal(got, want)
+    cos = F.cosine_similarity(got.float(), want.float(), dim=1)
+    assert cos.min() > 0.99, cos
+    calls.clear()
+    _prefill_logits(w8, [int8_mod.MIN_ROWS - 1])
+    assert calls == []
+
+
+def test_w8a8_decode_steps_on_the_decode_path_give_the_layers_bits(hf_model, monkeypatch):
+    """A decode step of >= MIN_ROWS requests on the decode path (straight kernel calls) runs the
+    same int8 arithmetic as the layers, bit for bit; a smaller step keeps the bf16 weights."""
+    runners = [_runner(hf_model, dtype=torch.bfloat16, quantization="w8a8", max_running_requests=48)
+               for _ in range(2)]
+    path = runners[0].model.decode_path()
+    if path is None:
+        pytest.skip("no decode path here (no C kernels, or no AVX512-BF16 for the packed GEMMs)")
+    assert path.int8_rows == int8_mod.MIN_ROWS
+    runners[1].model.decode_path = lambda: None  # the layers, as any model without the path
+    n = int8_mod.MIN_ROWS + 3
+    lens = [3 + i % 5 for i in range(n)]
+    calls = _counting_int_mm(monkeypatch)
+    runs = []
+    for runner in runners:
+        reqs = _new_reqs(runner, [k + 2 for k in lens], seed=9)
+        runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND))
+        step = runner.forward(_batch(runner, reqs, [1] * n, ForwardMode.DECODE)).next_token_logits.clone()
+        calls.clear()
+        small = runner.forward(_batch(runner, reqs[:3], [1] * 3, ForwardMode.DECODE)).next_token_logits.clone()
+        runs.append((step, small, list(calls)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1]) and runs[0][2] == runs[1][2] == []
+
+
+def test_the_pytorch_ends_give_what_the_kernels_give(hf_model, monkeypatch):
+    """Without the C kernels (no compiler) the int8 path runs in PyTorch, to the same logits up
+    to the SiLU's exp and a sum's order."""
+    c = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
+    if c.model.model.layers[0].int8_ops.lib is None:
+        pytest.skip("the int8 kernels do not build here")
+    monkeypatch.setattr(Int8Ops, "load", classmethod(lambda cls: cls(None)))
+    pt = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
+    assert pt.model.model.layers[0].int8_ops.lib is None
+    lens = [30, 12, 7]
+    got, want = _prefill_logits(c, lens), _prefill_logits(pt, lens)
+    assert F.cosine_similarity(got.float(), want.float(), dim=1).min() > 0.999
+
+
+def test_w8a8_is_refused_where_it_cannot_run(hf_model):
+    with pytest.raises(ValueError, match="model.dtype = 'bfloat16'"):
+        _runner(hf_model, dtype=torch.float32, quantization="w8a8")
+    with pytest.raises(ValueError, match="quantization must be one of none, w8a8"):
+        _runner(hf_model, dtype=torch.bfloat16, quantization="int4")
+    from framework.config import Settings, SettingsError
+
+    with pytest.raises((SettingsError, ValueError), match="quantization"):
+        Settings.load(None, model={"quantization": "int4"})
+
+
+def test_w8a8_engine_serves_and_reloads(make_engine, tiny_model_folder):
+    """Through the settings: greedy requests of a batch large enough for the int8 GEMMs, leak-checked
+    (the fixture); reloaded weights get their int8 copies again."""
+    engine = make_engine(model={"dtype": "bfloat16", "quantization": "w8a8"})
+    outs = engine.generate(input_ids=[[5 + i, 7, 9 + i, 11] for i in range(40)],
+                           sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert all(len(o["output_ids"]) == 6 for o in outs)
+    runner = ModelRunner(tiny_model_folder, dtype=torch.bfloat16, max_total_tokens=512, quantization="w8a8")
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.int8 is not None and qkv.int8_ops is not None
+    ok, message = runner.update_weights(tiny_model_folder)
+    assert ok, message
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.int8 is not None and torch.equal(qkv.int8.q, quantize_weight(qkv.weight).q)
+
+
+def test_quantized_rows_carry_their_shape():
+    rows = QuantizedRows(torch.zeros(3, 8, dtype=torch.int8), torch.zeros(3))
+    assert rows.shape == (3, 8)
