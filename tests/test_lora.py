@@ -185,3 +185,26 @@ def test_adapters_take_the_model_off_the_decode_path(tiny_model_folder, adapter_
         pytest.skip("no decode path for this model here (no C kernels, or no AVX512-BF16 for the packed GEMMs)")
     LoraManager(model, dict(adapter_folders))
     assert model.decode_path() is None
+
+
+def test_adapters_on_int8_base_weights(make_engine, adapter_folders, monkeypatch):
+    """model.quantization = "w8a8" with adapters: the wrapped projections run their base product in
+    int8 and add the adapter's delta in bf16; a batch large enough for the int8 GEMMs serves
+    adapter and base requests, leak-checked, and an adapter changes its requests' outputs."""
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b, **kw: calls.append(a.shape[0]) or real(a, b, **kw))
+    names = sorted(adapter_folders)
+    engine = make_engine(model={"dtype": "bfloat16", "quantization": "w8a8",
+                                "lora_paths": [f"{n}={p}" for n, p in adapter_folders.items()]})
+    prompts = [[5 + i, 7, 9, 11, 13, 17, 19, 23] for i in range(8)]
+    loras = [names[0] if i % 2 else None for i in range(len(prompts))]
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 4}, lora_path=loras)
+    assert calls and max(calls) >= 32  # the prefill's 64 rows went through the int8 GEMMs
+    base = engine.generate(input_ids=prompts[1], sampling_params={**GREEDY, "max_new_tokens": 4},
+                           return_logprob=True)
+    adapted = engine.generate(input_ids=prompts[1], sampling_params={**GREEDY, "max_new_tokens": 4},
+                              lora_path=names[0], return_logprob=True)
+    assert all(len(o["output_ids"]) == 4 for o in outs)
+    first = [o["meta_info"]["output_token_logprobs"][0][0] for o in (base, adapted)]
+    assert first[0] != first[1]  # the adapter's delta reaches the logits

@@ -17,6 +17,10 @@ A model converted from a GGUF may also carry its layers' Q4_1 weights (framework
 gguf_decode.py, `worker.gguf_decode`): passes of up to `widen_rows` rows then read those, widened
 to the same bf16 weights (the same bits), and with "exact" passes of up to `exact_rows` rows take
 their exact products (other bits: the one exception to the above).
+
+With model.quantization = "w8a8" (framework/model/int8.py), passes of at least `int8_rows` rows
+run each layer's four GEMMs in int8 instead (`Int8Pass`): the calls the layers make in int8, on
+buffers allocated once for the pass, so the same bits as those.
 """
 
 from __future__ import annotations

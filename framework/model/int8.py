@@ -27,14 +27,12 @@ from typing import NamedTuple
 
 import torch
 
-from framework.model.cpu_kernels import load
+from framework.model.cpu_kernels import _FLOAT, _I64, _INT, _PTR, load
 
 # Passes of fewer rows keep the bf16 weights (see the module docstring; measured in
 # docs/performance.md, "Issue 17, eighteenth session").
 MIN_ROWS = 32
 QUANTIZATIONS = ("none", "w8a8")
-
-_PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 @dataclass
