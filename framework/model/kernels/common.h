@@ -274,4 +274,39 @@ static inline __m512 hsum16(const __m512 v[16]) {
 }
 #endif
 
+/* Row r of an RMSNorm's input in fp32 into `row` [d]: x (bf16, the row itself), or with a residual
+ * ([rows, d], or NULL) bf16(x + residual), which is also written to residual_out's row r.
+ * Returns the row's scale 1 / sqrt(mean(x^2) + eps). */
+static inline float rms_norm_input(const uint16_t *x, const uint16_t *residual, uint16_t *residual_out, int64_t r,
+                                   int64_t d, float eps, float *row) {
+    const uint16_t *res = residual ? residual + r * d : NULL;
+    uint16_t *res_out = residual ? residual_out + r * d : NULL;
+    int64_t i = 0;
+    float sum = 0.0f;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= d; i += 16) {
+        __m512 v = load16(x + i, KV_BF16);
+        if (res) {
+            v = round_bf16x16(_mm512_add_ps(v, load16(res + i, KV_BF16)));
+            store16_bf16(res_out + i, v);
+        }
+        _mm512_storeu_ps(row + i, v);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < d; i++) {
+        float v = bf16_to_f32(x[i]);
+        if (res) {
+            uint16_t h = f32_to_bf16(v + bf16_to_f32(res[i]));
+            res_out[i] = h;
+            v = bf16_to_f32(h);
+        }
+        row[i] = v;
+        sum += v * v;
+    }
+    return 1.0f / sqrtf(sum / (float)d + eps);
+}
+
 #endif

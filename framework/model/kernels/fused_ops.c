@@ -41,37 +41,9 @@ static void rms_norm_rows(const Job *j, int64_t begin, int64_t end) {
     int64_t d = j->d;
     float row[8192];
     for (int64_t r = begin; r < end; r++) {
-        const uint16_t *x = j->x + r * j->x_stride;
-        const uint16_t *res = j->residual ? j->residual + r * d : NULL;
-        uint16_t *res_out = j->residual ? j->residual_out + r * d : NULL;
-        int64_t i = 0;
-        float sum = 0.0f;
-#ifdef __AVX512F__
-        __m512 acc = _mm512_setzero_ps();
-        for (; i + 16 <= d; i += 16) {
-            __m512 v = load16(x + i, 1);
-            if (res) {
-                v = round_bf16x16(_mm512_add_ps(v, load16(res + i, 1)));
-                store16_bf16(res_out + i, v);
-            }
-            _mm512_storeu_ps(row + i, v);
-            acc = _mm512_fmadd_ps(v, v, acc);
-        }
-        sum = _mm512_reduce_add_ps(acc);
-#endif
-        for (; i < d; i++) {
-            float v = bf16_to_f32(x[i]);
-            if (res) {
-                uint16_t h = f32_to_bf16(v + bf16_to_f32(res[i]));
-                res_out[i] = h;
-                v = bf16_to_f32(h);
-            }
-            row[i] = v;
-            sum += v * v;
-        }
-        float scale = 1.0f / sqrtf(sum / (float)d + j->eps);
+        float scale = rms_norm_input(j->x + r * j->x_stride, j->residual, j->residual_out, r, d, j->eps, row);
         uint16_t *o = j->out + r * d;
-        i = 0;
+        int64_t i = 0;
 #ifdef __AVX512F__
         __m512 vs = _mm512_set1_ps(scale);
         for (; i + 16 <= d; i += 16) {
