@@ -219,3 +219,13 @@ def test_w8a8_engine_serves_and_reloads(make_engine, tiny_model_folder):
 def test_quantized_rows_carry_their_shape():
     rows = QuantizedRows(torch.zeros(3, 8, dtype=torch.int8), torch.zeros(3))
     assert rows.shape == (3, 8)
+
+
+def test_cpus_without_an_int8_dot_product_are_named(hf_model, monkeypatch, caplog):
+    assert int8_mod.has_int8_dot("fpu avx2 avx512f avx512_vnni")
+    assert int8_mod.has_int8_dot("fpu avx2 amx_bf16 amx_int8") and int8_mod.has_int8_dot("avx2 avx_vnni")
+    assert not int8_mod.has_int8_dot("fpu avx2 avx512f avx512_bf16")
+    monkeypatch.setattr("framework.model.runner.has_int8_dot", lambda: False)
+    with caplog.at_level("WARNING", logger="framework.model.runner"):
+        _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
+    assert "without an int8 dot product" in caplog.text

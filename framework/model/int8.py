@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from framework.model.cpu_kernels import _FLOAT, _I64, _INT, _PTR, load
+from framework.model.cpu_kernels import _FLOAT, _I64, _INT, _PTR, _cpu_id, load
 
 # Passes of fewer rows keep the bf16 weights (see the module docstring; measured in
 # docs/performance.md, "Issue 17, eighteenth session").
@@ -169,6 +169,19 @@ class Int8Ops:
         self._check(self._silu_mul_quantize(acc.data_ptr(), s.data_ptr(), w.scale.data_ptr(), aq.data_ptr(),
                                             a_s.data_ptr(), m, d, torch.get_num_threads()), "SiLU-mul")
         return QuantizedRows(aq, a_s)
+
+
+# CPU flags (/proc/cpuinfo) of the int8 dot-product instructions oneDNN's int8 GEMM is fast with.
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def has_int8_dot(flags: str | None = None) -> bool:
+    """Whether the CPU has an int8 dot-product instruction (`flags`: /proc/cpuinfo's flags line;
+    default this machine's). Without one oneDNN multiplies int8 with several instructions a step,
+    and the int8 GEMMs may be no faster than bf16."""
+    if flags is None:
+        flags = _cpu_id()
+    return any(flag in flags.split() for flag in INT8_DOT_FLAGS)
 
 
 def takes(x: torch.Tensor) -> bool:

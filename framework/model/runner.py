@@ -21,7 +21,7 @@ from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig
 from framework.model.gguf_decode import use_gguf_decode
 from framework.model.int8 import MIN_ROWS as INT8_MIN_ROWS
-from framework.model.int8 import QUANTIZATIONS, Int8Ops, use_int8_weights
+from framework.model.int8 import INT8_DOT_FLAGS, QUANTIZATIONS, Int8Ops, has_int8_dot, use_int8_weights
 from framework.model.llama import use_cpu_kernels, use_packed_weights
 from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
@@ -210,6 +210,9 @@ class ModelRunner:
             count = use_int8_weights(text, ops)
             logger.info("model.quantization = 'w8a8': %d linear weights in int8, passes of %d+ rows on int8 GEMMs "
                         "(their ends %s)", count, INT8_MIN_ROWS, "in C" if ops.lib is not None else "in PyTorch")
+            if not has_int8_dot():
+                logger.warning("model.quantization = 'w8a8' on a CPU without an int8 dot product (%s): its int8 "
+                               "GEMMs may be no faster than bf16", ", ".join(INT8_DOT_FLAGS))
         return model_config, model
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:
