@@ -87,10 +87,15 @@ def test_greedy_matches_transformers(default_model_folder, hf_model, prompts, hf
         engine.shutdown()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
-def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype):
-    engine = Engine(model={"path": default_model_folder, "dtype": "bfloat16", "kv_cache_dtype": kv_cache_dtype},
-                    cache={"max_total_tokens": 4096})
+@pytest.mark.parametrize("kv_cache_dtype,quantization", [("auto", "none"), ("fp8_e5m2", "none"), ("auto", "w8a8")])
+def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype, quantization, monkeypatch):
+    """The embedded model answers in bf16, with an fp8 KV cache, and with int8 GEMMs (its prompt
+    long enough for them: the chat template's system prompt)."""
+    int_mm_rows = []
+    real_int_mm = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b, **kw: int_mm_rows.append(a.shape[0]) or real_int_mm(a, b, **kw))
+    engine = Engine(model={"path": default_model_folder, "dtype": "bfloat16", "kv_cache_dtype": kv_cache_dtype,
+                           "quantization": quantization}, cache={"max_total_tokens": 4096})
     try:
         tok = engine.tokenizer
         # Not "What is the capital of France?": its first token is a near-tie in bf16 ("The" and "L"
@@ -103,5 +108,7 @@ def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype):
         out = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0})
         assert "Paris" in out["text"]
         assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+        prompt_len = out["meta_info"]["prompt_tokens"]
+        assert int_mm_rows == ([prompt_len] * 120 if quantization == "w8a8" else [])  # 30 layers' 4 GEMMs
     finally:
         engine.shutdown()
