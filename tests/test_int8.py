@@ -34,11 +34,22 @@ def _rows(rows: int, width: int, seed: int = 0) -> torch.Tensor:
 SHAPES = [(1, 64), (5, 100), (37, 576), (200, 1536)]
 
 
+def _mul(width: int, seed: int = 11) -> torch.Tensor:
+    """A smoothing multiplier (a weight's `inv`): positive, a few orders of magnitude apart."""
+    return torch.logspace(-1, 1, width)[torch.randperm(width, generator=torch.Generator().manual_seed(seed))]
+
+
 @pytest.mark.parametrize("rows,width", SHAPES)
 def test_quantized_rows_are_within_half_a_step_and_match_pytorch(c_ops, rows, width):
     x = _rows(rows, width)
     got, want = c_ops.quantize(x), TORCH_OPS.quantize(x)
     assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
+    mul = _mul(width)
+    smoothed, want_smoothed = c_ops.quantize(x, mul), TORCH_OPS.quantize(x, mul)
+    assert torch.equal(smoothed.q, want_smoothed.q) and torch.equal(smoothed.scale, want_smoothed.scale)
+    assert not torch.equal(smoothed.q, got.q) or rows == 1
+    err = (smoothed.q.float() * smoothed.scale[:, None] - x.float() * mul).abs()
+    assert (err <= smoothed.scale[:, None] * 0.5001 + 1e-30).all()
     assert got.scale[0] == 0 and not got.q[0].any()  # a row of zeros
     if rows > 1:
         assert (got.q[1:].abs().amax(dim=1) == 127).all()  # each row's largest value is +-127
@@ -51,14 +62,15 @@ def test_quantized_rows_are_within_half_a_step_and_match_pytorch(c_ops, rows, wi
 def test_rms_norm_quantize_quantizes_the_norm(c_ops, rows, width, residual):
     x, res = _rows(rows, width, 1), _rows(rows, width, 2) if residual else None
     weight = (torch.rand(width) + 0.5).bfloat16()
-    (q, scale), h = c_ops.rms_norm_quantize(x, weight, 1e-5, res)
-    (q_ref, scale_ref), h_ref = TORCH_OPS.rms_norm_quantize(x, weight, 1e-5, res)
+    mul = _mul(width)
+    (q, scale), h = c_ops.rms_norm_quantize(x, weight, 1e-5, res, mul=mul)
+    (q_ref, scale_ref), h_ref = TORCH_OPS.rms_norm_quantize(x, weight, 1e-5, res, mul=mul)
     assert torch.equal(h, h_ref)
     if residual:
         assert torch.equal(h, (x.float() + res.float()).bfloat16())
     assert torch.allclose(scale, scale_ref, rtol=1e-5, atol=0)
     assert (q.int() - q_ref.int()).abs().max() <= 1  # (a sum's order can move a value across a .5)
-    normed = F.rms_norm(h.float(), (width,), weight.float(), 1e-5)
+    normed = F.rms_norm(h.float(), (width,), weight.float(), 1e-5) * mul
     assert ((q.float() * scale[:, None] - normed).abs() <= scale[:, None] * 0.51 + 1e-6).all()
 
 
@@ -89,13 +101,64 @@ def test_gate_up_quantizes_silu_gate_times_up(c_ops, rows):
     x, d = _rows(rows, 576, 6), 256
     w = (torch.randn(2 * d, 576, generator=torch.Generator().manual_seed(7)) * 0.05).bfloat16()
     w8 = quantize_weight(w)
-    got = c_ops.gate_up(c_ops.quantize(x), w8)
-    want = TORCH_OPS.gate_up(TORCH_OPS.quantize(x), w8)
+    mul = _mul(d)
+    got = c_ops.gate_up(c_ops.quantize(x), w8, mul=mul)
+    want = TORCH_OPS.gate_up(TORCH_OPS.quantize(x), w8, mul=mul)
     assert got.q.shape == (rows, d) and torch.allclose(got.scale, want.scale, rtol=1e-5, atol=0)
     assert (got.q.int() - want.q.int()).abs().max() <= 1
     gate, up = (x.float() @ w.float().T).split(d, dim=1)
-    exact = F.silu(gate) * up
+    exact = F.silu(gate) * up * mul
     assert ((got.q.float() * got.scale[:, None] - exact).norm() / exact[1:].norm()) < 0.03
+
+
+def test_smoothing_moves_an_outlier_channels_range_into_the_weight():
+    """quantize_weight with smoothing factors s: the weight times s is what is quantized, and the
+    inputs times 1 / s (`inv`) give the same product; an input channel 100x the others gets the
+    smaller factor, and the int8 product of such inputs is closer to the exact one."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(64, 96, generator=gen)
+    x[:, 7] *= 100  # an outlier channel
+    w = (torch.randn(80, 96, generator=gen) * 0.05).bfloat16()
+    s = int8_mod.smoothing(x.abs().amax(dim=0), w)
+    assert s.shape == (96,) and (s > 0).all() and s[7] == s.max()
+    w8 = quantize_weight(w, s)
+    assert torch.allclose(w8.inv, 1 / s)
+    back = w8.q.float().T * w8.scale[:, None] / s[None, :]
+    assert ((back - w.float()).abs() <= (w8.scale[:, None] / s[None, :]) * 0.5001).all()
+    exact = x @ w.float().T
+    errors = {}
+    for name, weight in (("plain", quantize_weight(w)), ("smoothed", w8)):
+        y = TORCH_OPS.linear(TORCH_OPS.quantize(x.bfloat16(), weight.inv), weight).float()
+        errors[name] = ((y - exact).norm() / exact.norm()).item()
+    assert errors["smoothed"] < 0.5 * errors["plain"], errors
+
+
+def test_calibration_measures_each_gemms_input_range(hf_model):
+    """input_maxima: per layer and GEMM the channels' largest |input|, as transformers' layers
+    give them for the same random ids (qkv's input is the input norm's output, and so on)."""
+    runner = _runner(hf_model, dtype=torch.float32)
+    maxima = int8_mod.input_maxima(runner.model, sequences=2, tokens=24, seed=3)
+    cfg = hf_model.config
+    want = [[None] * 4 for _ in range(cfg.num_hidden_layers)]
+    hooks = []
+    for i, layer in enumerate(hf_model.model.layers):
+        for part, module in enumerate((layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
+                                       layer.mlp.down_proj)):
+            def seen(mod, args, out, i=i, part=part):
+                m = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
+                want[i][part] = m if want[i][part] is None else torch.maximum(want[i][part], m)
+            hooks.append(module.register_forward_hook(seen))
+    gen = torch.Generator().manual_seed(3)
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                hf_model(torch.randint(0, runner.model.model.embed_tokens.weight.shape[0], (24,), generator=gen)[None])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for got_layer, want_layer in zip(maxima, want):
+        for got, expected in zip(got_layer, want_layer):
+            assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_weights_are_quantized_per_output_column():
@@ -209,11 +272,13 @@ def test_w8a8_engine_serves_and_reloads(make_engine, tiny_model_folder):
     assert all(len(o["output_ids"]) == 6 for o in outs)
     runner = ModelRunner(tiny_model_folder, dtype=torch.bfloat16, max_total_tokens=512, quantization="w8a8")
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.int8 is not None and qkv.int8_ops is not None
+    assert qkv.int8 is not None and qkv.int8_ops is not None and qkv.int8.inv is not None
+    before = qkv.int8
     ok, message = runner.update_weights(tiny_model_folder)
     assert ok, message
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.int8 is not None and torch.equal(qkv.int8.q, quantize_weight(qkv.weight).q)
+    assert qkv.int8 is not before and torch.equal(qkv.int8.q, before.q)  # made again, calibrated the same way
+    assert torch.equal(qkv.int8.inv, before.inv)
 
 
 def test_quantized_rows_carry_their_shape():

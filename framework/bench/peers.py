@@ -416,8 +416,9 @@ def write_bf16_gguf(src: str, dst: str) -> None:
 
 def w8a8_checkpoint(folder: str, home: str | None = None) -> str:
     """A copy of the HF `folder` in compressed-tensors' W8A8 int8 format, for vLLM to run the
-    scheme of the engine's model.quantization = "w8a8": each decoder-layer linear weight as the
-    same int8 values and per-column scales (framework/model/int8.py's quantize_weight), inputs
+    scheme of the engine's model.quantization = "w8a8": each decoder-layer linear weight as int8
+    values and per-column scales made as the engine makes them (framework/model/int8.py's
+    quantize_weight; without the engine's smoothing, which the format cannot carry), inputs
     quantized per token at run time; the embedding and LM head as they are. Written once under
     `peers_home()` (keyed by the folder's name, which carries its content hash) and reused."""
     from safetensors.torch import load_file, save_file

@@ -33,6 +33,7 @@ import torch
 from framework.model import gguf_decode
 from framework.model.cpu_kernels import _GEMM_EPILOGUES, kv_format
 from framework.model.int8 import MIN_ROWS as MIN_INT8_ROWS
+from framework.model.int8 import _ptr
 
 logger = logging.getLogger(__name__)
 
@@ -201,10 +202,11 @@ class DecodePath:
             k_buf, v_buf = kv_pool.k_buffer[i].data_ptr(), kv_pool.v_buffer[i].data_ptr()
             out = outs[i % 2]  # never the layer's input (the other one, or `hidden` itself)
             if int8 is not None:
-                rc = int8.rms_norm(phid, None, None, layer.input_norm, eps, d)
+                w8 = layer.int8
+                rc = int8.rms_norm(phid, None, None, layer.input_norm, eps, d, w8[0])
                 if mark:
                     mark("elementwise")
-                rc |= int8.linear(layer.int8[0], pqkv, qkv_size)
+                rc |= int8.linear(w8[0], pqkv, qkv_size)
             else:
                 rc = rms(phid, d, None, None, layer.input_norm, px, n, d, eps, threads)
                 if mark:
@@ -221,15 +223,15 @@ class DecodePath:
             if mark:
                 mark("attention")
             if int8 is not None:
-                rc |= int8.quantize(pattn, q_size)
-                rc |= int8.linear(layer.int8[1], po, d)
+                rc |= int8.quantize(pattn, q_size, w8[1])
+                rc |= int8.linear(w8[1], po, d)
                 if mark:
                     mark("gemm")
-                rc |= int8.rms_norm(po, phid, ph, layer.post_norm, eps, d)
+                rc |= int8.rms_norm(po, phid, ph, layer.post_norm, eps, d, w8[2])
                 if mark:
                     mark("elementwise")
-                rc |= int8.gate_up(layer.int8[2])
-                rc |= int8.linear(layer.int8[3], out.data_ptr(), d, add=ph)
+                rc |= int8.gate_up(w8[2], w8[3])
+                rc |= int8.linear(w8[3], out.data_ptr(), d, add=ph)
             else:
                 rc |= gemm(pattn, q_size, w.o, None, 0, po, d, n, q_size, d, _NONE, threads, *tail)
                 if mark:
@@ -269,17 +271,17 @@ class Int8Pass:
         return self.x
 
     def rms_norm(self, phid: int, residual: int | None, residual_out: int | None, weight: int, eps: float,
-                 d: int) -> int:
+                 d: int, w) -> int:
         """RMSNorm of the hidden rows at `phid` (bf16 [n, d], after the residual add when there is
-        one, written to `residual_out`) into `x`."""
+        one, written to `residual_out`) into `x`, for the int8 weight `w` (its smoothing)."""
         self._rows(d)
-        return self.ops._rms_quantize(phid, d, residual, residual_out, weight, eps, self.px, self.pscale, self.n, d,
-                                      self.threads)
+        return self.ops._rms_quantize(phid, d, residual, residual_out, weight, eps, _ptr(w.inv), self.px, self.pscale,
+                                      self.n, d, self.threads)
 
-    def quantize(self, px: int, width: int) -> int:
-        """bf16 rows [n, width] at `px` into `x`."""
+    def quantize(self, px: int, width: int, w) -> int:
+        """bf16 rows [n, width] at `px` into `x`, for the int8 weight `w` (its smoothing)."""
         self._rows(width)
-        return self.ops._quantize(px, width, self.px, self.pscale, self.n, width, self.threads)
+        return self.ops._quantize(px, width, _ptr(w.inv), self.px, self.pscale, self.n, width, self.threads)
 
     def linear(self, w, out: int, out_stride: int, add: int | None = None) -> int:
         """bf16(x @ W^T [+ add]) into `out` (`add`: bf16 rows of the output's shape, contiguous)."""
@@ -289,12 +291,12 @@ class Int8Pass:
         return self.ops._dequantize(sums.data_ptr(), self.pscale, w.scale.data_ptr(), add, n_out if add else 0, out,
                                     out_stride, self.n, n_out, self.threads)
 
-    def gate_up(self, w) -> int:
-        """SiLU(gate) * up of x and the fused gate-up weight, quantized into `x` (the down
-        projection's input)."""
+    def gate_up(self, w, down) -> int:
+        """SiLU(gate) * up of x and the fused gate-up weight `w`, quantized into `x` for the down
+        projection's int8 weight `down` (its smoothing)."""
         sums = self.sums[w.out_features]
         torch._int_mm(self.x, w.q, out=sums)
         inter = w.out_features // 2
         self._rows(inter)
-        return self.ops._silu_mul_quantize(sums.data_ptr(), self.pscale, w.scale.data_ptr(), self.px, self.pscale,
-                                           self.n, inter, self.threads)
+        return self.ops._silu_mul_quantize(sums.data_ptr(), self.pscale, w.scale.data_ptr(), _ptr(down.inv), self.px,
+                                           self.pscale, self.n, inter, self.threads)

@@ -79,7 +79,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     for the LM head). With `int8` (weight's int8 copy, model.quantization = "w8a8"), passes of
     bf16 rows that `int8.takes` run in int8 (framework/model/int8.py)."""
     if int8 is not None and (isinstance(x, QuantizedRows) or takes_int8(x)):
-        y = int8_ops.linear(x if isinstance(x, QuantizedRows) else int8_ops.quantize(x), int8)
+        y = int8_ops.linear(x if isinstance(x, QuantizedRows) else int8_ops.quantize(x, int8.inv), int8)
         return y if bias is None else y.add_(bias)
     if packed is not None and x.dtype == torch.bfloat16:
         gemm = kernels.gemm if kernels is not None and bias is None and tiles is not None else None
@@ -219,11 +219,12 @@ class LlamaMLP(nn.Module):
         """The MLP in int8 (framework/model/int8.py): SiLU(gate) * up quantized straight from the
         gate-up sums, the residual added in the down projection's dequantization."""
         ops = self.int8_ops
-        act = ops.gate_up(x if isinstance(x, QuantizedRows) else ops.quantize(x), self.gate_up_proj.int8)
+        gate_up, down = self.gate_up_proj.int8, self.down_proj.int8
+        act = ops.gate_up(x if isinstance(x, QuantizedRows) else ops.quantize(x, gate_up.inv), gate_up, mul=down.inv)
         if residual is not None and residual.stride(1) != 1:
             residual = residual.contiguous()
         in_place = out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1
-        return ops.linear(act, self.down_proj.int8, add=residual, out=out if in_place else None)
+        return ops.linear(act, down, add=residual, out=out if in_place else None)
 
     def _packed_mlp(
         self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None = None
@@ -309,8 +310,9 @@ class LlamaDecoderLayer(nn.Module):
                 or mlp.par.gathers_mlp_tokens):
             return self.input_layernorm, self.post_attention_layernorm.add_and_norm
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        return (lambda x: ops.rms_norm_quantize(x, norm_in.weight, norm_in.eps)[0],
-                lambda x, residual: ops.rms_norm_quantize(x, norm_post.weight, norm_post.eps, residual))
+        qkv_inv, gate_up_inv = attn.qkv_proj.int8.inv, mlp.gate_up_proj.int8.inv  # (each for its weight's rows)
+        return (lambda x: ops.rms_norm_quantize(x, norm_in.weight, norm_in.eps, mul=qkv_inv)[0],
+                lambda x, residual: ops.rms_norm_quantize(x, norm_post.weight, norm_post.eps, residual, mul=gate_up_inv))
 
 
 def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:

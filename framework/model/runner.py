@@ -207,9 +207,11 @@ class ModelRunner:
         if self.quantization == "w8a8":
             text = getattr(model, "language_model", model)
             ops = Int8Ops.load()
+            start = time.perf_counter()
             count = use_int8_weights(text, ops)
-            logger.info("model.quantization = 'w8a8': %d linear weights in int8, passes of %d+ rows on int8 GEMMs "
-                        "(their ends %s)", count, INT8_MIN_ROWS, "in C" if ops.lib is not None else "in PyTorch")
+            logger.info("model.quantization = 'w8a8': %d linear weights in int8 (smoothed by a calibration pass, "
+                        "%.1f s), passes of %d+ rows on int8 GEMMs (their ends %s)", count,
+                        time.perf_counter() - start, INT8_MIN_ROWS, "in C" if ops.lib is not None else "in PyTorch")
             if not has_int8_dot():
                 logger.warning("model.quantization = 'w8a8' on a CPU without an int8 dot product (%s): its int8 "
                                "GEMMs may be no faster than bf16", ", ".join(INT8_DOT_FLAGS))

@@ -7,7 +7,8 @@
  * in one pass with the op around it, so no bf16 or fp32 copy of an activation is written between.
  *
  * A row's scale is max|x| / 127 and its values round(x / scale) (to nearest even), so they lie in
- * [-127, 127]; a row of zeros has scale 0 and all values 0. Rows split over `num_threads` threads
+ * [-127, 127]; a row of zeros has scale 0 and all values 0. A row may first be multiplied by a
+ * vector (`mul`, one factor a column): the smoothing of int8.py, whose weights hold the inverse. Rows split over `num_threads` threads
  * (run_spans in common.h). Built and loaded by framework/model/cpu_kernels.py.
  */
 #include <math.h>
@@ -30,6 +31,7 @@ typedef struct {
     float eps;
     int8_t *q;       /* the int8 rows made, [rows, d] */
     float *q_scale;  /* and their scales [rows] */
+    const float *mul; /* optional [d]: each row times it before it is quantized (the smoothing) */
     const int32_t *acc; /* DEQUANTIZE, SILU_MUL_QUANTIZE: the int32 sums [rows, n] */
     const float *x_scale, *w_scale; /* [rows], [n] */
     const uint16_t *add; /* DEQUANTIZE: optional bf16 [rows, d] added before the rounding */
@@ -44,10 +46,17 @@ typedef struct {
     int failed; /* the span's row buffer could not be allocated */
 } Rows;
 
-/* row [d] (fp32) as int8 values and their scale. */
-static void quantize_row(const float *row, int64_t d, int8_t *q, float *scale) {
+/* row [d] (fp32; first times mul [d] where there is one, in place) as int8 values and their scale. */
+static void quantize_row(float *row, int64_t d, const float *mul, int8_t *q, float *scale) {
     float amax = 0.0f;
     int64_t i = 0;
+    if (mul) {
+#ifdef __AVX512F__
+        for (; i + 16 <= d; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(mul + i)));
+#endif
+        for (; i < d; i++) row[i] *= mul[i];
+        i = 0;
+    }
 #ifdef __AVX512F__
     __m512 m = _mm512_setzero_ps();
     for (; i + 16 <= d; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
@@ -77,7 +86,7 @@ static void quantize_rows(const Job *j, int64_t begin, int64_t end, float *row) 
         for (; i + 16 <= d; i += 16) _mm512_storeu_ps(row + i, load16(x + i, KV_BF16));
 #endif
         for (; i < d; i++) row[i] = bf16_to_f32(x[i]);
-        quantize_row(row, d, j->q + r * d, j->q_scale + r);
+        quantize_row(row, d, j->mul, j->q + r * d, j->q_scale + r);
     }
 }
 
@@ -95,7 +104,7 @@ static void rms_quantize_rows(const Job *j, int64_t begin, int64_t end, float *r
             _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + i), vs), load16(j->w + i, KV_BF16)));
 #endif
         for (; i < d; i++) row[i] = row[i] * scale * bf16_to_f32(j->w[i]);
-        quantize_row(row, d, j->q + r * d, j->q_scale + r);
+        quantize_row(row, d, j->mul, j->q + r * d, j->q_scale + r);
     }
 }
 
@@ -145,7 +154,7 @@ static void silu_mul_quantize_rows(const Job *j, int64_t begin, int64_t end, flo
             float g = (float)gate[i] * (xs * gs[i]), u = (float)up[i] * (xs * us[i]);
             row[i] = g / (1.0f + expf(-g)) * u;
         }
-        quantize_row(row, d, j->q + r * d, j->q_scale + r);
+        quantize_row(row, d, j->mul, j->q + r * d, j->q_scale + r);
     }
 }
 
@@ -192,17 +201,20 @@ static int run(const Job *job, int num_threads) {
 
 /* Each function returns 0, or -1 when a thread's row buffer could not be allocated. */
 
-int quantize_bf16(const uint16_t *x, int64_t x_stride, int8_t *q, float *q_scale, int64_t rows, int64_t d,
-                  int num_threads) {
-    Job job = {.op = QUANTIZE, .rows = rows, .d = d, .x = x, .x_stride = x_stride, .q = q, .q_scale = q_scale};
+/* `mul` (optional, [d]): the rows are multiplied by it before they are quantized. */
+
+int quantize_bf16(const uint16_t *x, int64_t x_stride, const float *mul, int8_t *q, float *q_scale, int64_t rows,
+                  int64_t d, int num_threads) {
+    Job job = {.op = QUANTIZE, .rows = rows, .d = d, .x = x, .x_stride = x_stride, .q = q, .q_scale = q_scale,
+               .mul = mul};
     return run(&job, num_threads);
 }
 
 int rms_norm_quantize(const uint16_t *x, int64_t x_stride, const uint16_t *residual, uint16_t *residual_out,
-                      const uint16_t *w, float eps, int8_t *q, float *q_scale, int64_t rows, int64_t d,
-                      int num_threads) {
+                      const uint16_t *w, float eps, const float *mul, int8_t *q, float *q_scale, int64_t rows,
+                      int64_t d, int num_threads) {
     Job job = {.op = RMS_QUANTIZE, .rows = rows, .d = d, .x = x, .x_stride = x_stride, .residual = residual,
-               .residual_out = residual_out, .w = w, .eps = eps, .q = q, .q_scale = q_scale};
+               .residual_out = residual_out, .w = w, .eps = eps, .q = q, .q_scale = q_scale, .mul = mul};
     return run(&job, num_threads);
 }
 
@@ -213,9 +225,9 @@ int dequantize_bf16(const int32_t *acc, const float *x_scale, const float *w_sca
     return run(&job, num_threads);
 }
 
-int silu_mul_quantize(const int32_t *acc, const float *x_scale, const float *w_scale, int8_t *q, float *q_scale,
-                      int64_t rows, int64_t d, int num_threads) {
+int silu_mul_quantize(const int32_t *acc, const float *x_scale, const float *w_scale, const float *mul, int8_t *q,
+                      float *q_scale, int64_t rows, int64_t d, int num_threads) {
     Job job = {.op = SILU_MUL_QUANTIZE, .rows = rows, .d = d, .acc = acc, .x_scale = x_scale, .w_scale = w_scale,
-               .q = q, .q_scale = q_scale};
+               .q = q, .q_scale = q_scale, .mul = mul};
     return run(&job, num_threads);
 }
