@@ -254,7 +254,8 @@ def test_vllm_gets_the_engines_w8a8_weights_as_a_compressed_tensors_checkpoint(b
     assert (scheme["weights"]["strategy"], scheme["input_activations"]["strategy"]) == ("channel", "token")
     assert scheme["input_activations"]["dynamic"] and not scheme["weights"]["dynamic"]
     assert os.path.exists(os.path.join(folder, "tokenizer.json"))
-    ours, theirs = load_file(os.path.join(bench_model, "model.safetensors")), load_file(os.path.join(folder, "model.safetensors"))
+    ours = load_file(os.path.join(bench_model, "model.safetensors"))
+    theirs = load_file(os.path.join(folder, "model.safetensors"))
     name = "model.layers.1.mlp.down_proj.weight"
     want = quantize_weight(ours[name])
     assert theirs[name].dtype == torch.int8 and torch.equal(theirs[name], want.q.t())

@@ -184,7 +184,9 @@ class DecodePath:
         pool_idx, seq_lens = plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr()
         rms, rope_kv = self.fused._rms_norm, self.fused._rope_kv
         attend, backend = self.backend.decode_kernel, self.backend
-        int8 = Int8Pass(self.int8_ops, n, d, self.qkv_size, self.q_size, self.inter) if 0 < self.int8_rows <= n else None
+        int8 = None
+        if 0 < self.int8_rows <= n:
+            int8 = Int8Pass(self.int8_ops, n, d, self.qkv_size, self.q_size, self.inter)
         # the GEMMs: on the Q4_1 weights (`widen` after the epilogue), or on the bf16 ones (tiles, stream)
         q4 = int8 is None and n <= max(self.exact_rows, self.widen_rows)
         gemm, tail = ((self.gemm._q4_gemm, (self.gemm.widen_mode if n > self.exact_rows else 0,)) if q4

@@ -19,10 +19,10 @@ a token's whole int8 range; the factors come from the input ranges of a calibrat
 (`input_maxima`, random token ids).
 
 It changes the outputs: docs/performance.md has what it costs in perplexity and agreement with
-float32 on the embedded model, and what it gains in speed. Passes of fewer than `MIN_ROWS` rows keep the
-bf16 (or GGUF Q4_1, `worker.gguf_decode`) path, where the weights' bytes, not the multiply-adds,
-set the time. Without the C kernels the same arithmetic runs in PyTorch (`Int8Ops(None)`), which is
-also what the kernels are tested against.
+float32 on the embedded model, and what it gains in speed. Passes of fewer than `MIN_ROWS` rows
+keep the bf16 (or GGUF Q4_1, `worker.gguf_decode`) path, where the weights' bytes, not the
+multiply-adds, set the time. Without the C kernels the same arithmetic runs in PyTorch
+(`Int8Ops(None)`), which is also what the kernels are tested against.
 """
 
 from __future__ import annotations

@@ -312,7 +312,8 @@ class LlamaDecoderLayer(nn.Module):
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
         qkv_inv, gate_up_inv = attn.qkv_proj.int8.inv, mlp.gate_up_proj.int8.inv  # (each for its weight's rows)
         return (lambda x: ops.rms_norm_quantize(x, norm_in.weight, norm_in.eps, mul=qkv_inv)[0],
-                lambda x, residual: ops.rms_norm_quantize(x, norm_post.weight, norm_post.eps, residual, mul=gate_up_inv))
+                lambda x, residual: ops.rms_norm_quantize(x, norm_post.weight, norm_post.eps, residual,
+                                                          mul=gate_up_inv))
 
 
 def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:

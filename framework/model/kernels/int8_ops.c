@@ -8,8 +8,8 @@
  *
  * A row's scale is max|x| / 127 and its values round(x / scale) (to nearest even), so they lie in
  * [-127, 127]; a row of zeros has scale 0 and all values 0. A row may first be multiplied by a
- * vector (`mul`, one factor a column): the smoothing of int8.py, whose weights hold the inverse. Rows split over `num_threads` threads
- * (run_spans in common.h). Built and loaded by framework/model/cpu_kernels.py.
+ * vector (`mul`, one factor a column): the smoothing of int8.py, whose weights hold the inverse.
+ * Rows split over `num_threads` threads (run_spans in common.h). Built and loaded by framework/model/cpu_kernels.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,7 +52,8 @@ static void quantize_row(float *row, int64_t d, const float *mul, int8_t *q, flo
     int64_t i = 0;
     if (mul) {
 #ifdef __AVX512F__
-        for (; i + 16 <= d; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(mul + i)));
+        for (; i + 16 <= d; i += 16)
+            _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(mul + i)));
 #endif
         for (; i < d; i++) row[i] *= mul[i];
         i = 0;
@@ -68,8 +69,10 @@ static void quantize_row(float *row, int64_t d, const float *mul, int8_t *q, flo
     i = 0;
 #ifdef __AVX512F__
     __m512 vinv = _mm512_set1_ps(inv);
-    for (; i + 16 <= d; i += 16)
-        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + i), vinv))));
+    for (; i + 16 <= d; i += 16) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + i), vinv)); /* (to nearest even) */
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(v));
+    }
 #endif
     for (; i < d; i++) {
         float v = nearbyintf(row[i] * inv); /* (to nearest even, as the vector conversion) */
@@ -101,7 +104,8 @@ static void rms_quantize_rows(const Job *j, int64_t begin, int64_t end, float *r
 #ifdef __AVX512F__
         __m512 vs = _mm512_set1_ps(scale);
         for (; i + 16 <= d; i += 16)
-            _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + i), vs), load16(j->w + i, KV_BF16)));
+            _mm512_storeu_ps(row + i,
+                             _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + i), vs), load16(j->w + i, KV_BF16)));
 #endif
         for (; i < d; i++) row[i] = row[i] * scale * bf16_to_f32(j->w[i]);
         quantize_row(row, d, j->mul, j->q + r * d, j->q_scale + r);
@@ -144,8 +148,10 @@ static void silu_mul_quantize_rows(const Job *j, int64_t begin, int64_t end, flo
 #ifdef __AVX512F__
         __m512 vxs = _mm512_set1_ps(xs), one = _mm512_set1_ps(1.0f);
         for (; i + 16 <= d; i += 16) {
-            __m512 g = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(gate + i)), _mm512_mul_ps(vxs, _mm512_loadu_ps(gs + i)));
-            __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(up + i)), _mm512_mul_ps(vxs, _mm512_loadu_ps(us + i)));
+            __m512 g = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(gate + i)),
+                                     _mm512_mul_ps(vxs, _mm512_loadu_ps(gs + i)));
+            __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(up + i)),
+                                     _mm512_mul_ps(vxs, _mm512_loadu_ps(us + i)));
             __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
             _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u));
         }
