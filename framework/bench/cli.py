@@ -79,8 +79,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(sub) -> None:
     """Register `bench` and its tools under the main parser's subcommands."""
-    bench = sub.add_parser("bench", help="benchmarks: serving, offline, one-batch, perplexity, plot, soak, "
-                                                  "peers")
+    bench = sub.add_parser("bench",
+                           help="benchmarks: serving, offline, one-batch, perplexity, plot, soak, peers")
     tools = bench.add_subparsers(dest="bench_command", required=True)
 
     p = tools.add_parser("serving", help="async HTTP client against a running server")

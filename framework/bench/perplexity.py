@@ -17,13 +17,10 @@ the same folder in float32, the reference the equality tests use. One record per
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 def conversations(tokenizer, num: int, max_len: int, seed: int, path: str | None = None,
