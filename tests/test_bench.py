@@ -542,6 +542,15 @@ def test_perplexity_scores_tokens_as_transformers_does(bench_model, tmp_path):
     assert w8["metrics"]["perplexity"] == pytest.approx(hf["metrics"]["perplexity"], rel=0.05)
 
 
+@pytest.mark.parametrize("flags,message", [(["--num-prompts", "0"], "--num-prompts must be at least 1"),
+                                           (["--max-len", "8"], "--max-len must be at least 16")])
+def test_perplexity_bad_options_are_usage_errors(bench_model, flags, message, caplog, capsys):
+    """Checked before the model loads: exit status 2 and a message naming the option."""
+    argv = ["bench", "perplexity", "--model.path", bench_model, "--disable-tqdm", *flags]
+    assert cli_main(argv) == 2
+    assert message in caplog.text + capsys.readouterr().err
+
+
 def test_perplexity_score_definitions():
     from framework.bench.perplexity import score
 

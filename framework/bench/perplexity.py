@@ -29,6 +29,10 @@ def conversations(tokenizer, num: int, max_len: int, seed: int, path: str | None
     each cut to `max_len` tokens; shorter than `min_len` ones are skipped."""
     from framework.bench.datasets import load_sharegpt_pairs
 
+    if num < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {num}")
+    if max_len < min_len:
+        raise ValueError(f"--max-len must be at least {min_len} tokens, got {max_len}")
     pairs = load_sharegpt_pairs(path)
     random.Random(seed).shuffle(pairs)
     out: list[list[int]] = []
