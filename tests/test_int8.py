@@ -252,6 +252,15 @@ def test_the_pytorch_ends_give_what_the_kernels_give(hf_model, monkeypatch):
     assert F.cosine_similarity(got.float(), want.float(), dim=1).min() > 0.999
 
 
+def test_w8a8_without_the_c_kernels_runs_its_ends_in_pytorch(hf_model, monkeypatch):
+    """worker.cpu_kernels = off means PyTorch only: the int8 ends too (the GEMMs stay torch._int_mm)."""
+    runner = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8", cpu_kernels="off")
+    assert runner.model.model.layers[0].int8_ops.lib is None
+    calls = _counting_int_mm(monkeypatch)
+    logits = _prefill_logits(runner, [30, 12])
+    assert calls and torch.isfinite(logits).all()
+
+
 def test_w8a8_is_refused_where_it_cannot_run(hf_model):
     with pytest.raises(ValueError, match="model.dtype = 'bfloat16'"):
         _runner(hf_model, dtype=torch.float32, quantization="w8a8")

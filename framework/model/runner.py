@@ -206,7 +206,7 @@ class ModelRunner:
                     logger.debug("No oneDNN GEMM kernels to build ahead")
         if self.quantization == "w8a8":
             text = getattr(model, "language_model", model)
-            ops = Int8Ops.load()
+            ops = Int8Ops.load() if self.cpu_kernels is not None else Int8Ops(None)  # (worker.cpu_kernels = off)
             start = time.perf_counter()
             count = use_int8_weights(text, ops)
             logger.info("model.quantization = 'w8a8': %d linear weights in int8 (smoothed by a calibration pass, "
