@@ -266,6 +266,18 @@ def test_vllm_gets_the_engines_w8a8_weights_as_a_compressed_tensors_checkpoint(b
     assert os.path.getmtime(os.path.join(folder, "model.safetensors")) == stamp
 
 
+def test_a_w8a8_checkpoint_that_cannot_be_written_leaves_nothing_behind(tmp_path):
+    """A folder without config.json: the error comes out, and no checkpoint or temporary folder is
+    left under the peers' home (the next call would otherwise take a half-written copy)."""
+    from framework.bench.peers import w8a8_checkpoint
+
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    with pytest.raises(FileNotFoundError):
+        w8a8_checkpoint(str(broken), home=str(tmp_path / "peers"))
+    assert os.listdir(tmp_path / "peers" / "w8a8") == []
+
+
 def test_a_missing_peer_is_a_usage_error_before_anything_runs(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("BATCHYARD_PEERS_HOME", str(tmp_path / "none"))
     argv = ["bench", "offline", "--backend", "batchyard", "llamacpp", "--num-prompts", "2"]

@@ -414,28 +414,19 @@ def write_bf16_gguf(src: str, dst: str) -> None:
     logger.info("wrote %s", dst)
 
 
-def w8a8_checkpoint(folder: str, home: str | None = None) -> str:
-    """A copy of the HF `folder` in compressed-tensors' W8A8 int8 format, for vLLM to run the
-    scheme of the engine's model.quantization = "w8a8": each decoder-layer linear weight as int8
-    values and per-column scales made as the engine makes them (framework/model/int8.py's
-    quantize_weight; without the engine's smoothing, which the format cannot carry), inputs
-    quantized per token at run time; the embedding and LM head as they are. Written once under
-    `peers_home()` (keyed by the folder's name, which carries its content hash) and reused."""
+def _write_w8a8_checkpoint(folder: str, out_dir: str) -> None:
+    """The files of `w8a8_checkpoint` for the HF `folder`, into `out_dir`."""
     from safetensors.torch import load_file, save_file
 
     from framework.model.int8 import quantize_weight
 
-    dst = os.path.join(home or peers_home(), "w8a8", os.path.basename(os.path.normpath(folder)))
-    if os.path.exists(os.path.join(dst, "config.json")):
-        return dst
-    tmp = tempfile.mkdtemp(prefix="w8a8-", dir=os.path.dirname(dst) if os.path.isdir(os.path.dirname(dst)) else None)
     tensors: dict = {}
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if name.endswith(".safetensors"):
             tensors.update(load_file(path))
         elif os.path.isfile(path) and name != "config.json":
-            shutil.copy2(path, tmp)
+            shutil.copy2(path, out_dir)
     out = {}
     for name, tensor in tensors.items():
         if ".layers." in name and name.endswith("_proj.weight"):
@@ -444,7 +435,7 @@ def w8a8_checkpoint(folder: str, home: str | None = None) -> str:
             out[name[: -len("weight")] + "weight_scale"] = w8.scale[:, None].contiguous()
         else:
             out[name] = tensor
-    save_file(out, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
 
@@ -458,12 +449,31 @@ def w8a8_checkpoint(folder: str, home: str | None = None) -> str:
                                       "input_activations": int8("token", True), "output_activations": None}},
         "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
     }
-    with open(os.path.join(tmp, "config.json"), "w") as f:
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+
+
+def w8a8_checkpoint(folder: str, home: str | None = None) -> str:
+    """A copy of the HF `folder` in compressed-tensors' W8A8 int8 format, for vLLM to run the
+    scheme of the engine's model.quantization = "w8a8": each decoder-layer linear weight as int8
+    values and per-column scales made as the engine makes them (framework/model/int8.py's
+    quantize_weight; without the engine's smoothing, which the format cannot carry), inputs
+    quantized per token at run time; the embedding and LM head as they are. Written once under
+    `peers_home()` (keyed by the folder's name, which carries its content hash) and reused."""
+    dst = os.path.join(home or peers_home(), "w8a8", os.path.basename(os.path.normpath(folder)))
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return dst
+    # Written beside its final place, so the rename below stays on one file system (atomic).
     os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="w8a8-", dir=os.path.dirname(dst))
     try:
-        os.rename(tmp, dst)  # atomic; a concurrent writer's copy wins
+        _write_w8a8_checkpoint(folder, tmp)
+        os.rename(tmp, dst)
     except OSError:
+        if not os.path.exists(os.path.join(dst, "config.json")):
+            raise
+        logger.info("a concurrent writer's W8A8 checkpoint %s is already in place", dst)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("wrote the W8A8 checkpoint %s", dst)
     return dst
