@@ -120,9 +120,6 @@ def input_maxima(model, sequences: int = CALIBRATION_SEQUENCES, tokens: int = CA
         m = x.abs().amax(dim=0)
         maxima[i][part] = m if maxima[i][part] is None else torch.maximum(maxima[i][part], m)
 
-    def rms(norm, x):
-        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + norm.eps) * norm.weight.float()
-
     def lin(module, x):
         return F.linear(x, module.weight.float(), None if module.bias is None else module.bias.float())
 
@@ -131,7 +128,7 @@ def input_maxima(model, sequences: int = CALIBRATION_SEQUENCES, tokens: int = CA
         h = embed[ids].float()
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            x = rms(layer.input_layernorm, h)
+            x = rms_norm_fp32(h, layer.input_layernorm.weight, layer.input_layernorm.eps)
             seen(i, 0, x)
             q, k, v = lin(attn.qkv_proj, x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=1)
             q = rope.apply(q.view(tokens, attn.num_heads, attn.head_dim)).transpose(0, 1)
@@ -143,13 +140,18 @@ def input_maxima(model, sequences: int = CALIBRATION_SEQUENCES, tokens: int = CA
             a = a.transpose(0, 1).reshape(tokens, attn.q_size)
             seen(i, 1, a)
             h = h + lin(attn.o_proj, a)
-            x = rms(layer.post_attention_layernorm, h)
+            x = rms_norm_fp32(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
             seen(i, 2, x)
             gate, up = lin(mlp.gate_up_proj, x).split(mlp.intermediate_size, dim=1)
             act = F.silu(gate) * up
             seen(i, 3, act)
             h = h + lin(mlp.down_proj, act)
     return [tuple(m) for m in maxima]
+
+
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of fp32 rows times the norm's weight, kept in fp32 (what the int8 rows are made of)."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
 
 
 def quantize_rows(x: torch.Tensor) -> QuantizedRows:
@@ -214,9 +216,7 @@ class Int8Ops:
         residual (contiguous, x's shape); the normed rows are quantized from fp32."""
         if self.lib is None:
             h = x if residual is None else (x.float() + residual.float()).to(torch.bfloat16)
-            hf = h.float()
-            normed = hf * torch.rsqrt(hf.pow(2).mean(dim=1, keepdim=True) + eps) * weight.float()
-            return quantize_rows(self._times(normed, mul)), h
+            return quantize_rows(self._times(rms_norm_fp32(h.float(), weight, eps), mul)), h
         m, d = x.shape
         q, s = self._empty_rows(m, d)
         h = x if residual is None else torch.empty((m, d), dtype=torch.bfloat16)

@@ -192,8 +192,8 @@ class ModelRunner:
         model.load_weights(weights)
         use_cpu_kernels(model, self.cpu_kernels)
         model = model.to(device=self.device, dtype=self.dtype).eval()
+        text = getattr(model, "language_model", model)  # llava: the packed and int8 copies are its language model's
         if self.packed_weights and self.dtype == torch.bfloat16:
-            text = getattr(model, "language_model", model)  # llava: the packed copies are its language model's
             logger.debug("Prepacked %d bf16 linear weights for oneDNN", use_packed_weights(text, True))
             warm = getattr(text, "warm_packed_gemms", None)
             if warm is not None:
@@ -205,7 +205,6 @@ class ModelRunner:
                 else:  # the packed GEMM kernel takes every GEMM of a prefill tile
                     logger.debug("No oneDNN GEMM kernels to build ahead")
         if self.quantization == "w8a8":
-            text = getattr(model, "language_model", model)
             ops = Int8Ops.load() if self.cpu_kernels is not None else Int8Ops(None)  # (worker.cpu_kernels = off)
             start = time.perf_counter()
             count = use_int8_weights(text, ops)
