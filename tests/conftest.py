@@ -119,6 +119,20 @@ def make_engine(tiny_model_folder):
     yield from leak_checked_engines(tiny_model_folder)
 
 
+def count_int_mm_rows(monkeypatch) -> list[int]:
+    """The row count of every torch._int_mm call from now on (model.quantization = "w8a8"'s GEMMs),
+    in a list that grows as they are made."""
+    rows: list[int] = []
+    real = torch._int_mm
+
+    def counted(a, b, **kw):
+        rows.append(a.shape[0])
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(torch, "_int_mm", counted)
+    return rows
+
+
 def check_greedy_equal(ours: list[int], ref: list[int], ref_logprobs_fn, tol: float = 0.01) -> int:
     """The project's equality rule for greedy outputs.
 

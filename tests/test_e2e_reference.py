@@ -10,7 +10,7 @@ import torch
 
 from framework.config import Settings
 from framework.engine import Engine
-from tests.conftest import assert_no_leak, check_greedy_equal
+from tests.conftest import assert_no_leak, check_greedy_equal, count_int_mm_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -91,9 +91,7 @@ def test_greedy_matches_transformers(default_model_folder, hf_model, prompts, hf
 def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype, quantization, monkeypatch):
     """The embedded model answers in bf16, with an fp8 KV cache, and with int8 GEMMs (its prompt
     long enough for them: the chat template's system prompt)."""
-    int_mm_rows = []
-    real_int_mm = torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b, **kw: int_mm_rows.append(a.shape[0]) or real_int_mm(a, b, **kw))
+    int_mm_rows = count_int_mm_rows(monkeypatch)
     engine = Engine(model={"path": default_model_folder, "dtype": "bfloat16", "kv_cache_dtype": kv_cache_dtype,
                            "quantization": quantization}, cache={"max_total_tokens": 4096})
     try:

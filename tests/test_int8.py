@@ -10,6 +10,7 @@ from framework.batch import ForwardMode
 from framework.model import int8 as int8_mod
 from framework.model.int8 import Int8Ops, QuantizedRows, quantize_weight
 from framework.model.runner import ModelRunner
+from tests.conftest import count_int_mm_rows
 from tests.test_model import _batch, _new_reqs, _runner, _tiny_hf
 
 TORCH_OPS = Int8Ops(None)
@@ -172,18 +173,6 @@ def test_weights_are_quantized_per_output_column():
     assert torch.equal(w8.scale, w.bfloat16().float().abs().amax(dim=1) / 127)
 
 
-def _counting_int_mm(monkeypatch) -> list:
-    calls = []
-    real = torch._int_mm
-
-    def counted(a, b, **kw):
-        calls.append(a.shape[0])
-        return real(a, b, **kw)
-
-    monkeypatch.setattr(torch, "_int_mm", counted)
-    return calls
-
-
 @pytest.fixture(scope="module")
 def hf_model():
     return _tiny_hf()
@@ -200,7 +189,7 @@ def test_w8a8_prefill_runs_on_int8_gemms_close_to_bf16(hf_model, monkeypatch):
     bf16 = _runner(hf_model, dtype=torch.bfloat16)
     w8 = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
     layers = len(w8.model.model.layers)
-    calls = _counting_int_mm(monkeypatch)
+    calls = count_int_mm_rows(monkeypatch)
     lens = [30, 12, 7]
     got = _prefill_logits(w8, lens)
     assert calls == [sum(lens)] * (4 * layers)
@@ -225,7 +214,7 @@ def test_w8a8_decode_steps_on_the_decode_path_give_the_layers_bits(hf_model, mon
     runners[1].model.decode_path = lambda: None  # the layers, as any model without the path
     n = int8_mod.MIN_ROWS + 3
     lens = [3 + i % 5 for i in range(n)]
-    calls = _counting_int_mm(monkeypatch)
+    calls = count_int_mm_rows(monkeypatch)
     runs = []
     for runner in runners:
         reqs = _new_reqs(runner, [k + 2 for k in lens], seed=9)
@@ -256,7 +245,7 @@ def test_w8a8_without_the_c_kernels_runs_its_ends_in_pytorch(hf_model, monkeypat
     """worker.cpu_kernels = off means PyTorch only: the int8 ends too (the GEMMs stay torch._int_mm)."""
     runner = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8", cpu_kernels="off")
     assert runner.model.model.layers[0].int8_ops.lib is None
-    calls = _counting_int_mm(monkeypatch)
+    calls = count_int_mm_rows(monkeypatch)
     logits = _prefill_logits(runner, [30, 12])
     assert calls and torch.isfinite(logits).all()
 

@@ -9,7 +9,7 @@ import torch
 
 from framework import hookimpl
 from framework.config import SettingsError
-from tests.conftest import check_greedy_equal, hf_greedy, hf_next_logprobs, tiny_settings
+from tests.conftest import check_greedy_equal, count_int_mm_rows, hf_greedy, hf_next_logprobs, tiny_settings
 from tests.conftest_server import running_server, tiny_server_args
 
 NUM_TOKENS = 12
@@ -191,9 +191,7 @@ def test_adapters_on_int8_base_weights(make_engine, adapter_folders, monkeypatch
     """model.quantization = "w8a8" with adapters: the wrapped projections run their base product in
     int8 and add the adapter's delta in bf16; a batch large enough for the int8 GEMMs serves
     adapter and base requests, leak-checked, and an adapter changes its requests' outputs."""
-    calls = []
-    real = torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b, **kw: calls.append(a.shape[0]) or real(a, b, **kw))
+    calls = count_int_mm_rows(monkeypatch)
     names = sorted(adapter_folders)
     engine = make_engine(model={"dtype": "bfloat16", "quantization": "w8a8",
                                 "lora_paths": [f"{n}={p}" for n, p in adapter_folders.items()]})
