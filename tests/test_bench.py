@@ -285,6 +285,71 @@ def test_offline_breakdown_needs_our_backend(bench_model, caplog):
     assert "--breakdown times batchyard's passes" in caplog.text
 
 
+def _smollm2_shape():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                           head_dim=64, vocab_size=49152)
+
+
+def test_roofline_counts_the_runs_work():
+    """The GEMM FLOPs and KV bytes of a run, by hand: SmolLM2's 3,538,944 multiply-adds a token
+    and layer (perf-anchors 5.1); a request of 10 prompt tokens, 4 from the cache, and 3 output
+    tokens runs 6 prompt tokens and 2 decode steps through the layers, samples 3 rows and reads
+    11 + 12 tokens of KV; one of 5 tokens and 1 output token runs 5 and reads none."""
+    from framework.bench.roofline import RequestTokens, count_work, layer_macs
+
+    cfg = _smollm2_shape()
+    assert layer_macs(cfg) == 3_538_944
+    work = count_work(cfg, 1000, [RequestTokens(10, 4, 3), RequestTokens(5, 0, 1)])
+    assert work["layer_tokens"] == 13 and work["lm_head_rows"] == 4
+    assert work["layer_flop"] == 2 * 3_538_944 * 30 * 13
+    assert work["lm_head_flop"] == 2 * 576 * 49152 * 4
+    assert work["kv_read_bytes"] == (11 + 12) * 1000
+
+
+def test_roofline_bounds_put_the_run_against_the_rates():
+    """Layer GEMMs at their own rate (int8 in w8a8), the LM head at the dtype's, the KV reads at the
+    read rate; the shares are bound over run."""
+    from framework.bench.roofline import bounds
+
+    work = {"layer_flop": 8e12, "lm_head_flop": 1e12, "kv_read_bytes": 20e9}
+    rates = {"layer_gemm_flops": 0.8e12, "gemm_flops": 0.5e12, "read_bytes_per_s": 40e9}
+    b = bounds(work, rates, wall=20.0, output_tokens=6000)
+    assert b["gemm_bound_s"] == pytest.approx(10 + 2) and b["kv_read_s"] == pytest.approx(0.5)
+    assert b["gemm_kv_bound_s"] == pytest.approx(12.5)
+    assert b["gemm_bound_output_throughput"] == pytest.approx(500.0)
+    assert b["share_of_gemm_bound"] == pytest.approx(0.6) and b["share_of_gemm_kv_bound"] == pytest.approx(0.625)
+
+
+def test_offline_roofline_bounds_the_run(bench_model, tmp_path, capsys):
+    """`--roofline`: the record's work is the run's (random ids: no prefix from the cache; the tiny
+    model's fp32 pool holds 2 layers x K and V x 2 KV heads x 16 x 4 bytes a token), the rates are
+    measured, and the table is printed."""
+    out = tmp_path / "results.jsonl"
+    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
+            "--warmup-requests", "1", "--roofline", "--output-file", str(out)]
+    assert cli_main(argv) == 0
+    record = read_lines(out)[0]
+    roof, metrics = record["roofline"], record["metrics"]
+    assert roof["kv_bytes_per_token"] == 512 and roof["dtype"] == "float32" and roof["quantization"] == "none"
+    assert roof["layer_tokens"] == 5 * 24 + 5 * (6 - 1)
+    assert roof["lm_head_rows"] == metrics["total_output_tokens"] == 5 * 6
+    assert roof["kv_read_bytes"] == 5 * sum(24 + j for j in range(1, 6)) * 512
+    assert roof["gemm_flops"] > 0 and roof["read_bytes_per_s"] > 0
+    assert roof["layer_gemm_flops"] == roof["gemm_flops"]
+    assert 0 < roof["gemm_bound_s"] < roof["gemm_kv_bound_s"]
+    assert roof["share_of_gemm_bound"] == pytest.approx(roof["gemm_bound_s"] / metrics["duration_s"])
+    assert "GEMM-bound limit" in capsys.readouterr().out
+
+
+def test_offline_roofline_needs_our_backend(bench_model, caplog):
+    argv = ["bench", "offline", "--model.path", bench_model, *TINY_ENGINE, *TINY_WORKLOAD,
+            "--backend", "hf", "--roofline"]
+    assert cli_main(argv) == 2
+    assert "--roofline bounds batchyard's run" in caplog.text
+
+
 def test_breakdown_counts_a_part_inside_another_once(bench_model):
     """The LM head's GEMM is the LM head's time, not also the GEMMs': a timed call inside
     another timed part counts for the outer one only."""

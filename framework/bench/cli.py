@@ -131,6 +131,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--breakdown", action="store_true",
                    help="time the parts of batchyard's passes in the run (attention, GEMMs, LM head, norms/RoPE/SiLU, "
                         "the rest, sampling; prefill and decode apart): printed, and stored in the record")
+    p.add_argument("--roofline", action="store_true",
+                   help="after the run, measure this machine's GEMM and memory read rates and give the run's "
+                        "GEMM-bound limit (and with decode's KV reads) and its share of them: printed, and stored "
+                        "in the record")
     add_dataset_args(p)
     add_output_args(p)
     add_engine_args(p)

@@ -9,7 +9,9 @@ over the wall time of that call, with output tokens from each request's completi
 (the peer engines, framework/bench/peers.py), run in turn on the same requests; with batchyard in
 the list its record stores the ratio to each of the others (``vs_hf``, ``vs_vllm``, ...).
 ``--breakdown`` times the parts of the engine's passes in the timed run (framework/bench/
-breakdown.py) and stores them in its record as ``breakdown``.
+breakdown.py) and stores them in its record as ``breakdown``; ``--roofline`` sets the run against
+the GEMM and memory rates measured on this machine afterwards (framework/bench/roofline.py), in
+its record as ``roofline``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from framework.bench.breakdown import Breakdown, format_breakdown
 from framework.bench.datasets import BenchRequest, sample_random
 from framework.bench.metrics import offline_metrics
 from framework.bench.peers import PEER_BACKENDS, PeerMissing
+from framework.bench.roofline import RequestTokens, format_roofline, roofline, run_shape
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +65,10 @@ def warmup_engine(engine, tokenizer, num: int, seed: int, extra: dict | None = N
 
 
 def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool = True, progress: bool = True,
-               extra: dict | None = None) -> dict:
-    """Time one generate call over all requests; returns the offline metrics, the cache hit rate,
-    the forward passes and the jump-forward drafts kept and dropped."""
+               extra: dict | None = None) -> tuple[dict, list[RequestTokens]]:
+    """Time one generate call over all requests; returns the offline metrics (with the cache hit
+    rate, the forward passes and the jump-forward drafts kept and dropped) and each request's token
+    counts."""
     from tqdm import tqdm
 
     pbar = tqdm(total=len(requests), disable=not progress, desc="offline", unit="req")
@@ -88,7 +92,9 @@ def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool = True, pr
     # Jump-forward drafts the model kept, and those it replaced (computed for nothing).
     metrics["jump_forward_tokens"] = sched.structured.num_draft_tokens_kept - kept
     metrics["jump_forward_dropped"] = sched.structured.num_draft_tokens_dropped - dropped
-    return metrics
+    counts = [RequestTokens(o["meta_info"]["prompt_tokens"], o["meta_info"].get("cached_tokens", 0),
+                            o["meta_info"]["completion_tokens"]) for o in outs]
+    return metrics, counts
 
 
 def expand_backends(names) -> list[str]:
@@ -150,6 +156,16 @@ def run_peer(peer: str, args, requests: list[BenchRequest], folder: str, dtype: 
     return metrics, details
 
 
+def roofline_shape(engine) -> dict | None:
+    """`roofline.run_shape` of the engine's model runner; None (with a warning) where the worker has
+    none on the CPU to bound (the simulated worker, a GPU)."""
+    runner = getattr(engine.scheduler.worker, "runner", None)
+    if runner is None or getattr(runner, "device", "cpu") != "cpu":
+        logger.warning("--roofline: the worker runs no model on the CPU here; no bounds to give")
+        return None
+    return run_shape(runner)
+
+
 def engine_dtype(engine) -> str | None:
     """The dtype the worker actually runs (None if the worker does not say)."""
     runner = getattr(engine.scheduler.worker, "runner", None)
@@ -172,9 +188,10 @@ def main(args) -> int:
         # The other engines have no grammars or batchyard's sampling fields: not comparable.
         logger.error("--extra-sampling-params needs --backend batchyard alone")
         return 2
-    if args.breakdown and "batchyard" not in backends:
-        logger.error("--breakdown times batchyard's passes: add batchyard to --backend")
-        return 2
+    for flag, what in (("breakdown", "times batchyard's passes"), ("roofline", "bounds batchyard's run")):
+        if getattr(args, flag, False) and "batchyard" not in backends:
+            logger.error("--%s %s: add batchyard to --backend", flag, what)
+            return 2
     if args.extra_sampling_params:
         from framework.request import SamplingParams
 
@@ -208,9 +225,10 @@ def main(args) -> int:
             meter = ContentionMeter()
             timing = Breakdown() if args.breakdown else contextlib.nullcontext()
             with timing:  # the timed run only: not the warm-up
-                metrics = run_engine(engine, requests, args.ignore_eos, not args.disable_tqdm,
-                                     args.extra_sampling_params)
+                metrics, counts = run_engine(engine, requests, args.ignore_eos, not args.disable_tqdm,
+                                             args.extra_sampling_params)
             engine_dtype_name = engine_dtype(engine)
+            shape = roofline_shape(engine) if getattr(args, "roofline", False) else None
         finally:
             engine.shutdown()
         del engine
@@ -220,6 +238,9 @@ def main(args) -> int:
         if args.breakdown:
             extra["breakdown"] = timing.summary()
             print(format_breakdown(extra["breakdown"]))
+        if shape is not None:  # measured with the engine shut down: nothing else runs
+            extra["roofline"] = roofline(shape, counts, metrics["duration_s"])
+            print(format_roofline(extra["roofline"]))
         records.append(make_record("offline", "batchyard", options, workload, metrics,
                                    hardware_info(engine_dtype_name, meter),
                                    engine_settings=settings_record(settings), **extra))
