@@ -52,7 +52,9 @@ class ModelSettings(_Section):
         "ranges of a calibration pass at load (~1.6 s for SmolLM2). Outputs change: on the embedded model "
         "perplexity 11.18 against 11.04 for bf16, the next token the float32 model's ~94 % of the time "
         "against ~97.5 % for bf16 (docs/performance.md). Passes of fewer than 32 rows keep bf16. Needs "
-        "model.dtype bfloat16 (or auto where it resolves to it) on the CPU; the embedding and LM head stay bf16.",
+        "model.dtype bfloat16 (or auto where it resolves to it) on the CPU, and exact int8 GEMMs: start-up fails "
+        "where torch._int_mm saturates (CPUs without an int8 dot product: AVX2 only, AVX-512 before VNNI). The "
+        "embedding and LM head stay bf16.",
     )
     context_length: int | None = Field(
         None, gt=0, description="Context length; empty: the model config's max_position_embeddings."

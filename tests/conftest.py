@@ -119,6 +119,18 @@ def make_engine(tiny_model_folder):
     yield from leak_checked_engines(tiny_model_folder)
 
 
+def _int_mm_is_exact() -> bool:
+    from framework.model.int8 import int_mm_is_exact
+
+    return int_mm_is_exact()
+
+
+# model.quantization = "w8a8" refuses to start where torch._int_mm saturates (no int8 dot product, or
+# oneDNN capped below one): its tests skip there.
+needs_exact_int_mm = pytest.mark.skipif(not _int_mm_is_exact(), reason="torch._int_mm saturates on this CPU "
+                                        "(no int8 dot product): model.quantization = 'w8a8' is refused here")
+
+
 def count_int_mm_rows(monkeypatch) -> list[int]:
     """The row count of every torch._int_mm call from now on (model.quantization = "w8a8"'s GEMMs),
     in a list that grows as they are made."""

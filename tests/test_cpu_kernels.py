@@ -209,6 +209,70 @@ def test_kernel_build_is_cached(tmp_path, monkeypatch):
         cpu_kernels.load.cache_clear()
 
 
+@pytest.fixture(scope="module")
+def portable_libs(tmp_path_factory):
+    """decode_attention.c and fused_ops.c built without AVX-512 (`-mno-avx512f` after
+    `-march=native`): the portable loops an AVX2-only CPU runs, which an AVX-512 build never
+    compiles. Skips where that cannot be built (another architecture, no compiler)."""
+    import ctypes
+    import os
+    import platform
+    import shutil
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if KERNELS is None or compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("no x86 C compiler for a build without AVX-512")
+    old = os.environ.get("BATCHYARD_KERNEL_CACHE")
+    os.environ["BATCHYARD_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("portable-kernels"))
+    try:
+        libs = {name: ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.KERNEL_DIR / f"{name}.c", compiler,
+                                                         ["-mno-avx512f"])))
+                for name in ("decode_attention", "fused_ops")}
+    finally:
+        if old is None:
+            del os.environ["BATCHYARD_KERNEL_CACHE"]
+        else:
+            os.environ["BATCHYARD_KERNEL_CACHE"] = old
+    return libs
+
+
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype,atol",
+    [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2), (torch.float32, torch.float8_e5m2, 1e-4)],
+)
+def test_portable_decode_kernel_matches_reference(portable_libs, q_dtype, kv_dtype, atol, monkeypatch):
+    """Without AVX-512 (lane sums, exp_neg_lanes): the same float64 reference as the vector paths,
+    with lengths past and short of the 16-lane loops."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    lens = [1, 2, 15, 16, 17, 300, 1000]
+    k, v, req_to_token, pool_idx = _scattered_pool(lens, kv_heads, head_dim, kv_dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).to(q_dtype)
+    attn = TorchNativeAttention(heads, kv_heads, head_dim)
+    attn.use_decode_kernel(cpu_kernels.decode_kernel_of(portable_libs["decode_attention"]))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    plan = _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens, dtype=torch.int64))
+    out = attn._kernel_decode(q, k, v, plan)
+    ref = _reference(q, k, v, req_to_token, pool_idx, lens, heads // kv_heads, head_dim**-0.5)
+    torch.testing.assert_close(out.double().view(ref.shape), ref, atol=atol, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,d", [(7, 576), (33, 100)])
+def test_portable_rms_norm_gives_the_vector_codes_bits(portable_libs, rows, d):
+    """The portable RMSNorm sums its squares in the AVX-512 code's lanes and order: the same bits,
+    with and without the residual add."""
+    from framework.model.cpu_kernels import FusedOps
+
+    portable = FusedOps(portable_libs["fused_ops"])
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, d, generator=gen) * 3).bfloat16()
+    residual = torch.randn(rows, d, generator=gen).bfloat16()
+    weight = (torch.randn(d, generator=gen) * 0.3 + 1).bfloat16()
+    assert torch.equal(portable.rms_norm(x, weight, 1e-5), KERNELS.fused.rms_norm(x, weight, 1e-5))
+    for a, b in zip(portable.add_rms_norm(x, residual, weight, 1e-5), KERNELS.fused.add_rms_norm(x, residual, weight, 1e-5)):
+        assert torch.equal(a, b)
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows,d", [(1, 64), (200, 576), (513, 100)])  # 100: a tail past the 16-lane loop
 def test_fused_rms_norm_matches_torch(rows, d):

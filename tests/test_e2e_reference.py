@@ -10,7 +10,7 @@ import torch
 
 from framework.config import Settings
 from framework.engine import Engine
-from tests.conftest import assert_no_leak, check_greedy_equal, count_int_mm_rows
+from tests.conftest import assert_no_leak, check_greedy_equal, count_int_mm_rows, needs_exact_int_mm
 
 pytestmark = pytest.mark.e2e
 
@@ -87,7 +87,8 @@ def test_greedy_matches_transformers(default_model_folder, hf_model, prompts, hf
         engine.shutdown()
 
 
-@pytest.mark.parametrize("kv_cache_dtype,quantization", [("auto", "none"), ("fp8_e5m2", "none"), ("auto", "w8a8")])
+@pytest.mark.parametrize("kv_cache_dtype,quantization", [("auto", "none"), ("fp8_e5m2", "none"),
+                                                          pytest.param("auto", "w8a8", marks=needs_exact_int_mm)])
 def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype, quantization, monkeypatch):
     """The embedded model answers in bf16, with an fp8 KV cache, and with int8 GEMMs (its prompt
     long enough for them: the chat template's system prompt)."""

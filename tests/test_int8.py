@@ -10,7 +10,7 @@ from framework.batch import ForwardMode
 from framework.model import int8 as int8_mod
 from framework.model.int8 import Int8Ops, QuantizedRows, quantize_weight
 from framework.model.runner import ModelRunner
-from tests.conftest import count_int_mm_rows
+from tests.conftest import count_int_mm_rows, needs_exact_int_mm
 from tests.test_model import _batch, _new_reqs, _runner, _tiny_hf
 
 TORCH_OPS = Int8Ops(None)
@@ -75,6 +75,7 @@ def test_rms_norm_quantize_quantizes_the_norm(c_ops, rows, width, residual):
     assert ((q.float() * scale[:, None] - normed).abs() <= scale[:, None] * 0.51 + 1e-6).all()
 
 
+@needs_exact_int_mm
 @pytest.mark.parametrize("rows,width,n", [(2, 64, 48), (37, 576, 960), (200, 1536, 576)])
 @pytest.mark.parametrize("add", [False, True])
 def test_int8_linear_dequantizes_as_pytorch_and_is_close_to_the_product(c_ops, rows, width, n, add):
@@ -97,6 +98,7 @@ def test_int8_linear_dequantizes_as_pytorch_and_is_close_to_the_product(c_ops, r
     assert ((got.float() - exact).norm() / exact.norm()) < 0.02
 
 
+@needs_exact_int_mm
 @pytest.mark.parametrize("rows", [2, 37, 200])
 def test_gate_up_quantizes_silu_gate_times_up(c_ops, rows):
     x, d = _rows(rows, 576, 6), 256
@@ -112,6 +114,7 @@ def test_gate_up_quantizes_silu_gate_times_up(c_ops, rows):
     assert ((got.q.float() * got.scale[:, None] - exact).norm() / exact[1:].norm()) < 0.03
 
 
+@needs_exact_int_mm
 def test_smoothing_moves_an_outlier_channels_range_into_the_weight():
     """quantize_weight with smoothing factors s: the weight times s is what is quantized, and the
     inputs times 1 / s (`inv`) give the same product; an input channel 100x the others gets the
@@ -183,6 +186,7 @@ def _prefill_logits(runner, lens):
     return runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone()
 
 
+@needs_exact_int_mm
 def test_w8a8_prefill_runs_on_int8_gemms_close_to_bf16(hf_model, monkeypatch):
     """A pass of >= MIN_ROWS rows: every layer's four GEMMs on torch._int_mm, logits close to bf16's;
     a smaller pass keeps the bf16 GEMMs."""
@@ -202,6 +206,7 @@ def test_w8a8_prefill_runs_on_int8_gemms_close_to_bf16(hf_model, monkeypatch):
     assert calls == []
 
 
+@needs_exact_int_mm
 def test_w8a8_decode_steps_on_the_decode_path_give_the_layers_bits(hf_model, monkeypatch):
     """A decode step of >= MIN_ROWS requests on the decode path (straight kernel calls) runs the
     same int8 arithmetic as the layers, bit for bit; a smaller step keeps the bf16 weights."""
@@ -227,6 +232,7 @@ def test_w8a8_decode_steps_on_the_decode_path_give_the_layers_bits(hf_model, mon
     assert torch.equal(runs[0][1], runs[1][1]) and runs[0][2] == runs[1][2] == []
 
 
+@needs_exact_int_mm
 def test_the_pytorch_ends_give_what_the_kernels_give(hf_model, monkeypatch):
     """Without the C kernels (no compiler) the int8 path runs in PyTorch, to the same logits up
     to the SiLU's exp and a sum's order."""
@@ -241,6 +247,7 @@ def test_the_pytorch_ends_give_what_the_kernels_give(hf_model, monkeypatch):
     assert F.cosine_similarity(got.float(), want.float(), dim=1).min() > 0.999
 
 
+@needs_exact_int_mm
 def test_w8a8_without_the_c_kernels_runs_its_ends_in_pytorch(hf_model, monkeypatch):
     """worker.cpu_kernels = off means PyTorch only: the int8 ends too (the GEMMs stay torch._int_mm)."""
     runner = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8", cpu_kernels="off")
@@ -261,6 +268,7 @@ def test_w8a8_is_refused_where_it_cannot_run(hf_model):
         Settings.load(None, model={"quantization": "int4"})
 
 
+@needs_exact_int_mm
 def test_w8a8_engine_serves_and_reloads(make_engine, tiny_model_folder):
     """Through the settings: greedy requests of a batch large enough for the int8 GEMMs, leak-checked
     (the fixture); reloaded weights get their int8 copies again."""
@@ -284,6 +292,7 @@ def test_quantized_rows_carry_their_shape():
     assert rows.shape == (3, 8)
 
 
+@needs_exact_int_mm
 def test_cpus_without_an_int8_dot_product_are_named(hf_model, monkeypatch, caplog):
     assert int8_mod.has_int8_dot("fpu avx2 avx512f avx512_vnni")
     assert int8_mod.has_int8_dot("fpu avx2 amx_bf16 amx_int8") and int8_mod.has_int8_dot("avx2 avx_vnni")
@@ -292,3 +301,29 @@ def test_cpus_without_an_int8_dot_product_are_named(hf_model, monkeypatch, caplo
     with caplog.at_level("WARNING", logger="framework.model.runner"):
         _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
     assert "without an int8 dot product" in caplog.text
+
+
+def test_the_int_mm_probe_catches_saturating_kernels():
+    """oneDNN held below the int8 dot products (ONEDNN_MAX_CPU_ISA=AVX2, read when it starts: a
+    process of its own) adds int8 pairs in 16 bits, which saturate: the probe says so; natively,
+    on a CPU with an int8 dot product, _int_mm is exact."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from framework.model.int8 import int_mm_is_exact; print(int_mm_is_exact())"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    capped = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert capped.returncode == 0, capped.stderr
+    assert capped.stdout.strip() == "False"
+    if int8_mod.has_int8_dot() and "ONEDNN_MAX_CPU_ISA" not in os.environ:
+        assert int8_mod.int_mm_is_exact()
+
+
+def test_w8a8_is_refused_where_int_mm_saturates(hf_model, monkeypatch):
+    """Saturated sums cost more than the quantization itself (perplexity +2 %), silently: the runner
+    refuses to start, naming the cause and the way out."""
+    monkeypatch.setattr("framework.model.runner.int_mm_is_exact", lambda: False)
+    with pytest.raises(ValueError, match="torch._int_mm is not exact on this machine.*model.quantization = 'none'"):
+        _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
+    _runner(hf_model, dtype=torch.bfloat16, quantization="none")  # the rest still runs

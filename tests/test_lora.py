@@ -9,7 +9,8 @@ import torch
 
 from framework import hookimpl
 from framework.config import SettingsError
-from tests.conftest import check_greedy_equal, count_int_mm_rows, hf_greedy, hf_next_logprobs, tiny_settings
+from tests.conftest import (check_greedy_equal, count_int_mm_rows, hf_greedy, hf_next_logprobs, needs_exact_int_mm,
+                            tiny_settings)
 from tests.conftest_server import running_server, tiny_server_args
 
 NUM_TOKENS = 12
@@ -187,6 +188,7 @@ def test_adapters_take_the_model_off_the_decode_path(tiny_model_folder, adapter_
     assert model.decode_path() is None
 
 
+@needs_exact_int_mm
 def test_adapters_on_int8_base_weights(make_engine, adapter_folders, monkeypatch):
     """model.quantization = "w8a8" with adapters: the wrapped projections run their base product in
     int8 and add the adapter's delta in bf16; a batch large enough for the int8 GEMMs serves

@@ -161,8 +161,11 @@ def kv_format(buf: torch.Tensor) -> int:
 def load_decode_kernel():
     """`decode_attention` of kernels/decode_attention.c (see TorchNativeAttention), or None."""
     lib = load("decode_attention")
-    if lib is None:
-        return None
+    return None if lib is None else decode_kernel_of(lib)
+
+
+def decode_kernel_of(lib: ctypes.CDLL):
+    """The `decode_attention` function of a built decode_attention library, typed for ctypes."""
     fn = lib.decode_attention
     fn.restype = _INT
     fn.argtypes = [_PTR] * 4 + [_I64] + [_PTR] * 3 + [_INT] * 6 + [_FLOAT, _INT, _INT]

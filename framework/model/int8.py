@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -272,6 +273,26 @@ def has_int8_dot(flags: str | None = None) -> bool:
     if flags is None:
         flags = _cpu_id()
     return any(flag in flags.split() for flag in INT8_DOT_FLAGS)
+
+
+@lru_cache(maxsize=None)
+def int_mm_is_exact() -> bool:
+    """Whether torch._int_mm gives the exact int32 sums of full-range int8 operands on this machine.
+
+    oneDNN's int8 kernels for CPUs without an int8 dot product (AVX2, or AVX-512 before VNNI; also
+    where ONEDNN_MAX_CPU_ISA caps oneDNN below it) add u8 x s8 products in pairs into 16 bits,
+    which saturate unless the weights keep to 7 bits: the sums come out wrong, silently. Probed with
+    the worst case (every value 127: pairs of 255 x 127 after oneDNN's +128) and with random values,
+    at a decode and a prefill shape, against float64 sums (exact at these sizes)."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [(torch.full((32, 64), 127, dtype=torch.int8), torch.full((64, 32), 127, dtype=torch.int8))]
+    for m, k, n in ((32, 576, 64), (256, 1536, 48)):
+        cases.append((torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen),
+                      torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=gen)))
+    for a, b in cases:
+        if not torch.equal(torch._int_mm(a, b).double(), a.double() @ b.double()):
+            return False
+    return True
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Iterable
 
@@ -21,7 +22,8 @@ from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig
 from framework.model.gguf_decode import use_gguf_decode
 from framework.model.int8 import MIN_ROWS as INT8_MIN_ROWS
-from framework.model.int8 import INT8_DOT_FLAGS, QUANTIZATIONS, Int8Ops, has_int8_dot, use_int8_weights
+from framework.model.int8 import (INT8_DOT_FLAGS, QUANTIZATIONS, Int8Ops, has_int8_dot, int_mm_is_exact,
+                                  use_int8_weights)
 from framework.model.llama import use_cpu_kernels, use_packed_weights
 from framework.model.llava import build_model
 from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
@@ -158,6 +160,12 @@ class ModelRunner:
         if quantization == "w8a8" and (dtype != torch.bfloat16 or device != "cpu"):
             raise ValueError(f"model.quantization = 'w8a8' runs bf16 activations on the CPU, but the model is {dtype} "
                              f"on {device!r}: set model.dtype = 'bfloat16' and worker.device = 'cpu'")
+        if quantization == "w8a8" and not int_mm_is_exact():
+            raise ValueError("model.quantization = 'w8a8' needs exact int8 GEMMs, and torch._int_mm is not exact on "
+                             "this machine: without an int8 dot product (" + ", ".join(INT8_DOT_FLAGS) + "), or "
+                             f"with ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(not set)')} capping "
+                             "oneDNN below one, its int8 kernels saturate 16-bit sums; use model.quantization = "
+                             "'none'")
         self.quantization = quantization
         kv_dtype = kv_dtype or dtype
         if kv_dtype not in KV_DTYPES:

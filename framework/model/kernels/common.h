@@ -64,6 +64,38 @@ static inline void run_spans(void *(*fn)(void *), void *spans, size_t span_size,
 #include <immintrin.h>
 #endif
 
+/* exp(x) for x <= 0 (softmax numerators) by exp16's method (the same reduction and polynomial;
+ * within ~1.4e-6 relative of exp down to -87), in plain C without float comparisons, so that a loop over an array of values vectorizes where
+ * there is no AVX-512 (AVX2, NEON; a float compare-and-select may trap, which keeps GCC from
+ * vectorizing it): the portable paths' softmax, where libm's expf is a call a value. Below -104
+ * (-inf included) it gives exp(-104), which rounds to 0 at the precision of any sum of them. */
+static inline float exp_neg_lanes(float x) {
+    uint32_t bits, floor_bits;
+    const float lowest = -104.0f;
+    memcpy(&bits, &x, 4);
+    memcpy(&floor_bits, &lowest, 4);
+    /* a negative float's bits, unsigned, grow with its magnitude (0 and -0 stay below): clamp in integers */
+    bits = bits > floor_bits ? floor_bits : bits;
+    memcpy(&x, &bits, 4);
+    float y = x * 1.44269504088896341f; /* log2(e) */
+    float n = (y + 12582912.0f) - 12582912.0f; /* y to the nearest integer (even on ties): 1.5 * 2^23 */
+    float f = (y - n) * 0.69314718055994531f;
+    float p = 1.0f / 720;
+    p = p * f + 1.0f / 120;
+    p = p * f + 1.0f / 24;
+    p = p * f + 1.0f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    /* 2^n, n in [-150, 0], as two normal factors */
+    int32_t h = (int32_t)n / 2, l = (int32_t)n - h;
+    int32_t hb = (h + 127) << 23, lb = (l + 127) << 23;
+    float hf, lf;
+    memcpy(&hf, &hb, 4);
+    memcpy(&lf, &lb, 4);
+    return p * hf * lf;
+}
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;
@@ -274,6 +306,16 @@ static inline __m512 hsum16(const __m512 v[16]) {
 }
 #endif
 
+/* The sum of 16 partial sums in _mm512_reduce_add_ps's order (lanes i and i + 8, then i and
+ * i + 4, i and i + 2, the last two): with partial sums kept per lane as the AVX-512 code keeps them,
+ * the portable paths give its bits. */
+static inline float sum_lanes16(const float part[16]) {
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; i++) s8[i] = part[i + 8] + part[i];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i + 4] + s8[i];
+    return (s4[2] + s4[0]) + (s4[3] + s4[1]);
+}
+
 /* Row r of an RMSNorm's input in fp32 into `row` [d]: x (bf16, the row itself), or with a residual
  * ([rows, d], or NULL) bf16(x + residual), which is also written to residual_out's row r.
  * Returns the row's scale 1 / sqrt(mean(x^2) + eps). */
@@ -295,6 +337,21 @@ static inline float rms_norm_input(const uint16_t *x, const uint16_t *residual, 
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     sum = _mm512_reduce_add_ps(acc);
+#else
+    /* 16 partial sums, summed in the vector code's order: the same bits without AVX-512 */
+    float part[16] = {0};
+    for (; i + 16 <= d; i += 16)
+        for (int l = 0; l < 16; l++) {
+            float v = bf16_to_f32(x[i + l]);
+            if (res) {
+                uint16_t h = f32_to_bf16(v + bf16_to_f32(res[i + l]));
+                res_out[i + l] = h;
+                v = bf16_to_f32(h);
+            }
+            row[i + l] = v;
+            part[l] += v * v;
+        }
+    sum = sum_lanes16(part);
 #endif
     for (; i < d; i++) {
         float v = bf16_to_f32(x[i]);

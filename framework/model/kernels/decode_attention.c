@@ -190,6 +190,24 @@ static void group_scores_bf16(const uint16_t *q, int group, const uint16_t *k, i
 }
 #endif
 
+/* The portable paths (no AVX-512: AVX2, NEON) keep LANES partial sums or maxima, each in its own
+ * order, so that GCC vectorizes their loops without reassociating a single sum (a lone
+ * accumulator chains every multiply-add on the one before). A row of up to ROW_MAX values is
+ * widened on the stack. */
+#define LANES 16 /* sum_lanes16's */
+#define ROW_MAX 256
+
+/* a . b over d values, in LANES partial sums added up as the AVX-512 path adds its lanes. */
+static inline float dot_lanes(const float *a, const float *b, int d) {
+    float part[LANES] = {0};
+    int j = 0;
+    for (; j + LANES <= d; j += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += a[j + l] * b[j + l];
+    float s = sum_lanes16(part);
+    for (; j < d; j++) s += a[j] * b[j];
+    return s;
+}
+
 /* scores[g * len + t] = q[g] . k_t for t in [t0, t1), the group's query heads over one KV head;
  * `q` is the query rows in their own dtype (`qf` the same rows as fp32). */
 static void head_scores(const void *q, const float *qf, int group, const void *k, int64_t kv_stride, int d,
@@ -259,16 +277,13 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
 #endif
     (void)q;
     (void)q_bf16;
-    float *row = (float *)malloc((size_t)d * sizeof(float));
+    float *row = d <= ROW_MAX ? NULL : (float *)malloc((size_t)d * sizeof(float)), stack_row[ROW_MAX];
+    if (!row) row = stack_row;
     for (int64_t t = t0; t < t1; t++) {
         load_row(row, (const char *)k + (size_t)slots[t] * kv_stride * elem, d, kv_fmt);
-        for (int g = 0; g < group; g++) {
-            float acc = 0.0f;
-            for (int j = 0; j < d; j++) acc += qf[g * d + j] * row[j];
-            scores[g * len + t] = acc;
-        }
+        for (int g = 0; g < group; g++) scores[g * len + t] = dot_lanes(qf + g * d, row, d);
     }
-    free(row);
+    if (row != stack_row) free(row);
 }
 
 #if defined(__AVX512BF16__)
@@ -348,7 +363,8 @@ static void head_values(const float *probs, const uint16_t *probs_bf16, int grou
         return;
     }
 #endif
-    float *row = (float *)malloc((size_t)d * sizeof(float));
+    float *row = d <= ROW_MAX ? NULL : (float *)malloc((size_t)d * sizeof(float)), stack_row[ROW_MAX];
+    if (!row) row = stack_row;
     for (int64_t t = t0; t < t1; t++) {
         load_row(row, (const char *)v + (size_t)slots[t] * kv_stride * elem, d, fmt);
         for (int g = 0; g < group; g++) {
@@ -356,7 +372,7 @@ static void head_values(const float *probs, const uint16_t *probs_bf16, int grou
             for (int j = 0; j < d; j++) acc[g * d + j] += p * row[j];
         }
     }
-    free(row);
+    if (row != stack_row) free(row);
 }
 
 /* scores[0..len) *= scale, then exp(score - max) in place; returns the sum. */
@@ -371,6 +387,16 @@ static float softmax_numerators(float *scores, int64_t len, float scale) {
         vmx = _mm512_max_ps(vmx, x);
     }
     mx = _mm512_reduce_max_ps(vmx);
+#else
+    /* the scaling, then LANES running maxima: loops that vectorize without AVX-512 (AVX2, NEON) */
+    for (int64_t i = 0; i < len; i++) scores[i] *= scale;
+    float mx_l[LANES];
+    for (int l = 0; l < LANES; l++) mx_l[l] = -INFINITY;
+    for (; t + LANES <= len; t += LANES)
+        for (int l = 0; l < LANES; l++) mx_l[l] = scores[t + l] > mx_l[l] ? scores[t + l] : mx_l[l];
+    for (int l = 0; l < LANES; l++) mx = fmaxf(mx, mx_l[l]);
+    for (; t < len; t++) mx = fmaxf(mx, scores[t]);
+    t = len;
 #endif
     for (; t < len; t++) {
         scores[t] *= scale;
@@ -386,9 +412,18 @@ static float softmax_numerators(float *scores, int64_t len, float scale) {
         vsum = _mm512_add_ps(vsum, e);
     }
     sum = _mm512_reduce_add_ps(vsum);
+#else
+    float sum_l[LANES] = {0};
+    for (; t + LANES <= len; t += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float e = exp_neg_lanes(scores[t + l] - mx);
+            scores[t + l] = e;
+            sum_l[l] += e;
+        }
+    sum = sum_lanes16(sum_l);
 #endif
     for (; t < len; t++) {
-        scores[t] = expf(scores[t] - mx);
+        scores[t] = exp_neg_lanes(scores[t] - mx);
         sum += scores[t];
     }
     return sum;
