@@ -324,6 +324,6 @@ def test_w8a8_is_refused_where_int_mm_saturates(hf_model, monkeypatch):
     """Saturated sums cost more than the quantization itself (perplexity +2 %), silently: the runner
     refuses to start, naming the cause and the way out."""
     monkeypatch.setattr("framework.model.runner.int_mm_is_exact", lambda: False)
-    with pytest.raises(ValueError, match="torch._int_mm is not exact on this machine.*model.quantization = 'none'"):
+    with pytest.raises(ValueError, match="torch._int_mm is not exact here.*model.quantization = 'none'"):
         _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
     _runner(hf_model, dtype=torch.bfloat16, quantization="none")  # the rest still runs

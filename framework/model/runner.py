@@ -161,11 +161,11 @@ class ModelRunner:
             raise ValueError(f"model.quantization = 'w8a8' runs bf16 activations on the CPU, but the model is {dtype} "
                              f"on {device!r}: set model.dtype = 'bfloat16' and worker.device = 'cpu'")
         if quantization == "w8a8" and not int_mm_is_exact():
-            raise ValueError("model.quantization = 'w8a8' needs exact int8 GEMMs, and torch._int_mm is not exact on "
-                             "this machine: without an int8 dot product (" + ", ".join(INT8_DOT_FLAGS) + "), or "
-                             f"with ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(not set)')} capping "
-                             "oneDNN below one, its int8 kernels saturate 16-bit sums; use model.quantization = "
-                             "'none'")
+            capped = os.environ.get("ONEDNN_MAX_CPU_ISA")
+            cause = f"ONEDNN_MAX_CPU_ISA={capped} in the environment, or " if capped else ""
+            raise ValueError("model.quantization = 'w8a8' needs exact int8 GEMMs, and torch._int_mm is not exact here: "
+                             f"without an int8 dot product ({cause}a CPU without {', '.join(INT8_DOT_FLAGS)}) "
+                             "oneDNN's int8 kernels saturate 16-bit sums; use model.quantization = 'none'")
         self.quantization = quantization
         kv_dtype = kv_dtype or dtype
         if kv_dtype not in KV_DTYPES:

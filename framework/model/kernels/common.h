@@ -65,10 +65,11 @@ static inline void run_spans(void *(*fn)(void *), void *spans, size_t span_size,
 #endif
 
 /* exp(x) for x <= 0 (softmax numerators) by exp16's method (the same reduction and polynomial;
- * within ~1.4e-6 relative of exp down to -87), in plain C without float comparisons, so that a loop over an array of values vectorizes where
- * there is no AVX-512 (AVX2, NEON; a float compare-and-select may trap, which keeps GCC from
- * vectorizing it): the portable paths' softmax, where libm's expf is a call a value. Below -104
- * (-inf included) it gives exp(-104), which rounds to 0 at the precision of any sum of them. */
+ * within ~1.4e-6 relative of exp down to -87), in plain C without float comparisons, so that a
+ * loop over an array of values vectorizes where there is no AVX-512 (AVX2, NEON; a float
+ * compare-and-select may trap, which keeps GCC from vectorizing it): the portable paths' softmax,
+ * where libm's expf is a call a value. Below -104 (-inf included) it gives exp(-104), which rounds
+ * to 0 at the precision of any sum of them. */
 static inline float exp_neg_lanes(float x) {
     uint32_t bits, floor_bits;
     const float lowest = -104.0f;
