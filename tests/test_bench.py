@@ -322,6 +322,26 @@ def test_roofline_bounds_put_the_run_against_the_rates():
     assert b["share_of_gemm_bound"] == pytest.approx(0.6) and b["share_of_gemm_kv_bound"] == pytest.approx(0.625)
 
 
+def test_roofline_measures_the_layers_gemms_in_their_precision(monkeypatch):
+    """w8a8's layers are bounded at torch._int_mm's rate, its LM head at the dtype's; other runs use
+    the dtype's rate for both. The int8 rate is a real measurement at the layers' shapes."""
+    from types import SimpleNamespace
+
+    from framework.bench import roofline
+
+    small = SimpleNamespace(hidden_size=64, intermediate_size=128)
+    monkeypatch.setattr(roofline, "GEMM_ROWS", 64)
+    monkeypatch.setattr(roofline, "MIN_SECONDS", 0.01)
+    assert roofline.gemm_rate(small, "int8") > 0 and roofline.gemm_rate(small, "bfloat16") > 0
+    asked = []
+    monkeypatch.setattr(roofline, "gemm_rate", lambda cfg, kind: asked.append(kind) or {"int8": 2.0}.get(kind, 1.0))
+    monkeypatch.setattr(roofline, "read_rate", lambda: 3.0)
+    assert roofline.measure_rates("bfloat16", "w8a8", small) == {"gemm_flops": 1.0, "layer_gemm_flops": 2.0,
+                                                                  "read_bytes_per_s": 3.0}
+    assert roofline.measure_rates("float32", "none", small)["layer_gemm_flops"] == 1.0
+    assert asked == ["bfloat16", "int8", "float32"]
+
+
 def test_offline_roofline_bounds_the_run(bench_model, tmp_path, capsys):
     """`--roofline`: the record's work is the run's (random ids: no prefix from the cache; the tiny
     model's fp32 pool holds 2 layers x K and V x 2 KV heads x 16 x 4 bytes a token), the rates are
