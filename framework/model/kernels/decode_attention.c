@@ -192,10 +192,9 @@ static void group_scores_bf16(const uint16_t *q, int group, const uint16_t *k, i
 
 /* The portable paths (no AVX-512: AVX2, NEON) keep LANES partial sums or maxima, each in its own
  * order, so that GCC vectorizes their loops without reassociating a single sum (a lone
- * accumulator chains every multiply-add on the one before). A row of up to ROW_MAX values is
- * widened on the stack. */
+ * accumulator chains every multiply-add on the one before). They widen each K or V row into the
+ * span's `row` scratch (head_dim floats). */
 #define LANES 16 /* sum_lanes16's */
-#define ROW_MAX 256
 
 /* a . b over d values, in LANES partial sums added up as the AVX-512 path adds its lanes. */
 static inline float dot_lanes(const float *a, const float *b, int d) {
@@ -209,10 +208,11 @@ static inline float dot_lanes(const float *a, const float *b, int d) {
 }
 
 /* scores[g * len + t] = q[g] . k_t for t in [t0, t1), the group's query heads over one KV head;
- * `q` is the query rows in their own dtype (`qf` the same rows as fp32). */
+ * `q` is the query rows in their own dtype (`qf` the same rows as fp32); `row`: d floats of
+ * scratch for the portable path. */
 static void head_scores(const void *q, const float *qf, int group, const void *k, int64_t kv_stride, int d,
                         int q_bf16, int kv_fmt, const int64_t *slots, int64_t t0, int64_t t1, int64_t len,
-                        float *scores, Prefetcher *pf) {
+                        float *scores, Prefetcher *pf, float *row) {
     (void)pf; /* used by the AVX512-BF16 path only */
     size_t elem = kv_elem_size(kv_fmt);
 #if defined(__AVX512BF16__)
@@ -277,13 +277,10 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
 #endif
     (void)q;
     (void)q_bf16;
-    float *row = d <= ROW_MAX ? NULL : (float *)malloc((size_t)d * sizeof(float)), stack_row[ROW_MAX];
-    if (!row) row = stack_row;
     for (int64_t t = t0; t < t1; t++) {
         load_row(row, (const char *)k + (size_t)slots[t] * kv_stride * elem, d, kv_fmt);
         for (int g = 0; g < group; g++) scores[g * len + t] = dot_lanes(qf + g * d, row, d);
     }
-    if (row != stack_row) free(row);
 }
 
 #if defined(__AVX512BF16__)
@@ -299,10 +296,11 @@ static inline void v_row_bf16(const uint16_t *p, __m512i out[2]) {
 #endif
 
 /* acc[g] += sum over t in [t0, t1) of probs[g * len + t] * v_t; `probs_bf16`: the same
- * probabilities rounded to bf16, for a bf16 pool and q on AVX512-BF16 (NULL elsewhere) */
+ * probabilities rounded to bf16, for a bf16 pool and q on AVX512-BF16 (NULL elsewhere); `row`: d
+ * floats of scratch for the portable path */
 static void head_values(const float *probs, const uint16_t *probs_bf16, int group, const void *v, int64_t kv_stride,
                         int d, int fmt, const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc,
-                        Prefetcher *pf) {
+                        Prefetcher *pf, float *row) {
     (void)pf, (void)probs_bf16; /* used by the AVX-512 paths only */
     size_t elem = kv_elem_size(fmt);
 #if defined(__AVX512BF16__)
@@ -363,8 +361,6 @@ static void head_values(const float *probs, const uint16_t *probs_bf16, int grou
         return;
     }
 #endif
-    float *row = d <= ROW_MAX ? NULL : (float *)malloc((size_t)d * sizeof(float)), stack_row[ROW_MAX];
-    if (!row) row = stack_row;
     for (int64_t t = t0; t < t1; t++) {
         load_row(row, (const char *)v + (size_t)slots[t] * kv_stride * elem, d, fmt);
         for (int g = 0; g < group; g++) {
@@ -372,7 +368,6 @@ static void head_values(const float *probs, const uint16_t *probs_bf16, int grou
             for (int j = 0; j < d; j++) acc[g * d + j] += p * row[j];
         }
     }
-    if (row != stack_row) free(row);
 }
 
 /* scores[0..len) *= scale, then exp(score - max) in place; returns the sum. */
@@ -388,7 +383,8 @@ static float softmax_numerators(float *scores, int64_t len, float scale) {
     }
     mx = _mm512_reduce_max_ps(vmx);
 #else
-    /* the scaling, then LANES running maxima: loops that vectorize without AVX-512 (AVX2, NEON) */
+    /* the scaling (a loop that vectorizes without AVX-512), then LANES running maxima (float
+     * compares, which GCC keeps scalar, but in sixteen independent chains) */
     for (int64_t i = 0; i < len; i++) scores[i] *= scale;
     float mx_l[LANES];
     for (int l = 0; l < LANES; l++) mx_l[l] = -INFINITY;
@@ -726,7 +722,7 @@ static void *run_span(void *arg) {
     size_t kv_elem = kv_elem_size(a->kv_fmt), q_elem = a->q_bf16 ? 2 : 4;
     size_t slot_bytes = (size_t)kv_stride * kv_elem;
     /* scratch of the path the span's requests take: the tiles' (amx_request) or the vector code's */
-    float *qf = NULL, *acc = NULL, *inv_sum = NULL, *scores = NULL;
+    float *qf = NULL, *acc = NULL, *inv_sum = NULL, *scores = NULL, *kv_row = NULL; /* kv_row: the portable paths' */
     uint16_t *probs_bf16 = NULL; /* the probabilities rounded to bf16 (head_values) */
 #if HAVE_AMX
     TileScratch tiles = {0};
@@ -752,7 +748,8 @@ static void *run_span(void *arg) {
         acc = (float *)malloc((size_t)heads * d * sizeof(float));
         inv_sum = (float *)malloc((size_t)heads * sizeof(float));
         scores = (float *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * heads * sizeof(float));
-        span->failed = !qf || !acc || !inv_sum || !scores;
+        kv_row = (float *)malloc((size_t)d * sizeof(float));
+        span->failed = !qf || !acc || !inv_sum || !scores || !kv_row;
 #if defined(__AVX512BF16__)
         if (a->q_bf16 && a->kv_fmt == KV_BF16) {
             probs_bf16 = (uint16_t *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * heads * 2);
@@ -803,7 +800,7 @@ static void *run_span(void *arg) {
             for (int h = 0; h < a->kv_heads; h++)
                 head_scores(q + (size_t)h * group * d * q_elem, qf + (size_t)h * group * d, group,
                             (const char *)a->k + (size_t)h * d * kv_elem, kv_stride, d, a->q_bf16, a->kv_fmt, slots,
-                            t0, t1, len, scores + (size_t)h * group * len, &pf);
+                            t0, t1, len, scores + (size_t)h * group * len, &pf, kv_row);
             prefetch_lines(&pf, -1);
         }
         for (int r = 0; r < heads; r++) inv_sum[r] = 1.0f / softmax_numerators(scores + (size_t)r * len, len, a->scale);
@@ -834,7 +831,7 @@ static void *run_span(void *arg) {
             for (int h = 0; h < a->kv_heads; h++)
                 head_values(scores + (size_t)h * group * len, probs_bf16 ? probs_bf16 + (size_t)h * group * len : NULL,
                             group, (const char *)a->v + (size_t)h * d * kv_elem, kv_stride, d, a->kv_fmt, slots, t0,
-                            t1, len, acc + (size_t)h * group * d, &pf);
+                            t1, len, acc + (size_t)h * group * d, &pf, kv_row);
             prefetch_lines(&pf, -1);
         }
         for (int r = 0; r < heads; r++) {
@@ -858,6 +855,7 @@ static void *run_span(void *arg) {
     }
 #endif
     free(qf);
+    free(kv_row);
     free(acc);
     free(inv_sum);
     free(scores);
