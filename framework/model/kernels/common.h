@@ -233,7 +233,7 @@ static inline __m512 round_bf16x16(__m512 x) { return widen_bf16x16(to_bf16x16(x
 /* The index for _mm512_permutex2var_epi16(a, index, b) that interleaves the first 16 words of a
  * and b: (a0, b0, a1, b1, ..., a15, b15); plus 16 in every word, their last 16. Word 2j picks a's
  * word j, word 2j + 1 b's (index 32 + j). Two rows' 16 columns so become the pairs `vdpbf16ps`
- * sums over (the V copies of extend_attention.c, decode attention's P V on vectors). */
+ * sums over (the V copies of extend_attention.c). */
 static inline __m512i interleave_words_index(void) {
     const __m512i j = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     return _mm512_or_si512(j, _mm512_slli_epi32(_mm512_add_epi32(j, _mm512_set1_epi32(32)), 16));

@@ -136,6 +136,75 @@ static inline void load_row64(const char *base, const int64_t *slots, int64_t t,
     const char *p = base + (size_t)slots[t] * row_bytes;
     for (int c = 0; c < 4; c++) out[c] = load16(p + c * 16 * elem, fmt);
 }
+
+/* head_scores' and head_values' fp32 paths (head_dim 64; any q, any pool, the rows widened to
+ * fp32) with the group a constant, as for the bf16 paths: with the group a variable, GCC kept the
+ * values' 4 x group accumulators on the stack. The same operations in the same order, so the same
+ * bits. 50 requests' KV in the caches (2-core AMD EPYC, Zen 4): fp32 q and pool 0.85 -> 0.74 ms a
+ * layer, bf16 q and an e5m2 pool 0.42 -> 0.37. */
+static inline __attribute__((always_inline)) void scores_f32(const float *qf, const int group, const char *k,
+                                                             size_t row_bytes, size_t elem, int fmt,
+                                                             const int64_t *slots, int64_t t0, int64_t t1,
+                                                             int64_t len, float *scores) {
+    __m512 qv[8][4];
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < 4; c++) qv[g][c] = _mm512_loadu_ps(qf + g * 64 + c * 16);
+    for (int64_t t = t0; t < t1; t++) {
+        __m512 kr[4];
+        load_row64(k, slots, t, row_bytes, elem, fmt, kr);
+        for (int g = 0; g < group; g++) {
+            __m512 acc = _mm512_mul_ps(qv[g][0], kr[0]);
+            acc = _mm512_fmadd_ps(qv[g][1], kr[1], acc);
+            acc = _mm512_fmadd_ps(qv[g][2], kr[2], acc);
+            acc = _mm512_fmadd_ps(qv[g][3], kr[3], acc);
+            scores[g * len + t] = _mm512_reduce_add_ps(acc);
+        }
+    }
+}
+
+static void group_scores_f32(const float *qf, int group, const char *k, size_t row_bytes, size_t elem, int fmt,
+                             const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *scores) {
+    switch (group) {
+    case 1: scores_f32(qf, 1, k, row_bytes, elem, fmt, slots, t0, t1, len, scores); break;
+    case 2: scores_f32(qf, 2, k, row_bytes, elem, fmt, slots, t0, t1, len, scores); break;
+    case 3: scores_f32(qf, 3, k, row_bytes, elem, fmt, slots, t0, t1, len, scores); break;
+    case 4: scores_f32(qf, 4, k, row_bytes, elem, fmt, slots, t0, t1, len, scores); break;
+    default: scores_f32(qf, group, k, row_bytes, elem, fmt, slots, t0, t1, len, scores); break;
+    }
+}
+
+static inline __attribute__((always_inline)) void values_f32(const float *probs, const int group, const char *v,
+                                                             size_t row_bytes, size_t elem, int fmt,
+                                                             const int64_t *slots, int64_t t0, int64_t t1,
+                                                             int64_t len, float *acc, Prefetcher *pf) {
+    Prefetcher p = *pf; /* (a local copy, kept in registers) */
+    __m512 av[8][4];
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < 4; c++) av[g][c] = _mm512_loadu_ps(acc + g * 64 + c * 16);
+    for (int64_t t = t0; t < t1; t++) {
+        __m512 vr[4];
+        prefetch_next(&p);
+        load_row64(v, slots, t, row_bytes, elem, fmt, vr);
+        for (int g = 0; g < group; g++) {
+            const __m512 pr = _mm512_set1_ps(probs[g * len + t]);
+            for (int c = 0; c < 4; c++) av[g][c] = _mm512_fmadd_ps(pr, vr[c], av[g][c]);
+        }
+    }
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, av[g][c]);
+    *pf = p;
+}
+
+static void group_values_f32(const float *probs, int group, const char *v, size_t row_bytes, size_t elem, int fmt,
+                             const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
+    switch (group) {
+    case 1: values_f32(probs, 1, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf); break;
+    case 2: values_f32(probs, 2, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf); break;
+    case 3: values_f32(probs, 3, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf); break;
+    case 4: values_f32(probs, 4, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf); break;
+    default: values_f32(probs, group, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf); break;
+    }
+}
 #endif
 
 #if defined(__AVX512BF16__)
@@ -160,6 +229,7 @@ static inline void k_row_bf16(const char *p, int fmt, __m512bh out[2]) {
 static inline __attribute__((always_inline)) void scores_bf16(const uint16_t *q, const int group, const uint16_t *k,
                                                               int64_t kv_stride, const int64_t *slots, int64_t t0,
                                                               int64_t t1, int64_t len, float *scores, Prefetcher *pf) {
+    Prefetcher p = *pf; /* (a local copy, kept in registers) */
     __m512bh qv[8][2];
     for (int g = 0; g < group; g++)
         for (int c = 0; c < 2; c++) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * 64 + c * 32);
@@ -168,7 +238,7 @@ static inline __attribute__((always_inline)) void scores_bf16(const uint16_t *q,
         for (int u = 0; u < 16; u++) rows[u] = k + (size_t)slots[t + u] * kv_stride;
         for (int g = 0; g < group; g++) {
             __m512 acc[16];
-            prefetch_next(pf);
+            prefetch_next(&p);
             for (int u = 0; u < 16; u++) {
                 acc[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)_mm512_loadu_si512(rows[u]));
                 acc[u] = _mm512_dpbf16_ps(acc[u], qv[g][1], (__m512bh)_mm512_loadu_si512(rows[u] + 32));
@@ -176,6 +246,7 @@ static inline __attribute__((always_inline)) void scores_bf16(const uint16_t *q,
             _mm512_storeu_ps(scores + g * len + t, hsum16(acc));
         }
     }
+    *pf = p;
 }
 
 static void group_scores_bf16(const uint16_t *q, int group, const uint16_t *k, int64_t kv_stride, const int64_t *slots,
@@ -258,20 +329,7 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
 #endif
 #ifdef __AVX512F__
     if (d == 64 && group <= 8) {
-        __m512 qv[8][4];
-        for (int g = 0; g < group; g++)
-            for (int c = 0; c < 4; c++) qv[g][c] = _mm512_loadu_ps(qf + g * d + c * 16);
-        for (int64_t t = t0; t < t1; t++) {
-            __m512 kr[4];
-            load_row64((const char *)k, slots, t, kv_stride * elem, elem, kv_fmt, kr);
-            for (int g = 0; g < group; g++) {
-                __m512 acc = _mm512_mul_ps(qv[g][0], kr[0]);
-                acc = _mm512_fmadd_ps(qv[g][1], kr[1], acc);
-                acc = _mm512_fmadd_ps(qv[g][2], kr[2], acc);
-                acc = _mm512_fmadd_ps(qv[g][3], kr[3], acc);
-                scores[g * len + t] = _mm512_reduce_add_ps(acc);
-            }
-        }
+        group_scores_f32(qf, group, (const char *)k, kv_stride * elem, elem, kv_fmt, slots, t0, t1, len, scores);
         return;
     }
 #endif
@@ -284,20 +342,94 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
 }
 
 #if defined(__AVX512BF16__)
-/* A 64-element bf16 V row at p (NULL: zeros) as two vectors of 32. */
-static inline void v_row_bf16(const uint16_t *p, __m512i out[2]) {
-    if (!p) {
-        out[0] = out[1] = _mm512_setzero_si512();
-    } else {
-        out[0] = _mm512_loadu_si512(p);
-        out[1] = _mm512_loadu_si512(p + 32);
+/* head_values' bf16 path with the group a constant (values_bf16_group dispatches, as for the
+ * scores), so that its 4 x group accumulators stay in registers: with the group a variable GCC
+ * kept them on the stack and tested the group at every token pair. Two tokens at a time: their
+ * rows interleaved into pairs by unpacklo/unpackhi (within each 128-bit lane, a cheaper
+ * instruction than a cross-lane permute), one vdpbf16ps per 16 columns and query head against the
+ * broadcast pair of its two probabilities (adjacent in probs_bf16: one 32-bit load). The unpacks
+ * leave each accumulator's 16 columns out of order (see values_columns_in_order); `acc` is kept in
+ * that order between chunks and put back in column order once, after the last. With the scores'
+ * prefetcher also a local copy (it too had been kept in memory), on a 2-core AMD EPYC (Zen 4, no
+ * AMX): 50 requests' KV in the caches 0.46 -> 0.36 ms a layer, 200 requests from DRAM 2.76-2.84 ->
+ * 2.36-2.44; the same bits. */
+static inline __attribute__((always_inline)) void values_bf16(const uint16_t *probs_bf16, const int group,
+                                                              const uint16_t *v, int64_t kv_stride,
+                                                              const int64_t *slots, int64_t t0, int64_t t1,
+                                                              int64_t len, float *acc, Prefetcher *pf) {
+    Prefetcher p = *pf; /* (a local copy, kept in registers) */
+    __m512 av[8][4];
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < 4; c++) av[g][c] = _mm512_loadu_ps(acc + g * 64 + c * 16);
+    int64_t t = t0;
+    for (; t + 2 <= t1; t += 2) {
+        prefetch_next(&p);
+        const uint16_t *ra = v + (size_t)slots[t] * kv_stride;
+        prefetch_next(&p);
+        const uint16_t *rb = v + (size_t)slots[t + 1] * kv_stride;
+        __m512bh vp[4];
+        for (int c = 0; c < 2; c++) {
+            const __m512i a = _mm512_loadu_si512(ra + c * 32), b = _mm512_loadu_si512(rb + c * 32);
+            vp[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            vp[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        }
+        for (int g = 0; g < group; g++) {
+            const __m512bh pr = pair_bcast(probs_bf16 + g * len + t); /* (P_t, P_t+1) */
+            for (int c = 0; c < 4; c++) av[g][c] = _mm512_dpbf16_ps(av[g][c], vp[c], pr);
+        }
     }
+    if (t < t1) { /* a last odd token: its row paired with zeros, its probability with 0 */
+        prefetch_next(&p);
+        const uint16_t *ra = v + (size_t)slots[t] * kv_stride;
+        __m512bh vp[4];
+        for (int c = 0; c < 2; c++) {
+            const __m512i a = _mm512_loadu_si512(ra + c * 32), z = _mm512_setzero_si512();
+            vp[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, z);
+            vp[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, z);
+        }
+        for (int g = 0; g < group; g++) {
+            const __m512bh pr = (__m512bh)_mm512_set1_epi32((int32_t)probs_bf16[g * len + t]);
+            for (int c = 0; c < 4; c++) av[g][c] = _mm512_dpbf16_ps(av[g][c], vp[c], pr);
+        }
+    }
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, av[g][c]);
+    *pf = p;
+}
+
+static void values_bf16_group(const uint16_t *probs_bf16, int group, const uint16_t *v, int64_t kv_stride,
+                              const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
+    switch (group) {
+    case 1: values_bf16(probs_bf16, 1, v, kv_stride, slots, t0, t1, len, acc, pf); break;
+    case 2: values_bf16(probs_bf16, 2, v, kv_stride, slots, t0, t1, len, acc, pf); break;
+    case 3: values_bf16(probs_bf16, 3, v, kv_stride, slots, t0, t1, len, acc, pf); break;
+    case 4: values_bf16(probs_bf16, 4, v, kv_stride, slots, t0, t1, len, acc, pf); break;
+    default: values_bf16(probs_bf16, group, v, kv_stride, slots, t0, t1, len, acc, pf); break;
+    }
+}
+
+/* Accumulator c of values_bf16 (c = 2 * half + hi, half: columns 32 * half..) holds in its lane
+ * 4k + e column 32 * half + 8k + 4 * hi + e (the unpacks' order). Rows of 64 columns at `acc`
+ * back into column order, `rows` of them. */
+static void values_columns_in_order(float *acc, int rows) {
+    /* column j of a 16-column output block (lo, hi: the block's two accumulators): lane j % 4 +
+     * 4 * (j / 8) of lo for (j / 4) even, of hi (index + 16) for (j / 4) odd */
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    for (int r = 0; r < rows; r++)
+        for (int half = 0; half < 2; half++) {
+            float *p = acc + r * 64 + half * 32;
+            const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+            _mm512_storeu_ps(p, _mm512_permutex2var_ps(lo, first, hi));
+            _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(lo, second, hi));
+        }
 }
 #endif
 
 /* acc[g] += sum over t in [t0, t1) of probs[g * len + t] * v_t; `probs_bf16`: the same
- * probabilities rounded to bf16, for a bf16 pool and q on AVX512-BF16 (NULL elsewhere); `row`: d
- * floats of scratch for the portable path */
+ * probabilities rounded to bf16, for a bf16 pool and q on AVX512-BF16 (NULL elsewhere), where
+ * head_dim 64 leaves `acc` in values_bf16's lane order (values_columns_in_order puts it back);
+ * `row`: d floats of scratch for the portable path */
 static void head_values(const float *probs, const uint16_t *probs_bf16, int group, const void *v, int64_t kv_stride,
                         int d, int fmt, const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc,
                         Prefetcher *pf, float *row) {
@@ -305,59 +437,20 @@ static void head_values(const float *probs, const uint16_t *probs_bf16, int grou
     size_t elem = kv_elem_size(fmt);
 #if defined(__AVX512BF16__)
     if (d == 64 && group <= 8 && fmt == KV_BF16 && probs_bf16) {
-        /* Two tokens at a time: their rows interleaved into pairs (16 columns x 2 tokens a
-         * vector), then one vdpbf16ps per 16 columns and query head against the broadcast pair of
-         * its two probabilities, where the fp32 path below widens every row and takes a
+        /* P V on vdpbf16ps (values_bf16), where the fp32 path below widens every row and takes a
          * multiply-add per token and query head. (An e5m2 pool stays there: its rows widened to
          * bf16 would lose e5m2's subnormals, which the fp32 path reads exactly.) On a 2-core AMD
          * EPYC (Zen 4, no AMX), 50 requests' KV in the caches: 0.45 -> 0.40-0.41 ms a layer; 200
          * requests from DRAM 2.85-3.17 -> 2.79-2.82 (there the memory's time adds to the
          * arithmetic's, so the vectors' share of it counts in full); W200's decode attention
          * 9.67 -> 9.05 s. */
-        const __m512i lo = interleave_words_index(), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-        __m512 av[8][4];
-        for (int g = 0; g < group; g++)
-            for (int c = 0; c < 4; c++) av[g][c] = _mm512_loadu_ps(acc + g * d + c * 16);
-        for (int64_t t = t0; t < t1; t += 2) {
-            const int two = t + 1 < t1;
-            __m512i a[2], b[2];
-            prefetch_next(pf);
-            v_row_bf16((const uint16_t *)v + (size_t)slots[t] * kv_stride, a);
-            if (two) prefetch_next(pf);
-            v_row_bf16(two ? (const uint16_t *)v + (size_t)slots[t + 1] * kv_stride : NULL, b);
-            __m512bh vp[4];
-            for (int c = 0; c < 2; c++) {
-                vp[2 * c] = (__m512bh)_mm512_permutex2var_epi16(a[c], lo, b[c]);
-                vp[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a[c], hi, b[c]);
-            }
-            for (int g = 0; g < group; g++) {
-                /* (P_t, P_t+1), or (P_t, 0) for a last odd token */
-                uint32_t pair = probs_bf16[g * len + t] | (two ? (uint32_t)probs_bf16[g * len + t + 1] << 16 : 0u);
-                const __m512bh p = (__m512bh)_mm512_set1_epi32((int32_t)pair);
-                for (int c = 0; c < 4; c++) av[g][c] = _mm512_dpbf16_ps(av[g][c], vp[c], p);
-            }
-        }
-        for (int g = 0; g < group; g++)
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * d + c * 16, av[g][c]);
+        values_bf16_group(probs_bf16, group, (const uint16_t *)v, kv_stride, slots, t0, t1, len, acc, pf);
         return;
     }
 #endif
 #ifdef __AVX512F__
     if (d == 64 && group <= 8) {
-        __m512 av[8][4];
-        for (int g = 0; g < group; g++)
-            for (int c = 0; c < 4; c++) av[g][c] = _mm512_loadu_ps(acc + g * d + c * 16);
-        for (int64_t t = t0; t < t1; t++) {
-            __m512 vr[4];
-            prefetch_next(pf);
-            load_row64((const char *)v, slots, t, kv_stride * elem, elem, fmt, vr);
-            for (int g = 0; g < group; g++) {
-                __m512 p = _mm512_set1_ps(probs[g * len + t]);
-                for (int c = 0; c < 4; c++) av[g][c] = _mm512_fmadd_ps(p, vr[c], av[g][c]);
-            }
-        }
-        for (int g = 0; g < group; g++)
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * d + c * 16, av[g][c]);
+        group_values_f32(probs, group, (const char *)v, kv_stride * elem, elem, fmt, slots, t0, t1, len, acc, pf);
         return;
     }
 #endif
@@ -834,6 +927,9 @@ static void *run_span(void *arg) {
                             t1, len, acc + (size_t)h * group * d, &pf, kv_row);
             prefetch_lines(&pf, -1);
         }
+#if defined(__AVX512BF16__)
+        if (probs_bf16 && d == 64 && group <= 8) values_columns_in_order(acc, heads);
+#endif
         for (int r = 0; r < heads; r++) {
             float *row = acc + (size_t)r * d;
             for (int j = 0; j < d; j++) row[j] *= inv_sum[r];
