@@ -8,14 +8,14 @@
  *
  * The KV rows are read from DRAM (a decode step reads every running request's whole KV, far more
  * than the caches hold), and a request's slots are scattered over the pool. So the tokens go in
- * chunks (chunk_tokens): the whole slot row of each token (every KV head, contiguous) is prefetched
- * into L2 one chunk ahead, and all KV heads are done chunk by chunk, so each row comes from DRAM
- * once and the other heads read it from the caches. The prefetches go out a few lines at a time
- * from inside the loops (Prefetcher): a burst of a chunk's 192 prefetches into L1 held the loads
- * behind it until the line fill buffers drained, so the arithmetic waited for the memory instead of
- * overlapping it. A chunk whose slots are not one contiguous run still gets its prefetches in one
- * burst into L1 (spread ones lost 6 % there). Measured on a 2-core Xeon (30 layers' pools, 200
- * requests, 72,900 tokens): 4.05 -> 3.95 ms a layer with the chunks, -> 3.60 with hsum16
+ * chunks of CHUNK: the whole slot row of each token (every KV head, contiguous) is prefetched into
+ * L2 one chunk ahead, and all KV heads are done chunk by chunk, so each row comes from DRAM once
+ * and the other heads read it from the caches. The prefetches go out a few lines at a time from
+ * inside the loops (Prefetcher): a burst of a chunk's 192 prefetches into L1 held the loads
+ * behind it until the line fill buffers drained, so the arithmetic waited for the memory instead
+ * of overlapping it. A chunk whose slots are not one contiguous run still gets its prefetches in
+ * one burst into L1 (spread ones lost 6 % there). Measured on a 2-core Xeon (30 layers' pools,
+ * 200 requests, 72,900 tokens): 4.05 -> 3.95 ms a layer with the chunks, -> 3.60 with hsum16
  * (common.h), 3.40 -> 2.92-3.01 with the spread L2 prefetches (each prompt's slots contiguous:
  * 3.36 -> 2.74-2.77; fully scattered slots: 4.58 -> 4.66).
  *
@@ -73,13 +73,9 @@ static inline void load_row(float *dst, const void *p, int d, int fmt) {
     }
 }
 
-/* Tokens per chunk (chunk_tokens): a chunk's slot rows (chunk x kv_heads x head_dim) stay in L1
- * while every KV head reads them; 12 KiB for SmolLM2's bf16 K at 32 tokens. A bf16 pool takes 64:
- * on a 2-core AMD EPYC (Zen 4), 200 requests from DRAM were 1-6 % faster in 8 of 9 alternations
- * against 32 (2.36 against 2.46 ms a layer at best; 5 % slower in the other), 50 in the caches
- * 0.338 against 0.361 ms; an fp32 pool (twice the bytes) was the same at 64, an e5m2 pool 1-3 %
- * slower from DRAM. */
-static inline int64_t chunk_tokens(int kv_fmt) { return kv_fmt == KV_BF16 ? 64 : 32; }
+/* Tokens per chunk: a chunk's slot rows (CHUNK x kv_heads x head_dim, 12 KiB for SmolLM2's bf16
+ * K) stay in L1 while every KV head reads them. */
+#define CHUNK 32
 
 /* Prefetch the slot rows (`row_bytes` from `base + slot * row_bytes`) of tokens [t0, t1). */
 static inline void prefetch_rows(const char *base, const int64_t *slots, int64_t t0, int64_t t1, size_t row_bytes) {
@@ -870,8 +866,7 @@ static void *run_span(void *arg) {
         load_row(qf, q, heads * d, a->q_bf16);
         /* q . k for every head, chunk by chunk, the next chunk's K rows on their way (after the
          * last chunk, the first chunk of V), spread over the loops (Prefetcher) */
-        const int64_t chunk = chunk_tokens(a->kv_fmt);
-        int64_t first = len < chunk ? len : chunk;
+        int64_t first = len < CHUNK ? len : CHUNK;
         /* whether head_scores / head_values call prefetch_next (their AVX512-BF16 / AVX-512
          * paths for head_dim 64) */
 #if defined(__AVX512BF16__)
@@ -886,9 +881,9 @@ static void *run_span(void *arg) {
 #endif
         prefetch_rows((const char *)a->k, slots, 0, first, slot_bytes);
         Prefetcher pf;
-        for (int64_t t0 = 0; t0 < len; t0 += chunk) {
-            int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
-            int64_t t2 = t1 + chunk < len ? t1 + chunk : len;
+        for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
+            int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
+            int64_t t2 = t1 + CHUNK < len ? t1 + CHUNK : len;
             /* calls of prefetch_next: per KV head, per 16 tokens and query head */
             int64_t calls = spread_k ? (int64_t)a->kv_heads * ((t1 - t0) / 16) * group : 0;
             if (t1 < len)
@@ -911,9 +906,9 @@ static void *run_span(void *arg) {
         }
 #endif
         memset(acc, 0, (size_t)heads * d * sizeof(float));
-        for (int64_t t0 = 0; t0 < len; t0 += chunk) {
-            int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
-            int64_t t2 = t1 + chunk < len ? t1 + chunk : len;
+        for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
+            int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
+            int64_t t2 = t1 + CHUNK < len ? t1 + CHUNK : len;
             /* calls of prefetch_next: per KV head and token */
             int64_t calls = spread_v ? (int64_t)a->kv_heads * (t1 - t0) : 0;
             if (t1 < len || i + 1 >= span->end) {
@@ -922,7 +917,7 @@ static void *run_span(void *arg) {
                 /* the last chunk: the next request's first K rows, which otherwise came in one
                  * burst just before they were read (200 requests from DRAM, 2-core AMD EPYC Zen
                  * 4, vectors: 2.80 -> 2.58-2.62 ms a layer) */
-                const int64_t next_len = a->seq_lens[i + 1] < chunk ? a->seq_lens[i + 1] : chunk;
+                const int64_t next_len = a->seq_lens[i + 1] < CHUNK ? a->seq_lens[i + 1] : CHUNK;
                 prefetch_start(&pf, (const char *)a->k, a->req_to_token + a->pool_idx[i + 1] * a->row_stride, 0,
                                next_len, slot_bytes, calls);
             }
