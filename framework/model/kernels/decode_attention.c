@@ -137,6 +137,19 @@ static inline void load_row64(const char *base, const int64_t *slots, int64_t t,
     for (int c = 0; c < 4; c++) out[c] = load16(p + c * 16 * elem, fmt);
 }
 
+/* The P V paths' accumulators: `group` query heads' 64 fp32 columns from `acc` into registers
+ * (4 x group vectors; always inlined with `group` a constant, they stay there), and back. */
+static inline __attribute__((always_inline)) void values_acc_load(__m512 av[8][4], const float *acc,
+                                                                  const int group) {
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < 4; c++) av[g][c] = _mm512_loadu_ps(acc + g * 64 + c * 16);
+}
+
+static inline __attribute__((always_inline)) void values_acc_store(__m512 av[8][4], float *acc, const int group) {
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, av[g][c]);
+}
+
 /* head_scores' and head_values' fp32 paths (head_dim 64; any q, any pool, the rows widened to
  * fp32) with the group a constant, as for the bf16 paths: with the group a variable, GCC kept the
  * values' 4 x group accumulators on the stack. The same operations in the same order, so the same
@@ -179,8 +192,7 @@ static inline __attribute__((always_inline)) void values_f32(const float *probs,
                                                              int64_t len, float *acc, Prefetcher *pf) {
     Prefetcher p = *pf; /* (a local copy, kept in registers) */
     __m512 av[8][4];
-    for (int g = 0; g < group; g++)
-        for (int c = 0; c < 4; c++) av[g][c] = _mm512_loadu_ps(acc + g * 64 + c * 16);
+    values_acc_load(av, acc, group);
     for (int64_t t = t0; t < t1; t++) {
         __m512 vr[4];
         prefetch_next(&p);
@@ -190,8 +202,7 @@ static inline __attribute__((always_inline)) void values_f32(const float *probs,
             for (int c = 0; c < 4; c++) av[g][c] = _mm512_fmadd_ps(pr, vr[c], av[g][c]);
         }
     }
-    for (int g = 0; g < group; g++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, av[g][c]);
+    values_acc_store(av, acc, group);
     *pf = p;
 }
 
@@ -359,8 +370,7 @@ static inline __attribute__((always_inline)) void values_bf16(const uint16_t *pr
                                                               int64_t len, float *acc, Prefetcher *pf) {
     Prefetcher p = *pf; /* (a local copy, kept in registers) */
     __m512 av[8][4];
-    for (int g = 0; g < group; g++)
-        for (int c = 0; c < 4; c++) av[g][c] = _mm512_loadu_ps(acc + g * 64 + c * 16);
+    values_acc_load(av, acc, group);
     int64_t t = t0;
     for (; t + 2 <= t1; t += 2) {
         prefetch_next(&p);
@@ -392,8 +402,7 @@ static inline __attribute__((always_inline)) void values_bf16(const uint16_t *pr
             for (int c = 0; c < 4; c++) av[g][c] = _mm512_dpbf16_ps(av[g][c], vp[c], pr);
         }
     }
-    for (int g = 0; g < group; g++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, av[g][c]);
+    values_acc_store(av, acc, group);
     *pf = p;
 }
 
