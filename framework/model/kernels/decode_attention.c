@@ -60,6 +60,18 @@ typedef struct {
     int failed; /* set when the span's scratch memory could not be allocated */
 } Span;
 
+/* A dispatcher's body: `call` with G a constant for groups of 1-4 (each its own copy of an
+ * always-inlined path, so that the compiler keeps the group's vectors in registers), larger groups
+ * in one shared copy with G the variable `group`. */
+#define BY_GROUP(group, call)                             \
+    switch (group) {                                      \
+    case 1: { const int G = 1; call; } break;             \
+    case 2: { const int G = 2; call; } break;             \
+    case 3: { const int G = 3; call; } break;             \
+    case 4: { const int G = 4; call; } break;             \
+    default: { const int G = (group); call; } break;      \
+    }
+
 /* Row `d` elements at `p` (fmt: KV_F32, KV_BF16 or KV_E5M2) into fp32 `dst`. */
 static inline void load_row(float *dst, const void *p, int d, int fmt) {
     if (fmt == KV_BF16) {
@@ -177,13 +189,7 @@ static inline __attribute__((always_inline)) void scores_f32(const float *qf, co
 
 static void group_scores_f32(const float *qf, int group, const char *k, size_t row_bytes, size_t elem, int fmt,
                              const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *scores) {
-    switch (group) {
-    case 1: scores_f32(qf, 1, k, row_bytes, elem, fmt, slots, t0, t1, len, scores); break;
-    case 2: scores_f32(qf, 2, k, row_bytes, elem, fmt, slots, t0, t1, len, scores); break;
-    case 3: scores_f32(qf, 3, k, row_bytes, elem, fmt, slots, t0, t1, len, scores); break;
-    case 4: scores_f32(qf, 4, k, row_bytes, elem, fmt, slots, t0, t1, len, scores); break;
-    default: scores_f32(qf, group, k, row_bytes, elem, fmt, slots, t0, t1, len, scores); break;
-    }
+    BY_GROUP(group, scores_f32(qf, G, k, row_bytes, elem, fmt, slots, t0, t1, len, scores));
 }
 
 static inline __attribute__((always_inline)) void values_f32(const float *probs, const int group, const char *v,
@@ -208,13 +214,7 @@ static inline __attribute__((always_inline)) void values_f32(const float *probs,
 
 static void group_values_f32(const float *probs, int group, const char *v, size_t row_bytes, size_t elem, int fmt,
                              const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
-    switch (group) {
-    case 1: values_f32(probs, 1, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf); break;
-    case 2: values_f32(probs, 2, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf); break;
-    case 3: values_f32(probs, 3, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf); break;
-    case 4: values_f32(probs, 4, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf); break;
-    default: values_f32(probs, group, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf); break;
-    }
+    BY_GROUP(group, values_f32(probs, G, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf));
 }
 #endif
 
@@ -262,13 +262,7 @@ static inline __attribute__((always_inline)) void scores_bf16(const uint16_t *q,
 
 static void group_scores_bf16(const uint16_t *q, int group, const uint16_t *k, int64_t kv_stride, const int64_t *slots,
                               int64_t t0, int64_t t1, int64_t len, float *scores, Prefetcher *pf) {
-    switch (group) {
-    case 1: scores_bf16(q, 1, k, kv_stride, slots, t0, t1, len, scores, pf); break;
-    case 2: scores_bf16(q, 2, k, kv_stride, slots, t0, t1, len, scores, pf); break;
-    case 3: scores_bf16(q, 3, k, kv_stride, slots, t0, t1, len, scores, pf); break;
-    case 4: scores_bf16(q, 4, k, kv_stride, slots, t0, t1, len, scores, pf); break;
-    default: scores_bf16(q, group, k, kv_stride, slots, t0, t1, len, scores, pf); break;
-    }
+    BY_GROUP(group, scores_bf16(q, G, k, kv_stride, slots, t0, t1, len, scores, pf));
 }
 #endif
 
@@ -408,13 +402,7 @@ static inline __attribute__((always_inline)) void values_bf16(const uint16_t *pr
 
 static void values_bf16_group(const uint16_t *probs_bf16, int group, const uint16_t *v, int64_t kv_stride,
                               const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
-    switch (group) {
-    case 1: values_bf16(probs_bf16, 1, v, kv_stride, slots, t0, t1, len, acc, pf); break;
-    case 2: values_bf16(probs_bf16, 2, v, kv_stride, slots, t0, t1, len, acc, pf); break;
-    case 3: values_bf16(probs_bf16, 3, v, kv_stride, slots, t0, t1, len, acc, pf); break;
-    case 4: values_bf16(probs_bf16, 4, v, kv_stride, slots, t0, t1, len, acc, pf); break;
-    default: values_bf16(probs_bf16, group, v, kv_stride, slots, t0, t1, len, acc, pf); break;
-    }
+    BY_GROUP(group, values_bf16(probs_bf16, G, v, kv_stride, slots, t0, t1, len, acc, pf));
 }
 
 /* Accumulator c of values_bf16 (c = 2 * half + hi, half: columns 32 * half..) holds in its lane
