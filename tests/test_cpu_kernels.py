@@ -167,12 +167,12 @@ def test_off_never_builds_the_kernels(no_compiler, monkeypatch):
     assert cpu_kernels.pick("off", "cpu") is None
 
 
-@pytest.mark.parametrize("march", ["native", "cooperlake", "x86-64-v3"])
+@pytest.mark.parametrize("march", ["native", "cooperlake", "skylake-avx512", "x86-64-v3"])
 def test_every_kernel_builds_without_warnings_where_there_is_a_compiler(tmp_path, march):
     """A kernel that stops compiling would only show as the PyTorch path (a warning in the log)
     and as these tests skipping: build each one here, warnings (shadowed names too) as errors,
     for this CPU and for the paths of the other kinds (cooperlake: AVX512-BF16 without AMX, as
-    the AMD EPYC kind; x86-64-v3: AVX2 only)."""
+    the AMD EPYC kind; skylake-avx512: AVX-512 without BF16; x86-64-v3: AVX2 only)."""
     import os
     import shutil
     import subprocess
@@ -209,11 +209,10 @@ def test_kernel_build_is_cached(tmp_path, monkeypatch):
         cpu_kernels.load.cache_clear()
 
 
-@pytest.fixture(scope="module")
-def portable_libs(tmp_path_factory):
-    """decode_attention.c and fused_ops.c built without AVX-512 (`-mno-avx512f` after
-    `-march=native`): the portable loops an AVX2-only CPU runs, which an AVX-512 build never
-    compiles. Skips where that cannot be built (another architecture, no compiler)."""
+def _kernel_builds(tmp_path_factory, flags: list[str], what: str, names=("decode_attention", "fused_ops")) -> dict:
+    """The kernels `names` (kernels/<name>.c) built with `flags` after `-march=native` (see the two
+    fixtures below), in a cache of their own. Skips where that cannot be built (another
+    architecture, no compiler)."""
     import ctypes
     import os
     import platform
@@ -221,19 +220,46 @@ def portable_libs(tmp_path_factory):
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if KERNELS is None or compiler is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("no x86 C compiler for a build without AVX-512")
+        pytest.skip(f"no x86 C compiler for a build {what}")
     old = os.environ.get("BATCHYARD_KERNEL_CACHE")
-    os.environ["BATCHYARD_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("portable-kernels"))
+    os.environ["BATCHYARD_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernels"))
     try:
-        libs = {name: ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.KERNEL_DIR / f"{name}.c", compiler,
-                                                         ["-mno-avx512f"])))
-                for name in ("decode_attention", "fused_ops")}
+        return {name: ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.KERNEL_DIR / f"{name}.c", compiler, flags)))
+                for name in names}
     finally:
         if old is None:
             del os.environ["BATCHYARD_KERNEL_CACHE"]
         else:
             os.environ["BATCHYARD_KERNEL_CACHE"] = old
-    return libs
+
+
+@pytest.fixture(scope="module")
+def portable_libs(tmp_path_factory):
+    """The kernels built without AVX-512 (`-mno-avx512f`): the portable loops an AVX2-only CPU
+    runs, which an AVX-512 build never compiles."""
+    return _kernel_builds(tmp_path_factory, ["-mno-avx512f"], "without AVX-512")
+
+
+@pytest.fixture(scope="module")
+def no_bf16_libs(tmp_path_factory):
+    """The kernels built for AVX-512 without AVX512_BF16 (`-mno-avx512bf16`, which also leaves out
+    the AMX code): the fp32 vector paths that AVX-512 CPUs before Cooper Lake (Skylake-SP, Cascade
+    Lake) take for every dtype, bf16 pools included. Runs only where the CPU has AVX-512F."""
+    if "avx512f" not in cpu_kernels._cpu_id().split():
+        pytest.skip("the CPU has no AVX-512F to run an AVX-512 build on")
+    return _kernel_builds(tmp_path_factory, ["-mno-avx512bf16"], "for AVX-512 without BF16", ("decode_attention",))
+
+
+def _decode_matches_reference(lib, q_dtype, kv_dtype, atol, lens):
+    heads, kv_heads, head_dim = 9, 3, 64
+    k, v, req_to_token, pool_idx = _scattered_pool(lens, kv_heads, head_dim, kv_dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).to(q_dtype)
+    attn = TorchNativeAttention(heads, kv_heads, head_dim)
+    attn.use_decode_kernel(cpu_kernels.decode_kernel_of(lib))
+    plan = _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens, dtype=torch.int64))
+    out = attn._kernel_decode(q, k, v, plan)
+    ref = _reference(q, k, v, req_to_token, pool_idx, lens, heads // kv_heads, head_dim**-0.5)
+    torch.testing.assert_close(out.double().view(ref.shape), ref, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -244,17 +270,20 @@ def portable_libs(tmp_path_factory):
 def test_portable_decode_kernel_matches_reference(portable_libs, q_dtype, kv_dtype, atol, monkeypatch):
     """Without AVX-512 (lane sums, exp_neg_lanes): the same float64 reference as the vector paths,
     with lengths past and short of the 16-lane loops."""
-    heads, kv_heads, head_dim = 9, 3, 64
-    lens = [1, 2, 15, 16, 17, 300, 1000]
-    k, v, req_to_token, pool_idx = _scattered_pool(lens, kv_heads, head_dim, kv_dtype)
-    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).to(q_dtype)
-    attn = TorchNativeAttention(heads, kv_heads, head_dim)
-    attn.use_decode_kernel(cpu_kernels.decode_kernel_of(portable_libs["decode_attention"]))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    plan = _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens, dtype=torch.int64))
-    out = attn._kernel_decode(q, k, v, plan)
-    ref = _reference(q, k, v, req_to_token, pool_idx, lens, heads // kv_heads, head_dim**-0.5)
-    torch.testing.assert_close(out.double().view(ref.shape), ref, atol=atol, rtol=0)
+    _decode_matches_reference(portable_libs["decode_attention"], q_dtype, kv_dtype, atol, [1, 2, 15, 16, 17, 300, 1000])
+
+
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype,atol",
+    [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2),
+     (torch.bfloat16, torch.float8_e5m2, 2e-2), (torch.float32, torch.bfloat16, 1e-4)],
+)
+def test_decode_kernel_without_avx512_bf16_matches_reference(no_bf16_libs, q_dtype, kv_dtype, atol, monkeypatch):
+    """AVX-512 without BF16: the fp32 vector paths (one copy per group size) for every dtype, bf16
+    q and pools widened as they are read, on the float64 reference."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    _decode_matches_reference(no_bf16_libs["decode_attention"], q_dtype, kv_dtype, atol, [1, 2, 31, 32, 33, 300, 1000])
 
 
 @needs_kernel
