@@ -13,6 +13,7 @@ Every setting is also a flag, named after its dotted path: ``--scheduler.max-pre
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import sys
@@ -163,6 +164,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)parser that `argv` selects: `batchyard bench offline ...` -> bench offline's."""
+    for token in argv:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not token.startswith("-") and subparsers and token in subparsers[0].choices:
+            parser = subparsers[0].choices[token]
+    return parser
+
+
+def unrecognized_message(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments" with the flags each unknown one probably meant: a
+    settings flag named by its last part (`--port` -> `--server.port`), else the closest spellings."""
+    flags = sorted({s for a in parser._actions for s in a.option_strings if s.startswith("--")})
+    hints = []
+    for arg in unknown:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        meant = [f for f in flags if f.rsplit(".", 1)[-1] == name[2:] and "." in f]
+        meant = meant or difflib.get_close_matches(name, flags, n=3, cutoff=0.75)
+        if meant:
+            hints.append(f"{name}: did you mean {' or '.join(meant)}?")
+    return " ".join([f"unrecognized arguments: {' '.join(unknown)}", *[f"({h})" for h in hints]])
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the `batchyard` command itself, not a call from Python
         try:
@@ -171,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batchyard: {exc}", file=sys.stderr)
             return 2
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = command_parser(parser, sys.argv[1:] if argv is None else argv)
+        command.error(unrecognized_message(unknown, command))
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
     try:
         return args.func(args)

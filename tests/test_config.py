@@ -133,3 +133,28 @@ def test_a_cuda_device_without_cuda_is_a_clear_error(tiny_model_folder):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="worker.device = 'cuda'.*sees no CUDA device"):
         Engine(tiny_settings(tiny_model_folder, worker={"device": "cuda"}))
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["serve", "--port", "8000"], "--port: did you mean --server.port?"),
+    (["serve", "--max-running-requests=4"], "did you mean --scheduler.max-running-requests?"),
+    (["generate", "hi", "--modle.dtype", "float32"], "--modle.dtype: did you mean --model.dtype?"),
+    (["bench", "offline", "--cpu-kernel", "off"], "did you mean --worker.cpu-kernels?"),
+])
+def test_unknown_flag_names_the_flag_it_probably_meant(argv, hint, capsys):
+    from framework.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and hint in err
+
+
+def test_unknown_argument_without_a_likely_flag_is_refused_plainly(capsys):
+    from framework.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--zzz-qqq", "extra"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzz-qqq extra" in err and "did you mean" not in err
