@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,8 +190,9 @@ def _prefill_logits(runner, lens):
 
 @needs_exact_int_mm
 def test_w8a8_prefill_runs_on_int8_gemms_close_to_bf16(hf_model, monkeypatch):
-    """A pass of >= MIN_ROWS rows: every layer's four GEMMs on torch._int_mm, logits close to bf16's;
-    a smaller pass keeps the bf16 GEMMs."""
+    """A pass of >= MIN_ROWS rows: every layer's four GEMMs on torch._int_mm (held to it here; the
+    own kernel gives its bits, below), logits close to bf16's; a smaller pass keeps the bf16 GEMMs."""
+    monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "onednn")
     bf16 = _runner(hf_model, dtype=torch.bfloat16)
     w8 = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
     layers = len(w8.model.model.layers)
@@ -207,9 +210,12 @@ def test_w8a8_prefill_runs_on_int8_gemms_close_to_bf16(hf_model, monkeypatch):
 
 
 @needs_exact_int_mm
-def test_w8a8_decode_steps_on_the_decode_path_give_the_layers_bits(hf_model, monkeypatch):
+@pytest.mark.parametrize("gemm", ["onednn", "auto"])
+def test_w8a8_decode_steps_on_the_decode_path_give_the_layers_bits(hf_model, monkeypatch, gemm):
     """A decode step of >= MIN_ROWS requests on the decode path (straight kernel calls) runs the
-    same int8 arithmetic as the layers, bit for bit; a smaller step keeps the bf16 weights."""
+    same int8 arithmetic as the layers, bit for bit, on torch._int_mm or the own kernel; a smaller
+    step keeps the bf16 weights."""
+    monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, gemm)
     runners = [_runner(hf_model, dtype=torch.bfloat16, quantization="w8a8", max_running_requests=48)
                for _ in range(2)]
     path = runners[0].model.decode_path()
@@ -245,6 +251,80 @@ def test_the_pytorch_ends_give_what_the_kernels_give(hf_model, monkeypatch):
     lens = [30, 12, 7]
     got, want = _prefill_logits(c, lens), _prefill_logits(pt, lens)
     assert F.cosine_similarity(got.float(), want.float(), dim=1).min() > 0.999
+
+
+@pytest.fixture(scope="module")
+def packing_ops(c_ops) -> Int8Ops:
+    if not c_ops.packs:
+        pytest.skip("the own int8 GEMM does not run here (no AVX512-VNNI, or AMX: torch._int_mm's)")
+    return c_ops
+
+
+@needs_exact_int_mm
+@pytest.mark.parametrize("rows", [1, 5, 7, 32, 200, 1400])
+@pytest.mark.parametrize("width,n", [(576, 960), (1536, 576), (64, 48), (8, 80)])
+@pytest.mark.parametrize("add", [False, True])
+def test_own_int8_gemm_gives_int_mm_and_the_ends_bits(packing_ops, rows, width, n, add):
+    """kernels/int8_ops.c's GEMM on the packed weight: the bits of torch._int_mm then dequantize,
+    at every row count (micro-tiles of 6 and their rest, panels of x) and width (a unit's missing
+    blocks: 48 and 80 columns), into rows of a larger tensor too."""
+    ops = packing_ops
+    x = ops.quantize(_rows(rows, width, 3))
+    w8 = quantize_weight((torch.randn(n, width, generator=torch.Generator().manual_seed(4)) * 0.05).bfloat16())
+    packed = ops.pack(dataclasses.replace(w8))  # the same int8 weight, with its packed copy
+    assert packed.packed is not None and w8.packed is None
+    other = _rows(rows, n, 5) if add else None
+    want = ops.linear(x, w8, add=other)
+    big = torch.zeros(rows, n + 16, dtype=torch.bfloat16)
+    got = ops.linear(x, packed, add=other, out=big[:, 8 : 8 + n])
+    assert torch.equal(got, want) and not big[:, :8].any() and not big[:, 8 + n :].any()
+
+
+@needs_exact_int_mm
+@pytest.mark.parametrize("rows", [1, 7, 37, 200])
+@pytest.mark.parametrize("d", [256, 48])
+def test_own_int8_gemm_gate_up_gives_int_mm_and_the_ends_bits(packing_ops, rows, d):
+    ops = packing_ops
+    x = ops.quantize(_rows(rows, 576, 6))
+    w = (torch.randn(2 * d, 576, generator=torch.Generator().manual_seed(7)) * 0.05).bfloat16()
+    w8 = quantize_weight(w)
+    packed = ops.pack(dataclasses.replace(w8), gate_up=True)
+    assert packed.packed is not None and packed.gate_up
+    mul = _mul(d)
+    got, want = ops.gate_up(x, packed, mul=mul), ops.gate_up(x, w8, mul=mul)
+    assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
+
+
+@needs_exact_int_mm
+def test_w8a8_on_the_own_gemm_gives_the_int_mm_logits(hf_model, monkeypatch, packing_ops):
+    """The whole model in w8a8, prefill on the layers and a decode step on the decode path: the own
+    GEMM's logits are torch._int_mm's, bit for bit, and it makes no torch._int_mm call."""
+    runs = []
+    for gemm in ("onednn", "auto"):
+        monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, gemm)
+        runner = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8", max_running_requests=48)
+        qkv = runner.model.model.layers[0].self_attn.qkv_proj.int8
+        assert (qkv.packed is not None) == (gemm == "auto")
+        calls = count_int_mm_rows(monkeypatch)
+        n = int8_mod.MIN_ROWS + 5
+        lens = [3 + i % 7 for i in range(n)]
+        reqs = _new_reqs(runner, [k + 2 for k in lens], seed=3)
+        prefill = runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone()
+        step = runner.forward(_batch(runner, reqs, [1] * n, ForwardMode.DECODE)).next_token_logits.clone()
+        runs.append((prefill, step, len(calls)))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert runs[0][2] > 0 and runs[1][2] == 0
+
+
+def test_own_int8_gemm_is_wanted_on_vnni_without_amx(monkeypatch):
+    monkeypatch.delenv(int8_mod.INT8_GEMM_ENV, raising=False)
+    assert int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni avx512_bf16")
+    assert not int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni amx_bf16 amx_int8 amx_tile")
+    monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "onednn")
+    assert not int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni avx512_bf16")
+    monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="BATCHYARD_INT8_GEMM"):
+        int8_mod.own_gemm_wanted("avx512_vnni")
 
 
 @needs_exact_int_mm

@@ -266,6 +266,7 @@ class Int8Pass:
         for width in (qkv_size, d, 2 * inter):
             self.sums.setdefault(width, torch.empty((n, width), dtype=torch.int32))
         self.px, self.pscale = self.x_all.data_ptr(), self.x_scale.data_ptr()
+        self.h = torch.empty((n, inter), dtype=torch.float32)  # silu(gate) * up, for the packed weights' GEMM
 
     def _rows(self, width: int) -> torch.Tensor:
         """`x` as [n, width] rows (the next GEMM's input width), over the same buffer."""
@@ -288,6 +289,9 @@ class Int8Pass:
     def linear(self, w, out: int, out_stride: int, add: int | None = None) -> int:
         """bf16(x @ W^T [+ add]) into `out` (`add`: bf16 rows of the output's shape, contiguous)."""
         n_out = w.out_features
+        if w.packed is not None and not w.gate_up:
+            return self.ops._gemm(self.px, self.pscale, w.packed.data_ptr(), w.scale.data_ptr(), self.n, self.x.shape[1],
+                                  n_out, add, n_out if add else 0, out, out_stride, self.threads)
         sums = self.sums[n_out]
         torch._int_mm(self.x, w.q, out=sums)
         return self.ops._dequantize(sums.data_ptr(), self.pscale, w.scale.data_ptr(), add, n_out if add else 0, out,
@@ -296,9 +300,14 @@ class Int8Pass:
     def gate_up(self, w, down) -> int:
         """SiLU(gate) * up of x and the fused gate-up weight `w`, quantized into `x` for the down
         projection's int8 weight `down` (its smoothing)."""
+        inter = w.out_features // 2
+        if w.packed is not None and w.gate_up:  # (its int8 rows written over x after every sum is made)
+            k = self.x.shape[1]
+            self._rows(inter)
+            return self.ops._gemm_gate_up(self.px, self.pscale, w.packed.data_ptr(), w.scale.data_ptr(), self.n, k,
+                                          inter, _ptr(down.inv), self.h.data_ptr(), self.px, self.pscale, self.threads)
         sums = self.sums[w.out_features]
         torch._int_mm(self.x, w.q, out=sums)
-        inter = w.out_features // 2
         self._rows(inter)
         return self.ops._silu_mul_quantize(sums.data_ptr(), self.pscale, w.scale.data_ptr(), _ptr(down.inv), self.px,
                                            self.pscale, self.n, inter, self.threads)

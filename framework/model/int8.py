@@ -28,6 +28,7 @@ multiply-adds, set the time. Without the C kernels the same arithmetic runs in P
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -48,11 +49,15 @@ class Int8Weight:
     """A linear weight [n, k] as int8 values `q` [k, n] (transposed: torch._int_mm's second
     operand) and fp32 column scales `scale` [n]: weight[c, j] ~ q[j, c] * scale[c] / smooth[j].
     `inv` (fp32 [k], or None: no smoothing) is 1 / smooth, what the layer's input rows are
-    multiplied by before they are quantized, so the product is unchanged."""
+    multiplied by before they are quantized, so the product is unchanged. `packed` (uint8, or
+    None): the copy `Int8Ops.pack` makes for kernels/int8_ops.c's own GEMM, which then takes the
+    weight's passes instead of torch._int_mm (`gate_up`: q's columns are [gate | up])."""
 
     q: torch.Tensor
     scale: torch.Tensor
     inv: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
+    gate_up: bool = False
 
     @property
     def out_features(self) -> int:
@@ -182,6 +187,33 @@ class Int8Ops:
         self._silu_mul_quantize.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT]
         for fn in (self._quantize, self._rms_quantize, self._dequantize, self._silu_mul_quantize):
             fn.restype = _INT
+        lib.int8_gemm_packed_bytes.argtypes = [_I64, _I64, _INT]
+        lib.int8_gemm_packed_bytes.restype = _I64
+        self._pack = lib.int8_gemm_pack
+        self._pack.argtypes = [_PTR, _I64, _I64, _INT, _PTR]
+        self._gemm = lib.int8_gemm_bf16
+        self._gemm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
+        self._gemm_gate_up = lib.int8_gemm_gate_up
+        self._gemm_gate_up.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT]
+        for fn in (self._pack, self._gemm, self._gemm_gate_up):
+            fn.restype = _INT
+        self.packs = own_gemm_wanted() and lib.int8_gemm_packed_bytes(4, 16, 0) > 0
+
+    packs = False  # whether `pack` gives weights their packed copy (see own_gemm_wanted)
+
+    def pack(self, w: Int8Weight, gate_up: bool = False) -> Int8Weight:
+        """Give `w` the packed copy kernels/int8_ops.c's GEMM runs on, where `packs` (and the
+        kernel takes its shape: columns in 16s, 32s for `gate_up`, k in 4s); returns w."""
+        if not self.packs:
+            return w
+        k, n = w.q.shape
+        size = self.lib.int8_gemm_packed_bytes(k, n, int(gate_up))
+        if size <= 0:
+            return w
+        packed = torch.empty(size, dtype=torch.uint8)
+        if self._pack(w.q.data_ptr(), k, n, int(gate_up), packed.data_ptr()) == 0:
+            w.packed, w.gate_up = packed, gate_up
+        return w
 
     @classmethod
     def load(cls) -> "Int8Ops":
@@ -232,6 +264,13 @@ class Int8Ops:
         before the one rounding; `out`: a bf16 [m, n] with unit stride along rows to write into."""
         q, s = x
         m, n = q.shape[0], w.out_features
+        if w.packed is not None and not w.gate_up and q.is_contiguous():
+            if out is None:
+                out = torch.empty((m, n), dtype=torch.bfloat16)
+            self._check(self._gemm(q.data_ptr(), s.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), m, q.shape[1],
+                                   n, None if add is None else add.data_ptr(), 0 if add is None else add.stride(0),
+                                   out.data_ptr(), out.stride(0), torch.get_num_threads()), "GEMM")
+            return out
         acc = torch._int_mm(q, w.q)
         if self.lib is None:
             y = acc.float() * (s[:, None] * w.scale[None, :])
@@ -250,6 +289,13 @@ class Int8Ops:
         weight (`mul`: the down projection's `inv`)."""
         q, s = x
         m, d = q.shape[0], w.out_features // 2
+        if w.packed is not None and w.gate_up and q.is_contiguous():
+            aq, a_s = self._empty_rows(m, d)
+            h = torch.empty((m, d), dtype=torch.float32)
+            self._check(self._gemm_gate_up(q.data_ptr(), s.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), m,
+                                           q.shape[1], d, _ptr(mul), h.data_ptr(), aq.data_ptr(), a_s.data_ptr(),
+                                           torch.get_num_threads()), "gate-up GEMM")
+            return QuantizedRows(aq, a_s)
         acc = torch._int_mm(q, w.q)
         if self.lib is None:
             y = acc.float() * (s[:, None] * w.scale[None, :])
@@ -295,6 +341,24 @@ def int_mm_is_exact() -> bool:
     return True
 
 
+# BATCHYARD_INT8_GEMM: "auto" (kernels/int8_ops.c's own GEMM where the CPU has AVX512-VNNI and
+# no AMX) or "onednn" (torch._int_mm always; for comparisons).
+INT8_GEMM_ENV = "BATCHYARD_INT8_GEMM"
+
+
+def own_gemm_wanted(flags: str | None = None) -> bool:
+    """Whether the int8 GEMMs should run on kernels/int8_ops.c's own kernel rather than
+    torch._int_mm: on AVX512-VNNI vectors it gives the same sums with the ends fused, faster than
+    oneDNN on a 2-core AMD EPYC Zen 4 (docs/performance.md, issue 17's twenty-first session); where
+    the CPU has AMX, oneDNN runs them on AMX-INT8 tiles, which the vectors do not match."""
+    choice = os.environ.get(INT8_GEMM_ENV, "auto")
+    if choice not in ("auto", "onednn"):
+        raise ValueError(f"{INT8_GEMM_ENV}={choice!r}: expected 'auto' or 'onednn'")
+    if flags is None:
+        flags = _cpu_id()
+    return choice == "auto" and "amx_int8" not in flags.split()
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -322,7 +386,7 @@ def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True) -> int:
                 made = None
                 if ops is not None and plain:
                     factors = None if maxima is None else smoothing(maxima[i][part], linear.weight)
-                    made = quantize_weight(linear.weight, factors)
+                    made = ops.pack(quantize_weight(linear.weight, factors), gate_up=part == 2)
                 linear.int8, linear.int8_ops = made, (ops if made is not None else None)
                 count += made is not None
     for module in model.modules():

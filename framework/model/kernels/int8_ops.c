@@ -18,7 +18,7 @@
 
 #include "common.h"
 
-enum { QUANTIZE = 0, RMS_QUANTIZE = 1, DEQUANTIZE = 2, SILU_MUL_QUANTIZE = 3 };
+enum { QUANTIZE = 0, RMS_QUANTIZE = 1, DEQUANTIZE = 2, SILU_MUL_QUANTIZE = 3, QUANTIZE_F32 = 4 };
 
 typedef struct {
     int op;
@@ -38,6 +38,7 @@ typedef struct {
     int64_t add_stride;
     uint16_t *out; /* DEQUANTIZE: bf16 [rows, d] with row stride out_stride */
     int64_t out_stride;
+    float *h; /* QUANTIZE_F32: fp32 [rows, d], quantized in place of a copy (mul applied in it) */
 } Job;
 
 typedef struct {
@@ -112,7 +113,17 @@ static void rms_quantize_rows(const Job *j, int64_t begin, int64_t end, float *r
     }
 }
 
-/* out = bf16(acc * x_scale * w_scale [+ add]), rounded once. */
+#ifdef __AVX512F__
+/* 16 int32 sums times their scales [+ 16 bf16 at add], in fp32: with an add, one fused
+ * multiply-add (one rounding; written out, so that no compiler's contraction choice can differ
+ * between the callers: dequantize_rows and the int8 GEMM's end give the same bits). */
+static inline __m512 dequantize16(__m512i acc, __m512 scale, const uint16_t *add) {
+    __m512 y = _mm512_cvtepi32_ps(acc);
+    return add ? _mm512_fmadd_ps(y, scale, load16(add, KV_BF16)) : _mm512_mul_ps(y, scale);
+}
+#endif
+
+/* out = bf16(acc * x_scale * w_scale [+ add]), the product and the add in one rounding. */
 static void dequantize_rows(const Job *j, int64_t begin, int64_t end) {
     int64_t n = j->d;
     for (int64_t r = begin; r < end; r++) {
@@ -123,16 +134,13 @@ static void dequantize_rows(const Job *j, int64_t begin, int64_t end) {
         int64_t c = 0;
 #ifdef __AVX512F__
         __m512 vxs = _mm512_set1_ps(xs);
-        for (; c + 16 <= n; c += 16) {
-            __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + c)),
-                                     _mm512_mul_ps(vxs, _mm512_loadu_ps(j->w_scale + c)));
-            if (add) y = _mm512_add_ps(y, load16(add + c, KV_BF16));
-            store16_bf16(out + c, y);
-        }
+        for (; c + 16 <= n; c += 16)
+            store16_bf16(out + c, dequantize16(_mm512_loadu_si512(acc + c), _mm512_mul_ps(vxs, _mm512_loadu_ps(j->w_scale + c)),
+                                               add ? add + c : NULL));
 #endif
         for (; c < n; c++) {
-            float y = (float)acc[c] * (xs * j->w_scale[c]);
-            out[c] = f32_to_bf16(add ? y + bf16_to_f32(add[c]) : y);
+            float y = (float)acc[c], s = xs * j->w_scale[c];
+            out[c] = f32_to_bf16(add ? fmaf(y, s, bf16_to_f32(add[c])) : y * s);
         }
     }
 }
@@ -171,6 +179,11 @@ static void *run_rows(void *arg) {
         dequantize_rows(j, span->begin, span->end);
         return NULL;
     }
+    if (j->op == QUANTIZE_F32) {
+        for (int64_t r = span->begin; r < span->end; r++)
+            quantize_row(j->h + r * j->d, j->d, j->mul, j->q + r * j->d, j->q_scale + r);
+        return NULL;
+    }
     float *row = malloc((size_t)j->d * sizeof(float)); /* one fp32 row, the input's width */
     if (row == NULL) {
         span->failed = 1;
@@ -204,6 +217,268 @@ static int run(const Job *job, int num_threads) {
         if (spans[s].failed) return -1;
     return 0;
 }
+
+/* ---- int8 GEMMs with their ends on AVX512-VNNI (int8_gemm) ------------------------------------
+ *
+ * The same int32 sums as torch._int_mm, and the same ends as the functions above, in one kernel.
+ * The weight is packed once at load (int8_gemm_pack) in units of I8_BLOCKS blocks of 16 output
+ * columns (gate_up: two gate blocks and the same two blocks of the up half), k quad by k quad:
+ * packed[unit][p][c][j][e] = w[4 p + e] of the unit's block c, column j, so that a micro-tile's
+ * weights for one k quad are four consecutive 64-byte vectors, which `vpdpbusd` multiplies with a
+ * broadcast quad of a row of x. `vpdpbusd` takes unsigned bytes on one side, so the packed weight
+ * holds w + 128 (0..255) and a sum loses 128 times its row's sum of x again; every sum is exact
+ * in int32 (|sum| <= k 255 127). Micro-tiles of I8_ROWS rows x I8_BLOCKS blocks keep 24 sums in
+ * registers; a unit passes over every row of a panel of x (its weights in L1/L2), and threads
+ * take spans of units by rows (I8Units). Ends:
+ *   dequantize: out = bf16(acc x_scale w_scale [+ add]), as dequantize_rows (dequantize16);
+ *   gate_up: silu(gate) * up to an fp32 buffer as silu_mul_quantize_rows makes it, then each row
+ *            quantized (quantize_row) by a second pass over the rows.
+ * So the bits are those of torch._int_mm followed by dequantize_bf16 or silu_mul_quantize. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define I8_ROWS 6
+#define I8_BLOCKS 4
+#define I8_PANEL_BYTES (768 << 10) /* of x at a time: a share of the L2 */
+
+/* Units of a weight of n columns (gate_up: n / 2 gate columns and as many up columns). */
+static inline int64_t i8_units(int64_t n, int gate_up) {
+    return gate_up ? (n / 32 + I8_BLOCKS / 2 - 1) / (I8_BLOCKS / 2) : (n / 16 + I8_BLOCKS - 1) / I8_BLOCKS;
+}
+
+/* Bytes of the packed copy of a [k, n] weight (the last unit's missing blocks are zeros). */
+int64_t int8_gemm_packed_bytes(int64_t k, int64_t n, int gate_up) { return i8_units(n, gate_up) * I8_BLOCKS * 16 * k; }
+
+/* The packed copy (above) of q [k, n] (Int8Weight.q; gate_up: [gate | up] columns), n % 16 == 0
+ * (gate_up: n % 32 == 0) and k % 4 == 0; returns 0, or -2 for other shapes. */
+int int8_gemm_pack(const int8_t *q, int64_t k, int64_t n, int gate_up, uint8_t *packed) {
+    if (n < 16 || n % (gate_up ? 32 : 16) || k < 4 || k % 4) return -2;
+    const int64_t units = i8_units(n, gate_up), quads = k / 4, half = gate_up ? n / 32 : n / 16;
+    for (int64_t unit = 0; unit < units; unit++)
+        for (int c = 0; c < I8_BLOCKS; c++) {
+            int64_t block = gate_up ? I8_BLOCKS / 2 * unit + c % (I8_BLOCKS / 2) : I8_BLOCKS * unit + c;
+            int64_t col0 = 16 * (block + (gate_up && c >= I8_BLOCKS / 2 ? half : 0));
+            for (int64_t p = 0; p < quads; p++)
+                for (int64_t j = 0; j < 16; j++)
+                    for (int64_t e = 0; e < 4; e++)
+                        packed[(((unit * quads + p) * I8_BLOCKS + c) * 16 + j) * 4 + e] =
+                            block < half ? (uint8_t)(q[(4 * p + e) * n + col0 + j] + 128) : 0;
+        }
+    return 0;
+}
+
+typedef struct {
+    const int8_t *x;      /* [rows, k] */
+    const float *x_scale; /* [rows] */
+    const uint8_t *packed;
+    const float *w_scale; /* [n] */
+    int64_t rows, k, n;
+    int gate_up;
+    const uint16_t *add; /* dequantize: optional bf16 [rows, n] with row stride add_stride */
+    int64_t add_stride;
+    uint16_t *out; /* dequantize: bf16 [rows, n] with row stride out_stride */
+    int64_t out_stride;
+    float *h; /* gate_up: fp32 [rows, n / 2], silu(gate) * up */
+} I8Gemm;
+
+/* A thread's share: units x rows in unit-major order, [begin, end) of the positions unit * rows +
+ * row, so that a unit can be split between two threads by rows: with units taken whole, the 9
+ * units of SmolLM2's o and down projections would go 4 and 5 to two threads. */
+typedef struct {
+    const I8Gemm *g;
+    int64_t begin, end;
+    int failed;
+} I8Units;
+
+/* sum of x over k, as int32 */
+static inline int32_t row_sum_i8(const int8_t *x, int64_t k) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i acc = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) acc = _mm512_dpbusd_epi32(acc, ones, _mm512_loadu_si512(x + i));
+    int32_t s = _mm512_reduce_add_epi32(acc);
+    for (; i < k; i++) s += x[i];
+    return s;
+}
+
+/* Rows m0..m0+R of x by a unit (w: its packed weights; n0: its blocks' first columns, past the
+ * end for a missing block), then the end. */
+static inline __attribute__((always_inline)) void i8_tile(const I8Gemm *g, int64_t m0, const int R,
+                                                          const uint8_t *w, const int64_t n0[I8_BLOCKS],
+                                                          const int32_t *sums) {
+    /* (sums typed as 16 ints, the type of GCC's vpdpbusd builtin: as __m512i, whose elements are
+     * 64-bit, each call converts them and GCC 12 then keeps all 24 in stack slots, a load and a
+     * store around every vpdpbusd: 0.42 TOP/s against 0.93 on a 2-core AMD Zen 4) */
+    __v16si acc[I8_ROWS][I8_BLOCKS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < I8_BLOCKS; c++) acc[r][c] = (__v16si)_mm512_setzero_si512();
+    const int64_t k = g->k, quads = k / 4;
+    const int8_t *x = g->x + m0 * k;
+    for (int64_t p = 0; p < quads; p++) {
+        __m512i wv[I8_BLOCKS];
+        for (int c = 0; c < I8_BLOCKS; c++) wv[c] = _mm512_loadu_si512(w + (p * I8_BLOCKS + c) * 64);
+        for (int r = 0; r < R; r++) {
+            int32_t quad;
+            memcpy(&quad, x + r * k + 4 * p, 4);
+            __m512i xb = _mm512_set1_epi32(quad);
+            for (int c = 0; c < I8_BLOCKS; c++) acc[r][c] = (__v16si)_mm512_dpbusd_epi32((__m512i)acc[r][c], wv[c], xb);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t m = m0 + r;
+        const __m512i lost = _mm512_set1_epi32(128 * sums[r]);
+        const __m512 vxs = _mm512_set1_ps(g->x_scale[m]);
+        if (g->gate_up) {
+            const int64_t d = g->n / 2;
+            for (int c = 0; c < I8_BLOCKS / 2; c++) {
+                if (n0[c] >= d) continue;
+                __m512 gt = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][c], lost)),
+                                          _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c])));
+                __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][I8_BLOCKS / 2 + c], lost)),
+                                         _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + d + n0[c])));
+                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gt));
+                _mm512_storeu_ps(g->h + m * d + n0[c],
+                                 _mm512_mul_ps(_mm512_div_ps(gt, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u));
+            }
+            continue;
+        }
+        for (int c = 0; c < I8_BLOCKS; c++) {
+            if (n0[c] >= g->n) continue;
+            store16_bf16(g->out + m * g->out_stride + n0[c],
+                         dequantize16(_mm512_sub_epi32((__m512i)acc[r][c], lost),
+                                      _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c])),
+                                      g->add ? g->add + m * g->add_stride + n0[c] : NULL));
+        }
+    }
+}
+
+/* A unit over rows [first, last): micro-tiles of I8_ROWS rows, then the rest (a constant R for
+ * each call, so that the sums stay in registers). (A unit's weights are one sequential stream,
+ * which the hardware prefetchers follow: prefetching the next unit's during this one's tiles
+ * changed nothing measurable, 200 rows, 30 layers' weights from DRAM, a 2-core AMD Zen 4.) */
+static void i8_unit_rows(const I8Gemm *g, const uint8_t *w, const int64_t n0[I8_BLOCKS], int64_t first,
+                         int64_t last, const int32_t *sums) {
+    int64_t m = first;
+    for (; m + I8_ROWS <= last; m += I8_ROWS) i8_tile(g, m, I8_ROWS, w, n0, sums + (m - first));
+    switch (last - m) {
+    case 5: i8_tile(g, m, 5, w, n0, sums + (m - first)); break;
+    case 4: i8_tile(g, m, 4, w, n0, sums + (m - first)); break;
+    case 3: i8_tile(g, m, 3, w, n0, sums + (m - first)); break;
+    case 2: i8_tile(g, m, 2, w, n0, sums + (m - first)); break;
+    case 1: i8_tile(g, m, 1, w, n0, sums + (m - first)); break;
+    }
+}
+
+static void *run_i8_units(void *arg) {
+    I8Units *u = (I8Units *)arg;
+    const I8Gemm *g = u->g;
+    if (u->begin >= u->end) return NULL;
+    const int64_t unit_bytes = (int64_t)I8_BLOCKS * 16 * g->k;
+    const int64_t limit = g->gate_up ? g->n / 2 : g->n;
+    int64_t panel = I8_PANEL_BYTES / g->k / I8_ROWS * I8_ROWS;
+    if (panel < I8_ROWS) panel = I8_ROWS;
+    if (panel > g->rows) panel = g->rows;
+    int32_t *sums = malloc((size_t)panel * sizeof(int32_t));
+    if (sums == NULL) {
+        u->failed = 1;
+        return NULL;
+    }
+    const int64_t rows = g->rows, first_unit = u->begin / rows, last_unit = (u->end - 1) / rows;
+    for (int64_t first = 0; first < rows; first += panel) {
+        const int64_t last = first + panel < rows ? first + panel : rows;
+        for (int64_t m = first; m < last; m++) sums[m - first] = row_sum_i8(g->x + m * g->k, g->k);
+        for (int64_t unit = first_unit; unit <= last_unit; unit++) {
+            /* this thread's rows of the unit, within the panel */
+            int64_t lo = unit == first_unit ? u->begin - unit * rows : 0;
+            int64_t hi = unit == last_unit ? u->end - unit * rows : rows;
+            lo = lo > first ? lo : first;
+            hi = hi < last ? hi : last;
+            if (lo >= hi) continue;
+            int64_t n0[I8_BLOCKS];
+            for (int c = 0; c < I8_BLOCKS; c++) {
+                int64_t col = 16 * (g->gate_up ? I8_BLOCKS / 2 * unit + c % (I8_BLOCKS / 2) : I8_BLOCKS * unit + c);
+                n0[c] = col < limit ? col : g->n; /* a missing block's outputs are not stored */
+            }
+            const uint8_t *w = g->packed + unit * unit_bytes;
+            i8_unit_rows(g, w, n0, lo, hi, sums + (lo - first));
+        }
+    }
+    free(sums);
+    return NULL;
+}
+
+/* Position `share` of `total` (units x rows, I8Units), its row rounded to a whole micro-tile. */
+static int64_t i8_split(int64_t total, int64_t share, int threads, int64_t rows) {
+    int64_t at = total * share / threads, unit = at / rows, row = (at % rows + I8_ROWS / 2) / I8_ROWS * I8_ROWS;
+    return row >= rows ? (unit + 1) * rows : unit * rows + row;
+}
+
+static int run_i8(const I8Gemm *g, int num_threads) {
+    if (g->rows < 1) return 0;
+    const int64_t total = i8_units(g->n, g->gate_up) * g->rows;
+    int threads = span_threads(num_threads, total / (4 * I8_ROWS)); /* (at least 4 micro-tiles a thread) */
+    I8Units spans[MAX_THREADS];
+    for (int s = 0; s < threads; s++) {
+        spans[s].g = g;
+        spans[s].begin = i8_split(total, s, threads, g->rows);
+        spans[s].end = s + 1 == threads ? total : i8_split(total, s + 1, threads, g->rows);
+        spans[s].failed = 0;
+    }
+    run_spans(run_i8_units, spans, sizeof spans[0], threads);
+    for (int s = 0; s < threads; s++)
+        if (spans[s].failed) return -1;
+    return 0;
+}
+
+/* bf16(x @ W^T [+ add]) as torch._int_mm then dequantize_bf16: x int8 [rows, k] (contiguous) with
+ * scales x_scale, the weight packed by int8_gemm_pack (n columns, not gate_up) with scales
+ * w_scale. Returns 0, -1 (no memory), or -2 (a shape the packing does not take). */
+int int8_gemm_bf16(const int8_t *x, const float *x_scale, const uint8_t *packed, const float *w_scale, int64_t rows,
+                   int64_t k, int64_t n, const uint16_t *add, int64_t add_stride, uint16_t *out, int64_t out_stride,
+                   int num_threads) {
+    if (n < 16 || n % 16 || k < 4 || k % 4) return -2;
+    I8Gemm g = {.x = x, .x_scale = x_scale, .packed = packed, .w_scale = w_scale, .rows = rows, .k = k, .n = n,
+                .add = add, .add_stride = add_stride, .out = out, .out_stride = out_stride};
+    return run_i8(&g, num_threads);
+}
+
+/* The int8 rows of silu(gate) * up [* mul] as torch._int_mm then silu_mul_quantize: x int8 [rows,
+ * k] with scales x_scale, the fused [gate | up] weight packed with gate_up (2 d columns) with
+ * scales w_scale; `h`: fp32 scratch [rows, d]. q [rows, d] and q_scale [rows] may share x's and
+ * x_scale's memory: they are written after every sum is made. */
+int int8_gemm_gate_up(const int8_t *x, const float *x_scale, const uint8_t *packed, const float *w_scale,
+                      int64_t rows, int64_t k, int64_t d, const float *mul, float *h, int8_t *q, float *q_scale,
+                      int num_threads) {
+    if (d < 16 || d % 16 || k < 4 || k % 4) return -2;
+    I8Gemm g = {.x = x, .x_scale = x_scale, .packed = packed, .w_scale = w_scale, .rows = rows, .k = k, .n = 2 * d,
+                .gate_up = 1, .h = h};
+    int rc = run_i8(&g, num_threads);
+    if (rc) return rc;
+    Job job = {.op = QUANTIZE_F32, .rows = rows, .d = d, .h = h, .q = q, .q_scale = q_scale, .mul = mul};
+    return run(&job, num_threads);
+}
+#else
+int64_t int8_gemm_packed_bytes(int64_t k, int64_t n, int gate_up) {
+    (void)k, (void)n, (void)gate_up;
+    return -2;
+}
+int int8_gemm_pack(const int8_t *q, int64_t k, int64_t n, int gate_up, uint8_t *packed) {
+    (void)q, (void)k, (void)n, (void)gate_up, (void)packed;
+    return -2;
+}
+int int8_gemm_bf16(const int8_t *x, const float *x_scale, const uint8_t *packed, const float *w_scale, int64_t rows,
+                   int64_t k, int64_t n, const uint16_t *add, int64_t add_stride, uint16_t *out, int64_t out_stride,
+                   int num_threads) {
+    (void)x, (void)x_scale, (void)packed, (void)w_scale, (void)rows, (void)k, (void)n, (void)add, (void)add_stride;
+    (void)out, (void)out_stride, (void)num_threads;
+    return -2;
+}
+int int8_gemm_gate_up(const int8_t *x, const float *x_scale, const uint8_t *packed, const float *w_scale,
+                      int64_t rows, int64_t k, int64_t d, const float *mul, float *h, int8_t *q, float *q_scale,
+                      int num_threads) {
+    (void)x, (void)x_scale, (void)packed, (void)w_scale, (void)rows, (void)k, (void)d, (void)mul, (void)h, (void)q;
+    (void)q_scale, (void)num_threads;
+    return -2;
+}
+#endif
 
 /* Each function returns 0, or -1 when a thread's row buffer could not be allocated. */
 
