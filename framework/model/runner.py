@@ -216,9 +216,11 @@ class ModelRunner:
             ops = Int8Ops.load() if self.cpu_kernels is not None else Int8Ops(None)  # (worker.cpu_kernels = off)
             start = time.perf_counter()
             count = use_int8_weights(text, ops)
+            where = ("kernels/int8_ops.c's own GEMM on AVX512-VNNI, ends inside it" if ops.packs
+                     else "torch._int_mm, ends in C" if ops.lib is not None else "torch._int_mm, ends in PyTorch")
             logger.info("model.quantization = 'w8a8': %d linear weights in int8 (smoothed by a calibration pass, "
-                        "%.1f s), passes of %d+ rows on int8 GEMMs (their ends %s)", count,
-                        time.perf_counter() - start, INT8_MIN_ROWS, "in C" if ops.lib is not None else "in PyTorch")
+                        "%.1f s), passes of %d+ rows on int8 GEMMs (%s)", count, time.perf_counter() - start,
+                        INT8_MIN_ROWS, where)
             if not has_int8_dot():
                 logger.warning("model.quantization = 'w8a8' on a CPU without an int8 dot product (%s): its int8 "
                                "GEMMs may be no faster than bf16", ", ".join(INT8_DOT_FLAGS))
