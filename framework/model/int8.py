@@ -180,6 +180,8 @@ class Int8Ops:
     `lib` None, the same arithmetic in PyTorch. Activations are bf16 2-D tensors with unit stride
     along their rows; int8 rows come with their fp32 scales (QuantizedRows)."""
 
+    packs = False  # whether `pack` gives weights their packed copy (see own_gemm_wanted)
+
     def __init__(self, lib: ctypes.CDLL | None):
         self.lib = lib
         if lib is None:
@@ -205,8 +207,6 @@ class Int8Ops:
         for fn in (self._pack, self._gemm, self._gemm_gate_up):
             fn.restype = _INT
         self.packs = own_gemm_wanted() and lib.int8_gemm_packed_bytes(4, 16, 0) > 0
-
-    packs = False  # whether `pack` gives weights their packed copy (see own_gemm_wanted)
 
     def pack(self, w: Int8Weight, gate_up: bool = False) -> Int8Weight:
         """Give `w` the packed copy kernels/int8_ops.c's GEMM runs on, where `packs` (and the
