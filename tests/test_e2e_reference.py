@@ -10,6 +10,7 @@ import torch
 
 from framework.config import Settings
 from framework.engine import Engine
+from framework.model.int8 import INT8_GEMM_ENV, own_gemm_wanted
 from tests.conftest import assert_no_leak, check_greedy_equal, count_int_mm_rows, needs_exact_int_mm
 
 pytestmark = pytest.mark.e2e
@@ -87,11 +88,17 @@ def test_greedy_matches_transformers(default_model_folder, hf_model, prompts, hf
         engine.shutdown()
 
 
-@pytest.mark.parametrize("kv_cache_dtype,quantization", [("auto", "none"), ("fp8_e5m2", "none"),
-                                                          pytest.param("auto", "w8a8", marks=needs_exact_int_mm)])
-def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype, quantization, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype,quantization,int8_gemm", [
+    ("auto", "none", "auto"), ("fp8_e5m2", "none", "auto"),
+    pytest.param("auto", "w8a8", "onednn", marks=needs_exact_int_mm),
+    pytest.param("auto", "w8a8", "auto", marks=needs_exact_int_mm),
+])
+def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype, quantization, int8_gemm, monkeypatch):
     """The embedded model answers in bf16, with an fp8 KV cache, and with int8 GEMMs (its prompt
-    long enough for them: the chat template's system prompt)."""
+    long enough for them: the chat template's system prompt), on torch._int_mm or, where the CPU
+    takes it (int8.own_gemm_wanted), the own VNNI kernel."""
+    monkeypatch.setenv(INT8_GEMM_ENV, int8_gemm)
+    on_int_mm = quantization == "w8a8" and not own_gemm_wanted()
     int_mm_rows = count_int_mm_rows(monkeypatch)
     engine = Engine(model={"path": default_model_folder, "dtype": "bfloat16", "kv_cache_dtype": kv_cache_dtype,
                            "quantization": quantization}, cache={"max_total_tokens": 4096})
@@ -108,6 +115,6 @@ def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype, quantizati
         assert "Paris" in out["text"]
         assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
         prompt_len = out["meta_info"]["prompt_tokens"]
-        assert int_mm_rows == ([prompt_len] * 120 if quantization == "w8a8" else [])  # 30 layers' 4 GEMMs
+        assert int_mm_rows == ([prompt_len] * 120 if on_int_mm else [])  # 30 layers' 4 GEMMs
     finally:
         engine.shutdown()
