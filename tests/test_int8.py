@@ -212,7 +212,7 @@ def test_w8a8_prefill_runs_on_int8_gemms_close_to_bf16(hf_model, monkeypatch):
 @needs_exact_int_mm
 @pytest.mark.parametrize("gemm", ["onednn", "auto"])
 def test_w8a8_decode_steps_on_the_decode_path_give_the_layers_bits(hf_model, monkeypatch, gemm):
-    """A decode step of >= MIN_ROWS requests on the decode path (straight kernel calls) runs the
+    """A decode step of >= min_rows requests on the decode path (straight kernel calls) runs the
     same int8 arithmetic as the layers, bit for bit, on torch._int_mm or the own kernel; a smaller
     step keeps the bf16 weights."""
     monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, gemm)
@@ -221,9 +221,11 @@ def test_w8a8_decode_steps_on_the_decode_path_give_the_layers_bits(hf_model, mon
     path = runners[0].model.decode_path()
     if path is None:
         pytest.skip("no decode path here (no C kernels, or no AVX512-BF16 for the packed GEMMs)")
-    assert path.int8_rows == int8_mod.MIN_ROWS
+    own = runners[0].model.model.layers[0].mlp.int8_ops.packs
+    assert own == (gemm == "auto" and int8_mod.own_gemm_wanted())
+    assert path.int8_rows == int8_mod.min_rows(own) == (8 if own else 32)
     runners[1].model.decode_path = lambda: None  # the layers, as any model without the path
-    n = int8_mod.MIN_ROWS + 3
+    n = path.int8_rows + 3
     lens = [3 + i % 5 for i in range(n)]
     calls = count_int_mm_rows(monkeypatch)
     runs = []
@@ -313,7 +315,7 @@ def test_w8a8_on_the_own_gemm_gives_the_int_mm_logits(hf_model, monkeypatch, pac
         qkv = runner.model.model.layers[0].self_attn.qkv_proj.int8
         assert (qkv.packed is not None) == (gemm == "auto")
         calls = count_int_mm_rows(monkeypatch)
-        n = int8_mod.MIN_ROWS + 5
+        n = int8_mod.MIN_ROWS + 5  # (int8 on either GEMM)
         lens = [3 + i % 7 for i in range(n)]
         reqs = _new_reqs(runner, [k + 2 for k in lens], seed=3)
         prefill = runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone()
@@ -321,6 +323,27 @@ def test_w8a8_on_the_own_gemm_gives_the_int_mm_logits(hf_model, monkeypatch, pac
         runs.append((prefill, step, len(calls)))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     assert runs[0][2] > 0 and runs[1][2] == 0
+
+
+@needs_exact_int_mm
+def test_the_own_gemm_takes_passes_from_8_rows(hf_model, monkeypatch):
+    """On the own kernel, passes of MIN_ROWS_OWN_GEMM rows or more run in int8 (on torch._int_mm
+    from MIN_ROWS: there smaller passes were slower than the bf16 weights), logits close to bf16's;
+    a pass of fewer keeps the bf16 weights."""
+    monkeypatch.delenv(int8_mod.INT8_GEMM_ENV, raising=False)
+    if not int8_mod.own_gemm_wanted():
+        pytest.skip("the engine keeps torch._int_mm on this CPU (AMX)")
+    w8 = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
+    bf16 = _runner(hf_model, dtype=torch.bfloat16)
+    calls = []
+    real = Int8Ops.linear
+    monkeypatch.setattr(Int8Ops, "linear", lambda self, x, w, **kw: calls.append(x.shape[0]) or real(self, x, w, **kw))
+    lens = [5, 3]  # 8 rows
+    got, want = _prefill_logits(w8, lens), _prefill_logits(bf16, lens)
+    assert calls and set(calls) == {8}
+    assert not torch.equal(got, want) and F.cosine_similarity(got.float(), want.float(), dim=1).min() > 0.99
+    calls.clear()
+    assert torch.equal(_prefill_logits(w8, [4, 3]), _prefill_logits(bf16, [4, 3])) and calls == []
 
 
 def test_own_int8_gemm_is_wanted_on_vnni_without_amx(monkeypatch):

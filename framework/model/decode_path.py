@@ -32,7 +32,7 @@ import torch
 
 from framework.model import gguf_decode
 from framework.model.cpu_kernels import _GEMM_EPILOGUES, kv_format
-from framework.model.int8 import MIN_ROWS as MIN_INT8_ROWS
+from framework.model.int8 import min_rows as min_int8_rows
 from framework.model.int8 import _ptr
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class DecodePath:
         if path.hidden > path.fused.MAX_NORM_WIDTH or path.eps != model.model.norm.eps:
             return None
         if path.int8_ops is not None and path.int8_ops.lib is not None and all(lay.int8 for lay in layers):
-            path.int8_rows = MIN_INT8_ROWS
+            path.int8_rows = min_int8_rows(all(w.packed is not None for lay in layers for w in lay.int8))
         if q4_layers:
             path.exact_rows = gguf_decode.EXACT_ROWS if getattr(model, "q4_exact", False) else 0
             path.widen_rows = min(gguf_decode.WIDEN_ROWS, path.gemm.rows)

@@ -26,8 +26,8 @@ faster than oneDNN's on a 2-core AMD EPYC Zen 4 (not measured on Intel CPUs with
 With AMX, oneDNN's AMX-INT8 tiles keep them.
 
 It changes the outputs: docs/performance.md has what it costs in perplexity and agreement with
-float32 on the embedded model, and what it gains in speed. Passes of fewer than `MIN_ROWS` rows
-keep the bf16 (or GGUF Q4_1, `worker.gguf_decode`) path, where the weights' bytes, not the
+float32 on the embedded model, and what it gains in speed. Passes of fewer than `min_rows` rows
+(32 on torch._int_mm, 8 on the own kernel) keep the bf16 (or GGUF Q4_1, `worker.gguf_decode`) path, where the weights' bytes, not the
 multiply-adds, set the time. Without the C kernels the same arithmetic runs in PyTorch
 (`Int8Ops(None)`), which is also what the kernels are tested against.
 """
@@ -46,8 +46,11 @@ import torch.nn.functional as F
 from framework.model.cpu_kernels import _FLOAT, _I64, _INT, _PTR, _cpu_id, load
 
 # Passes of fewer rows keep the bf16 weights (see the module docstring; measured in
-# docs/performance.md, "Issue 17, eighteenth session").
+# docs/performance.md, "Issue 17, eighteenth session"), on torch._int_mm; on the own kernel
+# (Int8Ops.packs) from MIN_ROWS_OWN_GEMM rows, where its decode steps were faster than the bf16 and
+# GGUF Q4_1 paths ("Issue 17, twenty-first session"; below it, `worker.gguf_decode = "exact"` is).
 MIN_ROWS = 32
+MIN_ROWS_OWN_GEMM = 8
 QUANTIZATIONS = ("none", "w8a8")
 
 
@@ -370,9 +373,15 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def takes(x: torch.Tensor) -> bool:
-    """Whether a layer's pass of activations x runs its GEMMs in int8 (bf16 rows, enough of them)."""
-    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= MIN_ROWS and x.stride(1) == 1
+def min_rows(own_gemm: bool) -> int:
+    """The fewest rows a pass runs its GEMMs in int8 with: on the own kernel or on torch._int_mm."""
+    return MIN_ROWS_OWN_GEMM if own_gemm else MIN_ROWS
+
+
+def takes(x: torch.Tensor, own_gemm: bool = False) -> bool:
+    """Whether a layer's pass of activations x runs its GEMMs in int8 (bf16 rows, enough of them:
+    `min_rows`; `own_gemm`: the weights have the own kernel's packed copies)."""
+    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= min_rows(own_gemm) and x.stride(1) == 1
 
 
 def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True) -> int:

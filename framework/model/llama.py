@@ -78,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     in its layout); `stream`: that kernel stores the output past the caches (`PackedGemm.linear`,
     for the LM head). With `int8` (weight's int8 copy, model.quantization = "w8a8"), passes of
     bf16 rows that `int8.takes` run in int8 (framework/model/int8.py)."""
-    if int8 is not None and (isinstance(x, QuantizedRows) or takes_int8(x)):
+    if int8 is not None and (isinstance(x, QuantizedRows) or takes_int8(x, int8.packed is not None)):
         y = int8_ops.linear(x if isinstance(x, QuantizedRows) else int8_ops.quantize(x, int8.inv), int8)
         return y if bias is None else y.add_(bias)
     if packed is not None and x.dtype == torch.bfloat16:
@@ -193,8 +193,8 @@ class LlamaMLP(nn.Module):
         """MLP(x), plus `residual` when given; in `out` when given (rows of a larger output, as a
         prefill tile's: the packed GEMM kernel writes them in place, other paths copy)."""
         gathers = self.par.gathers_mlp_tokens
-        if isinstance(x, QuantizedRows) or (not gathers and self.int8_ops is not None and takes_int8(x)
-                                            and self._int8_layers()):
+        if isinstance(x, QuantizedRows) or (not gathers and self.int8_ops is not None
+                                            and takes_int8(x, self.int8_ops.packs) and self._int8_layers()):
             y = self._int8_mlp(x, residual, out)
         elif not gathers and self.packed_gate is not None and x.dtype == torch.bfloat16 and self._plain_layers():
             y = self._packed_mlp(x, residual, out)  # (the residual added in its last GEMM)
@@ -305,7 +305,7 @@ class LlamaDecoderLayer(nn.Module):
         output (`Int8Ops.rms_norm_quantize`: QuantizedRows, which the projections take as they are)."""
         ops = self.int8_ops
         attn, mlp = self.self_attn, self.mlp
-        if (ops is None or not takes_int8(hidden) or type(attn.qkv_proj) is not Linear or attn.qkv_proj.int8 is None
+        if (ops is None or not takes_int8(hidden, ops.packs) or type(attn.qkv_proj) is not Linear or attn.qkv_proj.int8 is None
                 or type(attn.o_proj) is not RowParallelLinear or attn.o_proj.int8 is None or not mlp._int8_layers()
                 or mlp.par.gathers_mlp_tokens):
             return self.input_layernorm, self.post_attention_layernorm.add_and_norm

@@ -21,7 +21,7 @@ from framework.model.cpu import packed_linear_supported, tune_allocator
 from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig
 from framework.model.gguf_decode import use_gguf_decode
-from framework.model.int8 import MIN_ROWS as INT8_MIN_ROWS
+from framework.model.int8 import min_rows as int8_min_rows
 from framework.model.int8 import (INT8_DOT_FLAGS, QUANTIZATIONS, Int8Ops, has_int8_dot, int_mm_is_exact,
                                   use_int8_weights)
 from framework.model.llama import use_cpu_kernels, use_packed_weights
@@ -220,7 +220,7 @@ class ModelRunner:
                      else "torch._int_mm, ends in C" if ops.lib is not None else "torch._int_mm, ends in PyTorch")
             logger.info("model.quantization = 'w8a8': %d linear weights in int8 (smoothed by a calibration pass, "
                         "%.1f s), passes of %d+ rows on int8 GEMMs (%s)", count, time.perf_counter() - start,
-                        INT8_MIN_ROWS, where)
+                        int8_min_rows(ops.packs), where)
             if not has_int8_dot():
                 logger.warning("model.quantization = 'w8a8' on a CPU without an int8 dot product (%s): its int8 "
                                "GEMMs may be no faster than bf16", ", ".join(INT8_DOT_FLAGS))
