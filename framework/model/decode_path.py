@@ -186,7 +186,7 @@ class DecodePath:
         attend, backend = self.backend.decode_kernel, self.backend
         int8 = None
         if 0 < self.int8_rows <= n:
-            int8 = Int8Pass(self.int8_ops, n, d, self.qkv_size, self.q_size, self.inter)
+            int8 = Int8Pass(self.int8_ops, n, d, self.q_size, self.inter)
         # the GEMMs: on the Q4_1 weights (`widen` after the epilogue), or on the bf16 ones (tiles, stream)
         q4 = int8 is None and n <= max(self.exact_rows, self.widen_rows)
         gemm, tail = ((self.gemm._q4_gemm, (self.gemm.widen_mode if n > self.exact_rows else 0,)) if q4
@@ -253,20 +253,24 @@ class DecodePath:
 
 class Int8Pass:
     """The buffers and calls of one decode pass's int8 GEMMs (`DecodePath.run` with int8 weights):
-    each layer's input rows quantized once into `x` (with their scales `x_scale`), the int32 sums
-    of every GEMM in a buffer of their shape, reused by all layers."""
+    each layer's input rows quantized once into `x` (with their scales `x_scale`); on torch._int_mm
+    the int32 sums of every GEMM in a buffer of their shape, on the own kernel silu(gate) * up in
+    one fp32 buffer, each made when first needed and reused by all layers."""
 
-    def __init__(self, ops, n: int, d: int, qkv_size: int, q_size: int, inter: int):
+    def __init__(self, ops, n: int, d: int, q_size: int, inter: int):
         self.ops, self.n, self.threads = ops, n, torch.get_num_threads()
         widest = max(d, q_size, inter)
         self.x_all = torch.empty((n, widest), dtype=torch.int8)
         self.x_scale = torch.empty(n, dtype=torch.float32)
         self.x = self.x_all[:, :d]  # the rows the next GEMM takes: [n, their width], see _rows
-        self.sums: dict[int, torch.Tensor] = {}
-        for width in (qkv_size, d, 2 * inter):
-            self.sums.setdefault(width, torch.empty((n, width), dtype=torch.int32))
+        self.sums: dict[int, torch.Tensor] = {}  # width -> int32 [n, width] (torch._int_mm's output)
+        self.h: torch.Tensor | None = None  # fp32 [n, inter]: silu(gate) * up (the own kernel's gate_up)
         self.px, self.pscale = self.x_all.data_ptr(), self.x_scale.data_ptr()
-        self.h = torch.empty((n, inter), dtype=torch.float32)  # silu(gate) * up, for the packed weights' GEMM
+
+    def _sums(self, width: int) -> torch.Tensor:
+        if width not in self.sums:
+            self.sums[width] = torch.empty((self.n, width), dtype=torch.int32)
+        return self.sums[width]
 
     def _rows(self, width: int) -> torch.Tensor:
         """`x` as [n, width] rows (the next GEMM's input width), over the same buffer."""
@@ -290,9 +294,9 @@ class Int8Pass:
         """bf16(x @ W^T [+ add]) into `out` (`add`: bf16 rows of the output's shape, contiguous)."""
         n_out = w.out_features
         if w.packed is not None and not w.gate_up:
-            return self.ops._gemm(self.px, self.pscale, w.packed.data_ptr(), w.scale.data_ptr(), self.n, self.x.shape[1],
-                                  n_out, add, n_out if add else 0, out, out_stride, self.threads)
-        sums = self.sums[n_out]
+            return self.ops._gemm(self.px, self.pscale, w.packed.data_ptr(), w.scale.data_ptr(), self.n,
+                                  self.x.shape[1], n_out, add, n_out if add else 0, out, out_stride, self.threads)
+        sums = self._sums(n_out)
         torch._int_mm(self.x, w.q, out=sums)
         return self.ops._dequantize(sums.data_ptr(), self.pscale, w.scale.data_ptr(), add, n_out if add else 0, out,
                                     out_stride, self.n, n_out, self.threads)
@@ -303,10 +307,12 @@ class Int8Pass:
         inter = w.out_features // 2
         if w.packed is not None and w.gate_up:  # (its int8 rows written over x after every sum is made)
             k = self.x.shape[1]
+            if self.h is None:
+                self.h = torch.empty((self.n, inter), dtype=torch.float32)
             self._rows(inter)
             return self.ops._gemm_gate_up(self.px, self.pscale, w.packed.data_ptr(), w.scale.data_ptr(), self.n, k,
                                           inter, _ptr(down.inv), self.h.data_ptr(), self.px, self.pscale, self.threads)
-        sums = self.sums[w.out_features]
+        sums = self._sums(w.out_features)
         torch._int_mm(self.x, w.q, out=sums)
         self._rows(inter)
         return self.ops._silu_mul_quantize(sums.data_ptr(), self.pscale, w.scale.data_ptr(), _ptr(down.inv), self.px,

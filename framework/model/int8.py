@@ -27,9 +27,10 @@ With AMX, oneDNN's AMX-INT8 tiles keep them.
 
 It changes the outputs: docs/performance.md has what it costs in perplexity and agreement with
 float32 on the embedded model, and what it gains in speed. Passes of fewer than `min_rows` rows
-(32 on torch._int_mm, 8 on the own kernel) keep the bf16 (or GGUF Q4_1, `worker.gguf_decode`) path, where the weights' bytes, not the
-multiply-adds, set the time. Without the C kernels the same arithmetic runs in PyTorch
-(`Int8Ops(None)`), which is also what the kernels are tested against.
+(32 on torch._int_mm, 8 on the own kernel) keep the bf16 (or GGUF Q4_1, `worker.gguf_decode`)
+path, where the weights' bytes, not the multiply-adds, set the time. Without the C kernels the
+same arithmetic runs in PyTorch (`Int8Ops(None)`), which is also what the kernels are tested
+against.
 """
 
 from __future__ import annotations

@@ -305,7 +305,8 @@ class LlamaDecoderLayer(nn.Module):
         output (`Int8Ops.rms_norm_quantize`: QuantizedRows, which the projections take as they are)."""
         ops = self.int8_ops
         attn, mlp = self.self_attn, self.mlp
-        if (ops is None or not takes_int8(hidden, ops.packs) or type(attn.qkv_proj) is not Linear or attn.qkv_proj.int8 is None
+        if (ops is None or not takes_int8(hidden, ops.packs) or type(attn.qkv_proj) is not Linear
+                or attn.qkv_proj.int8 is None
                 or type(attn.o_proj) is not RowParallelLinear or attn.o_proj.int8 is None or not mlp._int8_layers()
                 or mlp.par.gathers_mlp_tokens):
             return self.input_layernorm, self.post_attention_layernorm.add_and_norm

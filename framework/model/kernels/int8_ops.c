@@ -135,8 +135,8 @@ static void dequantize_rows(const Job *j, int64_t begin, int64_t end) {
 #ifdef __AVX512F__
         __m512 vxs = _mm512_set1_ps(xs);
         for (; c + 16 <= n; c += 16)
-            store16_bf16(out + c, dequantize16(_mm512_loadu_si512(acc + c), _mm512_mul_ps(vxs, _mm512_loadu_ps(j->w_scale + c)),
-                                               add ? add + c : NULL));
+            store16_bf16(out + c, dequantize16(_mm512_loadu_si512(acc + c),
+                                               _mm512_mul_ps(vxs, _mm512_loadu_ps(j->w_scale + c)), add ? add + c : NULL));
 #endif
         for (; c < n; c++) {
             float y = (float)acc[c], s = xs * j->w_scale[c];
@@ -144,6 +144,17 @@ static void dequantize_rows(const Job *j, int64_t begin, int64_t end) {
         }
     }
 }
+
+#ifdef __AVX512F__
+/* silu(gate) * up in fp32 of 16 gate and 16 up sums and their scales (x_scale * w_scale): the end
+ * of silu_mul_quantize_rows and of the int8 GEMM's gate_up, so both give the same bits. */
+static inline __m512 silu_mul16(__m512i gate, __m512 gate_scale, __m512i up, __m512 up_scale) {
+    __m512 g = _mm512_mul_ps(_mm512_cvtepi32_ps(gate), gate_scale);
+    __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(up), up_scale);
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+#endif
 
 /* acc [rows, 2d] = the sums of [gate | up] -> silu(gate) * up in fp32, quantized to [rows, d]. */
 static void silu_mul_quantize_rows(const Job *j, int64_t begin, int64_t end, float *row) {
@@ -154,15 +165,10 @@ static void silu_mul_quantize_rows(const Job *j, int64_t begin, int64_t end, flo
         float xs = j->x_scale[r];
         int64_t i = 0;
 #ifdef __AVX512F__
-        __m512 vxs = _mm512_set1_ps(xs), one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= d; i += 16) {
-            __m512 g = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(gate + i)),
-                                     _mm512_mul_ps(vxs, _mm512_loadu_ps(gs + i)));
-            __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(up + i)),
-                                     _mm512_mul_ps(vxs, _mm512_loadu_ps(us + i)));
-            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u));
-        }
+        __m512 vxs = _mm512_set1_ps(xs);
+        for (; i + 16 <= d; i += 16)
+            _mm512_storeu_ps(row + i, silu_mul16(_mm512_loadu_si512(gate + i), _mm512_mul_ps(vxs, _mm512_loadu_ps(gs + i)),
+                                                 _mm512_loadu_si512(up + i), _mm512_mul_ps(vxs, _mm512_loadu_ps(us + i))));
 #endif
         for (; i < d; i++) {
             float g = (float)gate[i] * (xs * gs[i]), u = (float)up[i] * (xs * us[i]);
@@ -244,6 +250,12 @@ static inline int64_t i8_units(int64_t n, int gate_up) {
     return gate_up ? (n / 32 + I8_BLOCKS / 2 - 1) / (I8_BLOCKS / 2) : (n / 16 + I8_BLOCKS - 1) / I8_BLOCKS;
 }
 
+/* The block (of 16 columns) that block c of `unit` is: gate_up, the gate half's block (the up
+ * half's for c >= I8_BLOCKS / 2, counted from that half's start). */
+static inline int64_t i8_block(int64_t unit, int c, int gate_up) {
+    return gate_up ? I8_BLOCKS / 2 * unit + c % (I8_BLOCKS / 2) : I8_BLOCKS * unit + c;
+}
+
 /* Bytes of the packed copy of a [k, n] weight (the last unit's missing blocks are zeros). */
 int64_t int8_gemm_packed_bytes(int64_t k, int64_t n, int gate_up) { return i8_units(n, gate_up) * I8_BLOCKS * 16 * k; }
 
@@ -254,7 +266,7 @@ int int8_gemm_pack(const int8_t *q, int64_t k, int64_t n, int gate_up, uint8_t *
     const int64_t units = i8_units(n, gate_up), quads = k / 4, half = gate_up ? n / 32 : n / 16;
     for (int64_t unit = 0; unit < units; unit++)
         for (int c = 0; c < I8_BLOCKS; c++) {
-            int64_t block = gate_up ? I8_BLOCKS / 2 * unit + c % (I8_BLOCKS / 2) : I8_BLOCKS * unit + c;
+            int64_t block = i8_block(unit, c, gate_up);
             int64_t col0 = 16 * (block + (gate_up && c >= I8_BLOCKS / 2 ? half : 0));
             for (int64_t p = 0; p < quads; p++)
                 for (int64_t j = 0; j < 16; j++)
@@ -330,13 +342,11 @@ static inline __attribute__((always_inline)) void i8_tile(const I8Gemm *g, int64
             const int64_t d = g->n / 2;
             for (int c = 0; c < I8_BLOCKS / 2; c++) {
                 if (n0[c] >= d) continue;
-                __m512 gt = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][c], lost)),
-                                          _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c])));
-                __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][I8_BLOCKS / 2 + c], lost)),
-                                         _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + d + n0[c])));
-                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gt));
                 _mm512_storeu_ps(g->h + m * d + n0[c],
-                                 _mm512_mul_ps(_mm512_div_ps(gt, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u));
+                                 silu_mul16(_mm512_sub_epi32((__m512i)acc[r][c], lost),
+                                            _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c])),
+                                            _mm512_sub_epi32((__m512i)acc[r][I8_BLOCKS / 2 + c], lost),
+                                            _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + d + n0[c]))));
             }
             continue;
         }
@@ -394,7 +404,7 @@ static void *run_i8_units(void *arg) {
             if (lo >= hi) continue;
             int64_t n0[I8_BLOCKS];
             for (int c = 0; c < I8_BLOCKS; c++) {
-                int64_t col = 16 * (g->gate_up ? I8_BLOCKS / 2 * unit + c % (I8_BLOCKS / 2) : I8_BLOCKS * unit + c);
+                int64_t col = 16 * i8_block(unit, c, g->gate_up);
                 n0[c] = col < limit ? col : g->n; /* a missing block's outputs are not stored */
             }
             const uint8_t *w = g->packed + unit * unit_bytes;
