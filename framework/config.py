@@ -46,15 +46,23 @@ class ModelSettings(_Section):
     quantization: Literal["none", "w8a8"] = Field(
         "none",
         description="w8a8: the layers' linear weights as int8 (one scale per output column) and each GEMM's "
-        "input rows quantized to int8 as they are made (one scale per token), multiplied by oneDNN's int8 GEMM "
-        "(torch._int_mm): about twice bf16's multiply-adds per instruction on AVX512-VNNI / AMX-INT8, so "
-        "prefill and large decode steps run faster. The weights are first smoothed (SmoothQuant) by the input "
-        "ranges of a calibration pass at load (~1.6 s for SmolLM2). Outputs change: on the embedded model "
-        "perplexity 11.18 against 11.04 for bf16, the next token the float32 model's ~94 % of the time "
-        "against ~97.5 % for bf16 (docs/performance.md). Passes of fewer than 32 rows keep bf16. Needs "
-        "model.dtype bfloat16 (or auto where it resolves to it) on the CPU, and exact int8 GEMMs: start-up fails "
-        "where torch._int_mm saturates (CPUs without an int8 dot product: AVX2 only, AVX-512 before VNNI). The "
-        "embedding and LM head stay bf16.",
+        "input rows quantized to int8 as they are made (one scale per token), multiplied by an int8 GEMM "
+        "(our own on AVX512-VNNI without AMX, else oneDNN's through torch._int_mm): about twice bf16's "
+        "multiply-adds per instruction on AVX512-VNNI / AMX-INT8, so prefill and large decode steps run faster. "
+        "The weights are first smoothed (SmoothQuant) by the input ranges of a calibration pass at load (~1.6 s "
+        "for SmolLM2). Outputs change: on the embedded model perplexity 11.18 against 11.04 for bf16, the next "
+        "token the float32 model's ~94 % of the time against ~97.5 % for bf16 (docs/performance.md). Passes of "
+        "fewer than 8 rows (32 on torch._int_mm) keep bf16. Needs model.dtype bfloat16 (or auto where it "
+        "resolves to it) on the CPU, and exact int8 GEMMs: start-up fails where torch._int_mm saturates (CPUs "
+        "without an int8 dot product: AVX2 only, AVX-512 before VNNI). The embedding stays bf16, and so does "
+        "the LM head unless model.int8_lm_head.",
+    )
+    int8_lm_head: bool = Field(
+        False,
+        description="With model.quantization = 'w8a8': the LM head in int8 too (smoothed and quantized as the "
+        "layers' weights), half its multiply-add time in large decode steps. It costs more quality again: on "
+        "the embedded model perplexity 11.25 against w8a8's 11.18, top-1 accuracy 53.80 % against 54.16 % "
+        "(docs/performance.md). Off: the LM head stays bf16, as in vLLM's W8A8 checkpoints.",
     )
     context_length: int | None = Field(
         None, gt=0, description="Context length; empty: the model config's max_position_embeddings."

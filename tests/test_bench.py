@@ -320,6 +320,9 @@ def test_roofline_bounds_put_the_run_against_the_rates():
     assert b["gemm_kv_bound_s"] == pytest.approx(12.5)
     assert b["gemm_bound_output_throughput"] == pytest.approx(500.0)
     assert b["share_of_gemm_bound"] == pytest.approx(0.6) and b["share_of_gemm_kv_bound"] == pytest.approx(0.625)
+    # model.int8_lm_head: the LM head at its own (int8) rate
+    b = bounds(work, {**rates, "lm_head_flops": 0.8e12}, wall=20.0, output_tokens=6000)
+    assert b["gemm_bound_s"] == pytest.approx(10 + 1.25)
 
 
 def test_roofline_measures_the_layers_gemms_in_their_precision(monkeypatch):
@@ -337,9 +340,10 @@ def test_roofline_measures_the_layers_gemms_in_their_precision(monkeypatch):
     monkeypatch.setattr(roofline, "gemm_rate", lambda cfg, kind: asked.append(kind) or {"int8": 2.0}.get(kind, 1.0))
     monkeypatch.setattr(roofline, "read_rate", lambda: 3.0)
     assert roofline.measure_rates("bfloat16", "w8a8", small) == {"gemm_flops": 1.0, "layer_gemm_flops": 2.0,
-                                                                  "read_bytes_per_s": 3.0}
+                                                                  "lm_head_flops": 1.0, "read_bytes_per_s": 3.0}
+    assert roofline.measure_rates("bfloat16", "w8a8", small, int8_lm_head=True)["lm_head_flops"] == 2.0
     assert roofline.measure_rates("float32", "none", small)["layer_gemm_flops"] == 1.0
-    assert asked == ["bfloat16", "int8", "float32"]
+    assert asked == ["bfloat16", "int8", "bfloat16", "int8", "float32"]
 
 
 def test_offline_roofline_bounds_the_run(bench_model, tmp_path, capsys):

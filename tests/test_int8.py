@@ -13,7 +13,7 @@ from framework.model import int8 as int8_mod
 from framework.model.int8 import Int8Ops, QuantizedRows, quantize_weight
 from framework.model.runner import ModelRunner
 from tests.conftest import count_int_mm_rows, needs_exact_int_mm
-from tests.test_model import _batch, _new_reqs, _runner, _tiny_hf
+from tests.test_model import _batch, _new_reqs, _runner, _tiny_config, _tiny_hf
 
 TORCH_OPS = Int8Ops(None)
 
@@ -141,11 +141,13 @@ def test_smoothing_moves_an_outlier_channels_range_into_the_weight():
 
 def test_calibration_measures_each_gemms_input_range(hf_model):
     """input_maxima: per layer and GEMM the channels' largest |input|, as transformers' layers
-    give them for the same random ids (qkv's input is the input norm's output, and so on)."""
+    give them for the same random ids (qkv's input is the input norm's output, and so on), and
+    the LM head's (the final norm's output)."""
     runner = _runner(hf_model, dtype=torch.float32)
-    maxima = int8_mod.input_maxima(runner.model, sequences=2, tokens=24, seed=3)
+    maxima, head = int8_mod.input_maxima(runner.model, sequences=2, tokens=24, seed=3)
     cfg = hf_model.config
     want = [[None] * 4 for _ in range(cfg.num_hidden_layers)]
+    want_head = []
     hooks = []
     for i, layer in enumerate(hf_model.model.layers):
         for part, module in enumerate((layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
@@ -154,6 +156,8 @@ def test_calibration_measures_each_gemms_input_range(hf_model):
                 m = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
                 want[i][part] = m if want[i][part] is None else torch.maximum(want[i][part], m)
             hooks.append(module.register_forward_hook(seen))
+    hooks.append(hf_model.lm_head.register_forward_hook(
+        lambda mod, args, out: want_head.append(args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0))))
     gen = torch.Generator().manual_seed(3)
     try:
         with torch.no_grad():
@@ -162,9 +166,11 @@ def test_calibration_measures_each_gemms_input_range(hf_model):
     finally:
         for hook in hooks:
             hook.remove()
+    assert len(maxima) == cfg.num_hidden_layers
     for got_layer, want_layer in zip(maxima, want):
         for got, expected in zip(got_layer, want_layer):
             assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+    assert len(want_head) == 2 and torch.allclose(head, torch.maximum(*want_head), rtol=1e-4, atol=1e-5)
 
 
 def test_weights_are_quantized_per_output_column():
@@ -238,6 +244,49 @@ def test_w8a8_decode_steps_on_the_decode_path_give_the_layers_bits(hf_model, mon
         runs.append((step, small, list(calls)))
     assert torch.equal(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1]) and runs[0][2] == runs[1][2] == []
+
+
+@pytest.fixture(scope="module")
+def tied_model():
+    """The tiny model with tied embeddings (as SmolLM2: the LM head is the embedding) and a
+    vocabulary the own int8 GEMM takes (columns in 16s)."""
+    return _tiny_hf(config=_tiny_config(vocab_size=1024, tie_word_embeddings=True))
+
+
+@needs_exact_int_mm
+@pytest.mark.parametrize("gemm", ["onednn", "auto"])
+def test_int8_lm_head_takes_the_logits_of_large_passes(tied_model, monkeypatch, gemm):
+    """model.int8_lm_head: the LM head gets a smoothed int8 copy, and a pass of >= min_rows rows
+    takes its logits from the int8 GEMM (the bits of Int8Ops.linear on the quantized rows), close
+    to the bf16 head's; a smaller pass keeps the bf16 head. Without the setting there is no copy."""
+    monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, gemm)
+    hf_model = tied_model
+    w8 = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8", max_running_requests=48)
+    head = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8", int8_lm_head=True, max_running_requests=48)
+    assert w8.model.lm_head_int8 is None and w8.model.lm_head_int8_ops is None
+    h8, ops = head.model.lm_head_int8, head.model.lm_head_int8_ops
+    vocab, width = head.model.lm_head_weight.shape
+    assert h8 is not None and h8.out_features == vocab and h8.inv is not None and h8.inv.shape == (width,)
+    own = h8.packed is not None
+    assert own == ops.packs
+    rows = int8_mod.min_rows(own)
+    hidden = torch.randn(rows, width, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = head.model.compute_logits(hidden)
+    assert torch.equal(got, ops.linear(ops.quantize(hidden, h8.inv), h8))
+    bf16 = w8.model.compute_logits(hidden)
+    assert not torch.equal(got, bf16)
+    assert F.cosine_similarity(got.float(), bf16.float(), dim=1).min() > 0.99
+    assert torch.equal(head.model.compute_logits(hidden[: rows - 1]), bf16[: rows - 1])
+    # through a forward pass: one next-token row per request, so `rows` requests take the int8 head
+    lens = [4 + i % 3 for i in range(rows)]
+    got, want = _prefill_logits(head, lens), _prefill_logits(w8, lens)
+    assert not torch.equal(got, want)
+    assert F.cosine_similarity(got.float(), want.float(), dim=1).min() > 0.99
+
+
+def test_int8_lm_head_needs_w8a8(hf_model):
+    with pytest.raises(ValueError, match="int8_lm_head.*'none'"):
+        _runner(hf_model, dtype=torch.bfloat16, int8_lm_head=True)
 
 
 @needs_exact_int_mm

@@ -12,7 +12,7 @@ and the model's shapes:
 The rates are measured on this machine right after the run, with the engine's threads: the best
 GEMM rate at the layers' own shapes (2,048 rows; `F.linear` in the model's dtype, and
 `torch._int_mm` for the int8 layers of model.quantization = "w8a8", whose LM head stays in the
-model's dtype), and the memory's read rate (a sum over 256 MiB of fp32). So:
+model's dtype unless model.int8_lm_head), and the memory's read rate (a sum over 256 MiB of fp32). So:
 
 * the **GEMM-bound limit** is the run's GEMM FLOPs at those rates: no engine doing the same GEMMs
   in the same precision is faster on this machine (issue 17's "GEMM-bound limit");
@@ -115,18 +115,20 @@ def read_rate() -> float:
     return _best_rate(lambda: x.sum(), float(READ_BYTES))
 
 
-def measure_rates(dtype: str, quantization: str, cfg) -> dict[str, float]:
-    """The rates the bounds use: the model dtype's GEMMs, int8 GEMMs where the layers run them,
-    the memory's reads."""
+def measure_rates(dtype: str, quantization: str, cfg, int8_lm_head: bool = False) -> dict[str, float]:
+    """The rates the bounds use: the model dtype's GEMMs, int8 GEMMs where the layers (and with
+    `int8_lm_head` the LM head) run them, the memory's reads."""
     rates = {"gemm_flops": gemm_rate(cfg, dtype)}
     rates["layer_gemm_flops"] = gemm_rate(cfg, "int8") if quantization == "w8a8" else rates["gemm_flops"]
+    rates["lm_head_flops"] = rates["layer_gemm_flops"] if int8_lm_head else rates["gemm_flops"]
     rates["read_bytes_per_s"] = read_rate()
     return rates
 
 
 def bounds(work: dict[str, float], rates: dict[str, float], wall: float, output_tokens: int) -> dict[str, float]:
     """The GEMM-bound limit and the bound with decode's KV reads, against the run's wall time."""
-    gemm_s = work["layer_flop"] / rates["layer_gemm_flops"] + work["lm_head_flop"] / rates["gemm_flops"]
+    gemm_s = (work["layer_flop"] / rates["layer_gemm_flops"]
+              + work["lm_head_flop"] / rates.get("lm_head_flops", rates["gemm_flops"]))
     kv_s = work["kv_read_bytes"] / rates["read_bytes_per_s"]
     out = {"gemm_bound_s": gemm_s, "kv_read_s": kv_s, "gemm_kv_bound_s": gemm_s + kv_s, "run_s": wall}
     for key in ("gemm_bound", "gemm_kv_bound"):
@@ -138,12 +140,13 @@ def bounds(work: dict[str, float], rates: dict[str, float], wall: float, output_
 
 def run_shape(runner) -> dict[str, Any]:
     """What the bounds need of a ModelRunner (taken before the engine shuts down): its model's
-    config, the KV pool's bytes a token, its dtype and quantization."""
+    config, the KV pool's bytes a token, its dtype and quantization (and whether the LM head is int8)."""
     pool = runner.token_to_kv_pool
     return {"cfg": runner.model_config,
             "kv_bytes_per_token": pool.cell_size(pool.num_kv_heads, pool.head_dim, pool.num_layers, pool.dtype),
             "dtype": str(runner.dtype).replace("torch.", ""),
-            "quantization": getattr(runner, "quantization", None) or "none"}
+            "quantization": getattr(runner, "quantization", None) or "none",
+            "int8_lm_head": bool(getattr(runner, "int8_lm_head", False))}
 
 
 def roofline(shape: dict[str, Any], requests: list[RequestTokens], wall: float) -> dict[str, Any]:
@@ -152,9 +155,11 @@ def roofline(shape: dict[str, Any], requests: list[RequestTokens], wall: float) 
 
     cfg = shape["cfg"]
     work = count_work(cfg, shape["kv_bytes_per_token"], requests)
-    rates = measure_rates(shape["dtype"], shape["quantization"], cfg)
+    int8_lm_head = shape.get("int8_lm_head", False)
+    rates = measure_rates(shape["dtype"], shape["quantization"], cfg, int8_lm_head)
     output_tokens = sum(r.completion for r in requests)
-    return {"dtype": shape["dtype"], "quantization": shape["quantization"], "threads": torch.get_num_threads(),
+    return {"dtype": shape["dtype"], "quantization": shape["quantization"], "int8_lm_head": int8_lm_head,
+            "threads": torch.get_num_threads(),
             "kv_bytes_per_token": shape["kv_bytes_per_token"], **work, **rates,
             **bounds(work, rates, wall, output_tokens)}
 
@@ -168,7 +173,7 @@ def format_roofline(r: dict[str, Any]) -> str:
     gemm_tflop = (r["layer_flop"] + r["lm_head_flop"]) / 1e12
     lines = [" Bounds on this machine (measured) ".center(62, "="),
              f"{'GEMMs':<24}{gemm_tflop:.2f} T (layers {r['layer_flop'] / 1e12:.2f} in {layer_kind}, "
-             f"LM head {r['lm_head_flop'] / 1e12:.2f})",
+             f"LM head {r['lm_head_flop'] / 1e12:.2f}{' in int8' if r.get('int8_lm_head') else ''})",
              f"{'GEMM rate':<24}{rate}",
              f"{'decode KV reads':<24}{r['kv_read_bytes'] / 1e9:.1f} GB at {r['read_bytes_per_s'] / 1e9:.1f} GB/s",
              f"{'':<24}{'s':>10}{'out tok/s':>12}{'run/bound':>12}"]

@@ -1,8 +1,9 @@
 """W8A8 int8 GEMMs for a model's layers (model.quantization = "w8a8").
 
-Each linear weight of the layers (qkv, o, gate-up, down; not the embedding or the LM head) is kept
-as int8 with one fp32 scale per output column (`Int8Weight`: max|w| / 127 of the column), and each
-GEMM's input rows are quantized as they are made, one scale per row (token). The product is
+Each linear weight of the layers (qkv, o, gate-up, down; not the embedding, nor the LM head unless
+model.int8_lm_head) is kept as int8 with one fp32 scale per output column (`Int8Weight`: max|w| /
+127 of the column), and each GEMM's input rows are quantized as they are made, one scale per row
+(token). The product is
 `torch._int_mm` (oneDNN's int8 GEMM, `vpdpbusd` on AVX512-VNNI: twice the multiply-adds of bf16's
 `vdpbf16ps` per instruction) and its int32 sums become bf16 again in one pass with what follows
 them (`Int8Ops`, kernels/int8_ops.c):
@@ -123,15 +124,18 @@ CALIBRATION_TOKENS = 256
 
 @torch.no_grad()
 def input_maxima(model, sequences: int = CALIBRATION_SEQUENCES, tokens: int = CALIBRATION_TOKENS,
-                 seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+                 seed: int = 0) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
     """Per decoder layer of a llama-family `model` (LlamaForCausalLM), the largest |input| of each
-    channel of its four GEMMs (qkv, o, gate-up, down) over `sequences` of `tokens` random token ids:
-    the layers run in fp32 from their weights, causal attention over each sequence (no KV pool)."""
+    channel of its four GEMMs (qkv, o, gate-up, down), and the same of the LM head's input (the
+    final norm's output), over `sequences` of `tokens` random token ids: the layers run in fp32 from
+    their weights, causal attention over each sequence (no KV pool)."""
     layers = model.model.layers
     embed = model.model.embed_tokens.weight
     gen = torch.Generator().manual_seed(seed)
     rope = model.model.rotary.tables(torch.arange(tokens, device=embed.device), torch.float32)
     maxima: list[list[torch.Tensor | None]] = [[None] * 4 for _ in layers]
+    head = torch.zeros(embed.shape[1], dtype=torch.float32, device=embed.device)
+    norm = model.model.norm
 
     def seen(i: int, part: int, x: torch.Tensor) -> None:
         m = x.abs().amax(dim=0)
@@ -163,7 +167,8 @@ def input_maxima(model, sequences: int = CALIBRATION_SEQUENCES, tokens: int = CA
             act = F.silu(gate) * up
             seen(i, 3, act)
             h = h + lin(mlp.down_proj, act)
-    return [tuple(m) for m in maxima]
+        head = torch.maximum(head, rms_norm_fp32(h, norm.weight, norm.eps).abs().amax(dim=0))
+    return [tuple(m) for m in maxima], head
 
 
 def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -385,15 +390,17 @@ def takes(x: torch.Tensor, own_gemm: bool = False) -> bool:
     return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= min_rows(own_gemm) and x.stride(1) == 1
 
 
-def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True) -> int:
+def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True, lm_head: bool = False) -> int:
     """Give the linear layers of `model`'s decoder layers their int8 weights (`ops` the int8
     GEMMs to run them with), or take them away (`ops` None); returns how many weights were made.
     With `smooth`, each weight is first smoothed (`smoothing`) by the input ranges of a calibration
     pass (`input_maxima`). A layer split over TP ranks keeps its bf16 GEMMs; under LoRA the base
-    product is int8 and the adapters' deltas are added in bf16, as on the bf16 weights."""
+    product is int8 and the adapters' deltas are added in bf16, as on the bf16 weights. With
+    `lm_head` (model.int8_lm_head) the LM head gets an int8 copy too (smoothed the same way), which
+    `compute_logits` then runs passes of enough rows on (`takes`); without it the LM head has none."""
     from framework.model.llama import Linear, LlamaDecoderLayer, LlamaMLP, RowParallelLinear
 
-    maxima = input_maxima(model) if ops is not None and smooth else None
+    maxima, head_maxima = input_maxima(model) if ops is not None and smooth else (None, None)
     count = 0
     for i, layer in enumerate(model.model.layers):
         parts = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -406,6 +413,12 @@ def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True) -> int:
                     made = ops.pack(quantize_weight(linear.weight, factors), gate_up=part == 2)
                 linear.int8, linear.int8_ops = made, (ops if made is not None else None)
                 count += made is not None
+    head = None
+    if ops is not None and lm_head:
+        weight = model.lm_head_weight
+        head = ops.pack(quantize_weight(weight, None if head_maxima is None else smoothing(head_maxima, weight)))
+    model.lm_head_int8, model.lm_head_int8_ops = head, (ops if head is not None else None)
+    count += head is not None
     for module in model.modules():
         if isinstance(module, (LlamaMLP, LlamaDecoderLayer)):
             module.int8_ops = ops

@@ -406,6 +406,9 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # see use_packed_weights
         self.lm_head_tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
+        # the LM head's int8 copy and its GEMMs (model.int8_lm_head; framework/model/int8.py's use_int8_lm_head)
+        self.lm_head_int8: Int8Weight | None = None
+        self.lm_head_int8_ops: Int8Ops | None = None
         # per layer, packed Q4_1 copies of (qkv, o, gate_up, down) for decode steps, and whether the
         # few-row ones take their exact products (framework/model/gguf_decode.py)
         self.q4_layers: list[list[torch.Tensor]] | None = None
@@ -498,7 +501,7 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""
         # The logits are read once, by the sampler after the whole GEMM: streamed past the caches.
         return linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.kernels, self.lm_head_tiles,
-                      stream=True)
+                      stream=True, int8=self.lm_head_int8, int8_ops=self.lm_head_int8_ops)
 
     # -- weights --------------------------------------------------------------------------------
 

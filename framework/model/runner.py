@@ -65,6 +65,7 @@ class ModelRunner:
             (memory.zeros_on_huge_pages).
         quantization: model.quantization: "none", or "w8a8" for int8 GEMMs in the layers
             (framework/model/int8.py; bf16 on the CPU only).
+        int8_lm_head: model.int8_lm_head: with "w8a8", the LM head in int8 too.
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class ModelRunner:
         gguf_decode: str = "auto",
         kv_huge_pages: bool = False,
         quantization: str = "none",
+        int8_lm_head: bool = False,
     ):
         if gguf_decode not in ("auto", "exact", "off"):
             raise ValueError(f"gguf_decode must be 'auto', 'exact' or 'off', got {gguf_decode!r}")
@@ -92,6 +94,7 @@ class ModelRunner:
             hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
             max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
             device, seed, lora_paths, cpu_kernels, packed_weights, kv_dtype, kv_huge_pages, quantization,
+            int8_lm_head,
         )
         self.model_path = model_path
         self.gguf_decode = gguf_decode
@@ -123,12 +126,13 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         kv_huge_pages: bool = False,
         quantization: str = "none",
+        int8_lm_head: bool = False,
     ) -> "ModelRunner":
         runner = cls.__new__(cls)
         runner._setup(
             hf_config, state_dict.items(), tokenizer, dtype, max_total_tokens,
             kv_cache_memory_bytes, max_running_requests, context_length, device, seed, lora_paths,
-            cpu_kernels, packed_weights, kv_dtype, kv_huge_pages, quantization,
+            cpu_kernels, packed_weights, kv_dtype, kv_huge_pages, quantization, int8_lm_head,
         )
         runner.model_path = None
         runner.gguf_decode = "off"
@@ -152,6 +156,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         kv_huge_pages: bool = False,
         quantization: str = "none",
+        int8_lm_head: bool = False,
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
@@ -166,7 +171,11 @@ class ModelRunner:
             raise ValueError("model.quantization = 'w8a8' needs exact int8 GEMMs, and torch._int_mm is not exact here: "
                              f"without an int8 dot product ({cause}a CPU without {', '.join(INT8_DOT_FLAGS)}) "
                              "oneDNN's int8 kernels saturate 16-bit sums; use model.quantization = 'none'")
+        if int8_lm_head and quantization != "w8a8":
+            raise ValueError("model.int8_lm_head runs the LM head on the int8 GEMMs of model.quantization = 'w8a8', "
+                             f"but model.quantization is {quantization!r}")
         self.quantization = quantization
+        self.int8_lm_head = int8_lm_head
         kv_dtype = kv_dtype or dtype
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be float32, bfloat16 or float8_e5m2, got {kv_dtype}")
@@ -215,11 +224,12 @@ class ModelRunner:
         if self.quantization == "w8a8":
             ops = Int8Ops.load() if self.cpu_kernels is not None else Int8Ops(None)  # (worker.cpu_kernels = off)
             start = time.perf_counter()
-            count = use_int8_weights(text, ops)
+            count = use_int8_weights(text, ops, lm_head=self.int8_lm_head)
             where = ("kernels/int8_ops.c's own GEMM on AVX512-VNNI, ends inside it" if ops.packs
                      else "torch._int_mm, ends in C" if ops.lib is not None else "torch._int_mm, ends in PyTorch")
-            logger.info("model.quantization = 'w8a8': %d linear weights in int8 (smoothed by a calibration pass, "
-                        "%.1f s), passes of %d+ rows on int8 GEMMs (%s)", count, time.perf_counter() - start,
+            logger.info("model.quantization = 'w8a8': %d linear weights in int8%s (smoothed by a calibration pass, "
+                        "%.1f s), passes of %d+ rows on int8 GEMMs (%s)", count,
+                        ", the LM head's among them" if self.int8_lm_head else "", time.perf_counter() - start,
                         int8_min_rows(ops.packs), where)
             if not has_int8_dot():
                 logger.warning("model.quantization = 'w8a8' on a CPU without an int8 dot product (%s): its int8 "
