@@ -258,7 +258,8 @@ def tied_model():
 def test_int8_lm_head_takes_the_logits_of_large_passes(tied_model, monkeypatch, gemm):
     """model.int8_lm_head: the LM head gets a smoothed int8 copy, and a pass of >= min_rows rows
     takes its logits from the int8 GEMM (the bits of Int8Ops.linear on the quantized rows), close
-    to the bf16 head's; a smaller pass keeps the bf16 head. Without the setting there is no copy."""
+    to the bf16 head's; a smaller pass keeps the bf16 head on torch._int_mm, and takes the int8 one
+    on the own kernel too (its bytes, half bf16's, win there). Without the setting there is no copy."""
     monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, gemm)
     hf_model = tied_model
     w8 = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8", max_running_requests=48)
@@ -276,7 +277,11 @@ def test_int8_lm_head_takes_the_logits_of_large_passes(tied_model, monkeypatch, 
     bf16 = w8.model.compute_logits(hidden)
     assert not torch.equal(got, bf16)
     assert F.cosine_similarity(got.float(), bf16.float(), dim=1).min() > 0.99
-    assert torch.equal(head.model.compute_logits(hidden[: rows - 1]), bf16[: rows - 1])
+    few = head.model.compute_logits(hidden[:1])
+    if own:
+        assert torch.equal(few, ops.linear(ops.quantize(hidden[:1], h8.inv), h8)) and not torch.equal(few, bf16[:1])
+    else:
+        assert torch.equal(head.model.compute_logits(hidden[: rows - 1]), bf16[: rows - 1])
     # through a forward pass: one next-token row per request, so `rows` requests take the int8 head
     lens = [4 + i % 3 for i in range(rows)]
     got, want = _prefill_logits(head, lens), _prefill_logits(w8, lens)

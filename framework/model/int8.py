@@ -384,10 +384,13 @@ def min_rows(own_gemm: bool) -> int:
     return MIN_ROWS_OWN_GEMM if own_gemm else MIN_ROWS
 
 
-def takes(x: torch.Tensor, own_gemm: bool = False) -> bool:
-    """Whether a layer's pass of activations x runs its GEMMs in int8 (bf16 rows, enough of them:
-    `min_rows`; `own_gemm`: the weights have the own kernel's packed copies)."""
-    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= min_rows(own_gemm) and x.stride(1) == 1
+def takes(x: torch.Tensor, own_gemm: bool = False, fewest: int | None = None) -> bool:
+    """Whether a layer's pass of activations x runs its GEMMs in int8 (bf16 rows, at least `fewest`
+    of them, by default `min_rows(own_gemm)`; `own_gemm`: the weights have the own kernel's packed
+    copies)."""
+    if fewest is None:
+        fewest = min_rows(own_gemm)
+    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= fewest and x.stride(1) == 1
 
 
 def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True, lm_head: bool = False) -> int:
@@ -397,7 +400,8 @@ def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True, lm_head: b
     pass (`input_maxima`). A layer split over TP ranks keeps its bf16 GEMMs; under LoRA the base
     product is int8 and the adapters' deltas are added in bf16, as on the bf16 weights. With
     `lm_head` (model.int8_lm_head) the LM head gets an int8 copy too (smoothed the same way), which
-    `compute_logits` then runs passes of enough rows on (`takes`); without it the LM head has none."""
+    `compute_logits` then runs every pass on where it has the own kernel's packed copy, passes of
+    `min_rows` rows or more on torch._int_mm; without it the LM head has none."""
     from framework.model.llama import Linear, LlamaDecoderLayer, LlamaMLP, RowParallelLinear
 
     maxima, head_maxima = input_maxima(model) if ops is not None and smooth else (None, None)

@@ -499,6 +499,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""
+        head8 = self.lm_head_int8
+        if head8 is not None and head8.packed is not None and takes_int8(hidden, own_gemm=True, fewest=1):
+            # model.int8_lm_head on the own int8 kernel: every pass, as the head's int8 bytes (half
+            # of bf16's) win where they set the time too (one-stream decode steps, docs/configuration.md)
+            ops = self.lm_head_int8_ops
+            return ops.linear(ops.quantize(hidden, head8.inv), head8)
         # The logits are read once, by the sampler after the whole GEMM: streamed past the caches.
         return linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.kernels, self.lm_head_tiles,
                       stream=True, int8=self.lm_head_int8, int8_ops=self.lm_head_int8_ops)
