@@ -255,7 +255,7 @@ def tied_model():
 
 @needs_exact_int_mm
 @pytest.mark.parametrize("gemm", ["onednn", "auto"])
-def test_int8_lm_head_takes_the_logits_of_large_passes(tied_model, monkeypatch, gemm):
+def test_int8_lm_head_takes_the_logits(tied_model, monkeypatch, gemm):
     """model.int8_lm_head: the LM head gets a smoothed int8 copy, and a pass of >= min_rows rows
     takes its logits from the int8 GEMM (the bits of Int8Ops.linear on the quantized rows), close
     to the bf16 head's; a smaller pass keeps the bf16 head on torch._int_mm, and takes the int8 one

@@ -3,10 +3,9 @@
 Each linear weight of the layers (qkv, o, gate-up, down; not the embedding, nor the LM head unless
 model.int8_lm_head) is kept as int8 with one fp32 scale per output column (`Int8Weight`: max|w| /
 127 of the column), and each GEMM's input rows are quantized as they are made, one scale per row
-(token). The product is
-`torch._int_mm` (oneDNN's int8 GEMM, `vpdpbusd` on AVX512-VNNI: twice the multiply-adds of bf16's
-`vdpbf16ps` per instruction) and its int32 sums become bf16 again in one pass with what follows
-them (`Int8Ops`, kernels/int8_ops.c):
+(token). The product is `torch._int_mm` (oneDNN's int8 GEMM, `vpdpbusd` on AVX512-VNNI: twice the
+multiply-adds of bf16's `vdpbf16ps` per instruction) and its int32 sums become bf16 again in one
+pass with what follows them (`Int8Ops`, kernels/int8_ops.c):
 
     x (bf16) --RMSNorm + quantize--> int8 rows --_int_mm--> int32 --dequantize--> qkv (bf16)
     attention out --quantize--> int8 --_int_mm--> int32 --dequantize--> o (bf16)

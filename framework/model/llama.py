@@ -406,7 +406,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # see use_packed_weights
         self.lm_head_tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
-        # the LM head's int8 copy and its GEMMs (model.int8_lm_head; framework/model/int8.py's use_int8_lm_head)
+        # the LM head's int8 copy and its GEMMs (model.int8_lm_head: int8.use_int8_weights(..., lm_head=True))
         self.lm_head_int8: Int8Weight | None = None
         self.lm_head_int8_ops: Int8Ops | None = None
         # per layer, packed Q4_1 copies of (qkv, o, gate_up, down) for decode steps, and whether the
