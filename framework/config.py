@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 _TOML_DATA: contextvars.ContextVar[dict] = contextvars.ContextVar("batchyard_toml", default={})
@@ -90,6 +90,13 @@ class ModelSettings(_Section):
 
         parse_lora_paths(v)
         return v
+
+    @model_validator(mode="after")
+    def _int8_lm_head_needs_w8a8(self):
+        if self.int8_lm_head and self.quantization != "w8a8":
+            raise ValueError("int8_lm_head runs the LM head on the int8 GEMMs of quantization = 'w8a8', "
+                             f"but quantization is {self.quantization!r}")
+        return self
 
 
 class SchedulerSettings(_Section):

@@ -82,6 +82,8 @@ def test_non_positive_chunk_size_disables_chunking():
         ("[model]\ndtype = 'float8'\n", "model.dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
         ("[scheduler]\nno_such_option = 1\n", "scheduler.no_such_option: Extra inputs are not permitted"),
         ("[nonsense]\nx = 1\n", "nonsense: Extra inputs are not permitted"),
+        ("[model]\nint8_lm_head = true\n", "model: Value error, int8_lm_head runs the LM head on the int8 GEMMs "
+         "of quantization = 'w8a8', but quantization is 'none'"),
     ],
 )
 def test_invalid_values_give_one_line_per_error(tmp_path, toml, expected):
