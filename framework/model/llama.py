@@ -71,14 +71,15 @@ class RMSNorm(nn.Module):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
            kernels: CpuKernels | None = None, tiles: torch.Tensor | None = None, stream: bool = False,
-           int8: Int8Weight | None = None, int8_ops: Int8Ops | None = None) -> torch.Tensor:
+           int8: Int8Weight | None = None, int8_ops: Int8Ops | None = None,
+           int8_fewest: int | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy for oneDNN,
     `use_packed_weights`) when there is one and x is bf16. Without a bias, GEMMs of up to
     `kernels.gemm.rows` rows run on the packed GEMM kernel instead, from `tiles` (weight's copy
     in its layout); `stream`: that kernel stores the output past the caches (`PackedGemm.linear`,
     for the LM head). With `int8` (weight's int8 copy, model.quantization = "w8a8"), passes of
-    bf16 rows that `int8.takes` run in int8 (framework/model/int8.py)."""
-    if int8 is not None and (isinstance(x, QuantizedRows) or takes_int8(x, int8.packed is not None)):
+    bf16 rows that `int8.takes` run in int8 (framework/model/int8.py; `int8_fewest`: its `fewest`)."""
+    if int8 is not None and (isinstance(x, QuantizedRows) or takes_int8(x, int8.packed is not None, int8_fewest)):
         y = int8_ops.linear(x if isinstance(x, QuantizedRows) else int8_ops.quantize(x, int8.inv), int8)
         return y if bias is None else y.add_(bias)
     if packed is not None and x.dtype == torch.bfloat16:
@@ -500,14 +501,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""
         head8 = self.lm_head_int8
-        if head8 is not None and head8.packed is not None and takes_int8(hidden, own_gemm=True, fewest=1):
-            # model.int8_lm_head on the own int8 kernel: every pass, as the head's int8 bytes (half
-            # of bf16's) win where they set the time too (one-stream decode steps, docs/configuration.md)
-            ops = self.lm_head_int8_ops
-            return ops.linear(ops.quantize(hidden, head8.inv), head8)
+        # model.int8_lm_head on the own int8 kernel: every pass, as the head's int8 bytes (half of
+        # bf16's) win where they set the time too (one-stream decode steps, docs/configuration.md)
+        fewest = 1 if head8 is not None and head8.packed is not None else None
         # The logits are read once, by the sampler after the whole GEMM: streamed past the caches.
         return linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.kernels, self.lm_head_tiles,
-                      stream=True, int8=self.lm_head_int8, int8_ops=self.lm_head_int8_ops)
+                      stream=True, int8=head8, int8_ops=self.lm_head_int8_ops, int8_fewest=fewest)
 
     # -- weights --------------------------------------------------------------------------------
 
