@@ -13,6 +13,7 @@ import logging
 import math
 import mmap
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -38,21 +39,41 @@ def thp_mode() -> str | None:
     return mode
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+# `auto` (cache.kv_huge_pages): faults into huge pages slower than this give way to base pages.
+# Measured: huge pages 0.08 s a GB where the host has them backed, ~5 s where it must back them
+# again (virtio-balloon free page reporting); 4 KiB pages ~0.2 s a GB on both.
+SLOW_HUGE_FAULTS_S_PER_GB = 1.0
+FAULT_CHUNK = 8 * HUGE_PAGE  # `auto` times the faults of this many bytes at a time
+
+# `auto`: the rate (s a GB) of the first slow faults seen in this process, after which every later
+# pool buffer goes on base pages; None while huge pages come fast.
+_slow_huge_faults: float | None = None
+
+
+def huge_pages_came_slowly() -> float | None:
+    """The fault rate (s a GB) that made `auto` give up huge pages in this process, or None."""
+    return _slow_huge_faults
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, give_up_when_slow: bool = False) -> torch.Tensor:
     """A zeroed CPU tensor in memory the kernel is asked to back with transparent huge pages.
 
     A decode step reads every running request's KV, scattered over the pools (each request's
     decoded tokens a batch's worth of slots apart), so on 4 KiB pages its reads keep missing the
     TLB. With `cache.kv_huge_pages` the pools are mapped on their own (anonymous and private, so
     zero-filled) and advised MADV_HUGEPAGE, which Linux honours where THP_SETTING is `always` or
-    `madvise` (the usual default). Measured on a 2-core Xeon (docs/performance.md, issue 17's
-    fifteenth session): decode attention over 200 requests' pools 2.29-2.31 -> 2.16-2.18 ms a
-    layer. The pages are faulted in here, as torch.zeros would: left to the first passes that write
-    there, the faults (on a VM, each one also the host's) made a W200 run 60 % slower. And that is
-    why it is not the default: where the VM hands free memory back to its host (virtio-balloon free
-    page reporting, as on that Xeon), fresh huge pages come from memory the host must back again,
-    ~5 s a GB at start-up (4 KiB pages there took 0.2 s a GB). Elsewhere (no MADV_HUGEPAGE, THP
-    `never`, a failed mmap, under a megabyte) this is torch.zeros."""
+    `madvise` (the usual default). Measured (docs/performance.md, issue 17): decode attention over
+    200 requests' pools 2.29-2.31 -> 2.16-2.18 ms a layer on a 2-core Xeon; W200's decode attention
+    8.0-8.8 -> 7.4-8.4 s on a 2-core AMD EPYC. The pages are faulted in here, as torch.zeros
+    would: left to the first passes that write there, the faults (on a VM, each one also the
+    host's) made a W200 run 60 % slower. Where the VM hands free memory back to its host
+    (virtio-balloon free page reporting, as on that Xeon), fresh huge pages come from memory the
+    host must back again, ~5 s a GB at start-up (4 KiB pages there took 0.2 s a GB): with
+    `give_up_when_slow` (`auto`) the faults are timed FAULT_CHUNK at a time, and once a chunk's run
+    slower than SLOW_HUGE_FAULTS_S_PER_GB the rest of the buffer is advised MADV_NOHUGEPAGE (base
+    pages) and the process remembers it (huge_pages_came_slowly), so that start-up pays for one
+    slow chunk at most. Elsewhere (no MADV_HUGEPAGE, THP `never`, a failed mmap, under a
+    megabyte) this is torch.zeros."""
     nbytes = math.prod(shape) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or nbytes < HUGE_PAGE // 2 or thp_mode() == "never":
@@ -67,8 +88,38 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     offset = -ctypes.addressof(anchor) % HUGE_PAGE  # start on a huge page's boundary
     del anchor
     flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
-    flat.zero_()  # fault the pages in now, not in the first passes that write there
+    # fault the pages in now, not in the first passes that write there
+    if not give_up_when_slow:
+        flat.zero_()
+        return flat.view(dtype).view(shape)
+    done = 0
+    while done < nbytes:
+        end = min(done + FAULT_CHUNK, nbytes)
+        start = time.perf_counter()
+        flat[done:end].zero_()
+        rate = (time.perf_counter() - start) / ((end - done) / 1e9)
+        done = end
+        if rate > SLOW_HUGE_FAULTS_S_PER_GB and done < nbytes:
+            _give_up_huge_pages(region, offset + done, rate)
+            flat[done:].zero_()
+            break
     return flat.view(dtype).view(shape)
+
+
+def _give_up_huge_pages(region: mmap.mmap, at: int, rate: float) -> None:
+    """Advise `region` from `at` (a multiple of HUGE_PAGE) onto base pages, and remember why."""
+    global _slow_huge_faults
+    no_advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if no_advice is not None:
+        try:
+            region.madvise(no_advice, at, len(region) - at)
+        except (OSError, ValueError) as e:
+            logger.debug("MADV_NOHUGEPAGE refused: %s", e)
+    if _slow_huge_faults is None:
+        logger.info("cache.kv_huge_pages = 'auto': huge pages came at %.1f s a GB (the host backs them again), "
+                    "so the rest of the KV pool goes on 4 KiB pages (~0.2 s a GB); `true` keeps huge pages",
+                    rate)
+    _slow_huge_faults = rate
 
 
 class ReqToTokenPool:
@@ -124,8 +175,10 @@ class TokenToKVPool:
         head_dim: int,
         num_layers: int,
         device: str = "cpu",
-        huge_pages: bool = False,
+        huge_pages: bool | str = False,
     ):
+        if huge_pages not in (True, False, "auto"):
+            raise ValueError(f"huge_pages must be true, false or 'auto', got {huge_pages!r}")
         self.size = size
         self.huge_pages = huge_pages
         self.dtype = dtype
@@ -141,8 +194,12 @@ class TokenToKVPool:
         self.clear()
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.huge_pages and torch.device(self.device).type == "cpu":
-            return zeros_on_huge_pages(shape, self.store_dtype)
+        """A zeroed buffer: on huge pages where `huge_pages` asks (true; `auto` while they come
+        fast in this process, see zeros_on_huge_pages), else torch.zeros."""
+        auto = self.huge_pages == "auto"
+        if (self.huge_pages and torch.device(self.device).type == "cpu"
+                and not (auto and huge_pages_came_slowly() is not None)):
+            return zeros_on_huge_pages(shape, self.store_dtype, give_up_when_slow=auto)
         return torch.zeros(shape, dtype=self.store_dtype, device=self.device)
 
     @staticmethod

@@ -120,11 +120,72 @@ def test_the_setting_puts_an_engines_pool_on_huge_pages_with_the_same_outputs(ma
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9] * 5]
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     outputs = []
-    for huge in (False, True):
-        engine = make_engine(cache={"max_total_tokens": None, "kv_cache_memory_mb": 8, "kv_huge_pages": huge})
+    for huge in (False, True, None):  # None: the default, 'auto'
+        cache = {"max_total_tokens": None, "kv_cache_memory_mb": 8}
+        if huge is not None:
+            cache["kv_huge_pages"] = huge
+        engine = make_engine(cache=cache)
         pool = engine.scheduler.worker.token_to_kv_pool
-        assert pool.huge_pages is huge
+        assert pool.huge_pages == ("auto" if huge is None else huge)
         if huge:
             assert all(buf.data_ptr() % HUGE_PAGE == 0 for buf in pool.k_buffer + pool.v_buffer)
         outputs.append([o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)])
-    assert outputs[0] == outputs[1] and [len(o) for o in outputs[1]] == [8, 8]
+    assert outputs[0] == outputs[1] == outputs[2] and [len(o) for o in outputs[1]] == [8, 8]
+
+
+def _big_pool(huge_pages) -> TokenToKVPool:
+    # 100,000 tokens: 38.4 MB a buffer, more than one FAULT_CHUNK (16 MiB)
+    return TokenToKVPool(100_000, torch.bfloat16, num_kv_heads=3, head_dim=64, num_layers=2, huge_pages=huge_pages)
+
+
+@pytest.mark.skipif(not (_HAS_ADVICE and _thp_honours_madvise() and Path("/proc/self/smaps").exists()),
+                    reason="transparent huge pages off (or not Linux)")
+def test_auto_gives_up_huge_pages_after_one_slow_chunk(monkeypatch, caplog):
+    """cache.kv_huge_pages = 'auto' where huge pages fault in slowly (every chunk made to count as
+    slow): the first buffer's first chunk keeps them, the rest of it is advised onto base pages,
+    every later buffer is plain torch.zeros, and the log says so once."""
+    monkeypatch.setattr(memory, "_slow_huge_faults", None)
+    monkeypatch.setattr(memory, "SLOW_HUGE_FAULTS_S_PER_GB", 0.0)
+    calls = []
+    real = memory.zeros_on_huge_pages
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("give_up_when_slow"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "zeros_on_huge_pages", counted)
+    with caplog.at_level("INFO", logger="framework.memory"):
+        pool = _big_pool("auto")
+    assert calls == [True]  # the first buffer only
+    assert memory.huge_pages_came_slowly() is not None and memory.huge_pages_came_slowly() > 0
+    assert caplog.text.count("so the rest of the KV pool goes on 4 KiB pages") == 1
+    first = pool.k_buffer[0]
+    assert first.data_ptr() % HUGE_PAGE == 0
+    assert _anon_huge_kib(first.data_ptr()) <= memory.FAULT_CHUNK // 1024  # not the whole 38.4 MB
+    for buf in pool.k_buffer + pool.v_buffer:
+        assert buf.shape == (100_001, 3, 64) and not buf.any()
+
+
+@pytest.mark.skipif(not _HAS_ADVICE, reason="no MADV_HUGEPAGE on this platform")
+def test_auto_keeps_huge_pages_while_they_come_fast(monkeypatch):
+    monkeypatch.setattr(memory, "_slow_huge_faults", None)
+    monkeypatch.setattr(memory, "SLOW_HUGE_FAULTS_S_PER_GB", float("inf"))
+    pool = _big_pool("auto")
+    assert memory.huge_pages_came_slowly() is None
+    for buf in pool.k_buffer + pool.v_buffer:
+        assert buf.data_ptr() % HUGE_PAGE == 0 and not buf.any()
+
+
+def test_auto_after_slow_faults_and_false_use_torch_zeros(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("zeros_on_huge_pages called")
+
+    monkeypatch.setattr(memory, "zeros_on_huge_pages", refuse)
+    monkeypatch.setattr(memory, "_slow_huge_faults", 5.0)  # an earlier pool of this process found them slow
+    assert not _big_pool("auto").k_buffer[0].any()
+    assert not _big_pool(False).k_buffer[0].any()
+
+
+def test_the_pool_refuses_other_huge_pages_values():
+    with pytest.raises(ValueError, match="huge_pages must be true, false or 'auto'"):
+        TokenToKVPool(10, torch.bfloat16, num_kv_heads=1, head_dim=8, num_layers=1, huge_pages="yes")

@@ -61,8 +61,9 @@ class ModelRunner:
         packed_weights: worker.packed_weights: prepack bf16 linear weights for oneDNN on CPU.
         gguf_decode: worker.gguf_decode ("auto", "exact" or "off"): decode steps on the Q4_1 weights
             of the GGUF `model_path` was converted from (framework/model/gguf_decode.py).
-        kv_huge_pages: cache.kv_huge_pages: a CPU KV pool on transparent huge pages
-            (memory.zeros_on_huge_pages).
+        kv_huge_pages: cache.kv_huge_pages: a CPU KV pool on transparent huge pages (True), on
+            them while they come fast ("auto"), or on base pages (False); see
+            memory.zeros_on_huge_pages.
         quantization: model.quantization: "none", or "w8a8" for int8 GEMMs in the layers
             (framework/model/int8.py; bf16 on the CPU only).
         int8_lm_head: model.int8_lm_head: with "w8a8", the LM head in int8 too.
@@ -83,7 +84,7 @@ class ModelRunner:
         packed_weights: bool = True,
         kv_dtype: torch.dtype | None = None,
         gguf_decode: str = "auto",
-        kv_huge_pages: bool = False,
+        kv_huge_pages: bool | str = "auto",
         quantization: str = "none",
         int8_lm_head: bool = False,
     ):
@@ -124,7 +125,7 @@ class ModelRunner:
         cpu_kernels: str = "auto",
         packed_weights: bool = True,
         kv_dtype: torch.dtype | None = None,
-        kv_huge_pages: bool = False,
+        kv_huge_pages: bool | str = "auto",
         quantization: str = "none",
         int8_lm_head: bool = False,
     ) -> "ModelRunner":
@@ -154,7 +155,7 @@ class ModelRunner:
         cpu_kernels: str = "auto",
         packed_weights: bool = True,
         kv_dtype: torch.dtype | None = None,
-        kv_huge_pages: bool = False,
+        kv_huge_pages: bool | str = "auto",
         quantization: str = "none",
         int8_lm_head: bool = False,
     ) -> None:
