@@ -224,7 +224,8 @@ static inline __attribute__((always_inline)) void vector_scores(const uint16_t *
 /* o [n][64] (n <= 6 rows of P, row stride ldp) = P V over `blocks` key blocks of V's copy `vh`
  * (a block: four column tiles of 16 key pairs x 16 columns), on the vectors. */
 static inline __attribute__((always_inline)) void vector_values(const uint16_t *p, int64_t ldp, const uint16_t *vh,
-                                                                int64_t blocks, float *o, int n) {
+                                                                int64_t blocks, const float *inv_sum, uint16_t *out,
+                                                                int64_t out_stride, int n) {
     __m512 acc[6][4];
     for (int r = 0; r < n; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
@@ -239,8 +240,10 @@ static inline __attribute__((always_inline)) void vector_values(const uint16_t *
             }
         }
     }
-    for (int r = 0; r < n; r++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + r * HEAD_DIM + c * 16, acc[r][c]);
+    for (int r = 0; r < n; r++) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+        for (int c = 0; c < 4; c++) store16_bf16(out + r * out_stride + c * 16, _mm512_mul_ps(acc[r][c], inv));
+    }
 }
 
 /* vector_scores and vector_values for n rows, each count a constant in its own copy: with n
@@ -259,14 +262,15 @@ static void scores_rows(const uint16_t *q, int64_t qs, const uint16_t *kb, float
     }
 }
 
-static void values_rows(const uint16_t *p, int64_t ldp, const uint16_t *vh, int64_t blocks, float *o, int n) {
+static void values_rows(const uint16_t *p, int64_t ldp, const uint16_t *vh, int64_t blocks, const float *inv_sum,
+                        uint16_t *out, int64_t out_stride, int n) {
     switch (n) {
-    case 6: vector_values(p, ldp, vh, blocks, o, 6); break;
-    case 5: vector_values(p, ldp, vh, blocks, o, 5); break;
-    case 4: vector_values(p, ldp, vh, blocks, o, 4); break;
-    case 3: vector_values(p, ldp, vh, blocks, o, 3); break;
-    case 2: vector_values(p, ldp, vh, blocks, o, 2); break;
-    case 1: vector_values(p, ldp, vh, blocks, o, 1); break;
+    case 6: vector_values(p, ldp, vh, blocks, inv_sum, out, out_stride, 6); break;
+    case 5: vector_values(p, ldp, vh, blocks, inv_sum, out, out_stride, 5); break;
+    case 4: vector_values(p, ldp, vh, blocks, inv_sum, out, out_stride, 4); break;
+    case 3: vector_values(p, ldp, vh, blocks, inv_sum, out, out_stride, 3); break;
+    case 2: vector_values(p, ldp, vh, blocks, inv_sum, out, out_stride, 2); break;
+    case 1: vector_values(p, ldp, vh, blocks, inv_sum, out, out_stride, 1); break;
     }
 }
 
@@ -345,23 +349,24 @@ static void attend(const Ext *e, int g, int64_t i0, uint16_t q_pad[16 * HEAD_DIM
             numerators(s + j, p + j, scale, shift, first_lanes(seen - j), first_lanes(seen - j - 16), &vsum0, &vsum1);
         inv_sum[r] = 1.0f / _mm512_reduce_add_ps(_mm512_add_ps(vsum0, vsum1));
     }
-    float o[16 * HEAD_DIM];
+    uint16_t *out = e->out + i0 * e->out_stride + g * HEAD_DIM;
 #if HAVE_AMX
-    if (e->tiles)
+    if (e->tiles) {
+        float o[16 * HEAD_DIM];
         tile_values(e, h, blocks, probs, ldp, o);
-    else
+        for (int r = 0; r < rows; r++) {
+            __m512 inv = _mm512_set1_ps(inv_sum[r]);
+            for (int c = 0; c < HEAD_DIM; c += 16)
+                store16_bf16(out + r * e->out_stride + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * HEAD_DIM + c), inv));
+        }
+        return;
+    }
 #endif
-    {
-        const uint16_t *vh = e->vt + (size_t)h * e->kv_blocks * 4 * TILE_ELEMS;
-        for (int r0 = 0; r0 < rows; r0 += 6)
-            values_rows(probs + r0 * ldp, ldp, vh, blocks, o + r0 * HEAD_DIM, rows - r0 < 6 ? rows - r0 : 6);
-    }
-    for (int r = 0; r < rows; r++) {
-        __m512 inv = _mm512_set1_ps(inv_sum[r]);
-        uint16_t *dst = e->out + (i0 + r) * e->out_stride + g * HEAD_DIM;
-        for (int c = 0; c < HEAD_DIM; c += 16)
-            store16_bf16(dst + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * HEAD_DIM + c), inv));
-    }
+    /* on the vectors the sums go out from the registers, divided by the row sums and rounded */
+    const uint16_t *vh = e->vt + (size_t)h * e->kv_blocks * 4 * TILE_ELEMS;
+    for (int r0 = 0; r0 < rows; r0 += 6)
+        values_rows(probs + r0 * ldp, ldp, vh, blocks, inv_sum + r0, out + r0 * e->out_stride, e->out_stride,
+                    rows - r0 < 6 ? rows - r0 : 6);
 }
 
 static void *run_attention(void *arg) {
