@@ -102,16 +102,18 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, give_up_when
         start = time.perf_counter()
         flat[done:end].zero_()
         rate = (time.perf_counter() - start) / ((end - done) / 1e9)
-        done = end
-        if rate > SLOW_HUGE_FAULTS_S_PER_GB and done < nbytes:
-            _give_up_huge_pages(region, offset + done, rate)
-            flat[done:].zero_()
+        # (a chunk under a huge page is too short to time; a buffer's last slow chunk still counts,
+        # so that a pool of many small buffers gives up too)
+        if end - done >= HUGE_PAGE and rate > SLOW_HUGE_FAULTS_S_PER_GB:
+            _give_up_huge_pages(region, offset + end, rate)
+            flat[end:].zero_()
             break
+        done = end
     return flat.view(dtype).view(shape)
 
 
 def _give_up_huge_pages(region: mmap.mmap, at: int, rate: float) -> None:
-    """Advise `region` from `at` (a multiple of HUGE_PAGE) onto base pages, and remember why."""
+    """Advise `region` from `at` (a multiple of the base page) onto base pages, and remember why."""
     global _slow_huge_faults
     no_advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
     if no_advice is not None:

@@ -167,6 +167,21 @@ def test_auto_gives_up_huge_pages_after_one_slow_chunk(monkeypatch, caplog):
 
 
 @pytest.mark.skipif(not _HAS_ADVICE, reason="no MADV_HUGEPAGE on this platform")
+def test_auto_gives_up_on_a_slow_buffer_shorter_than_a_chunk(monkeypatch):
+    """Buffers of one chunk or less (15.4 MB here): the first one's slow faults still send every
+    later buffer to torch.zeros."""
+    monkeypatch.setattr(memory, "_slow_huge_faults", None)
+    monkeypatch.setattr(memory, "SLOW_HUGE_FAULTS_S_PER_GB", 0.0)
+    calls = []
+    real = memory.zeros_on_huge_pages
+    monkeypatch.setattr(memory, "zeros_on_huge_pages", lambda *a, **k: calls.append(1) or real(*a, **k))
+    pool = TokenToKVPool(40_000, torch.bfloat16, num_kv_heads=3, head_dim=64, num_layers=2, huge_pages="auto")
+    assert pool.k_buffer[0].numel() * 2 <= memory.FAULT_CHUNK
+    assert calls == [1] and memory.huge_pages_came_slowly() is not None
+    assert all(not buf.any() for buf in pool.k_buffer + pool.v_buffer)
+
+
+@pytest.mark.skipif(not _HAS_ADVICE, reason="no MADV_HUGEPAGE on this platform")
 def test_auto_keeps_huge_pages_while_they_come_fast(monkeypatch):
     monkeypatch.setattr(memory, "_slow_huge_faults", None)
     monkeypatch.setattr(memory, "SLOW_HUGE_FAULTS_S_PER_GB", float("inf"))
