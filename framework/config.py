@@ -159,7 +159,7 @@ class CacheSettings(_Section):
     eviction: str = Field("lru", description="Radix cache eviction order: lru, lfu or priority.")
     kv_huge_pages: bool | Literal["auto"] = Field(
         "auto",
-        description="CPU KV pool on transparent huge pages, faulted in at start-up: decode attention 3-12 % "
+        description="CPU KV pool on transparent huge pages, faulted in at start-up: decode attention 3-10 % "
         "faster. true: always; auto: while the faults come at under 1 s a GB (where free memory goes back "
         "to a hypervisor, virtio-balloon free page reporting, they take 1.2-5 s a GB against 0.2-0.3 on 4 KiB "
         "pages), then the rest on 4 KiB pages; false: 4 KiB pages.",

@@ -43,7 +43,7 @@ def thp_mode() -> str | None:
 # Measured: huge pages 0.08-0.4 s a GB where the host still backs the memory (another process has
 # just freed it), 1.2-1.7 s a GB on a 2-core AMD EPYC VM and ~5 s on a 2-core Xeon VM where it must
 # back them again (virtio-balloon free page reporting); 4 KiB pages 0.2-0.3 s a GB on both. Decode
-# attention gains 3-12 % on huge pages, W200 1-4 %, within what those boxes drift between runs: not
+# attention gains 3-10 % on huge pages, W200 1-4 %, within what those boxes drift between runs: not
 # worth seconds of every start-up, so `auto` takes them only where they come about as cheaply as
 # base pages (`true` takes them at any price).
 SLOW_HUGE_FAULTS_S_PER_GB = 1.0
