@@ -93,9 +93,6 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, give_up_when
     del anchor
     flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
     # fault the pages in now, not in the first passes that write there
-    if not give_up_when_slow:
-        flat.zero_()
-        return flat.view(dtype).view(shape)
     done = 0
     while done < nbytes:
         end = min(done + FAULT_CHUNK, nbytes)
@@ -104,7 +101,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, give_up_when
         rate = (time.perf_counter() - start) / ((end - done) / 1e9)
         # (a chunk under a huge page is too short to time; a buffer's last slow chunk still counts,
         # so that a pool of many small buffers gives up too)
-        if end - done >= HUGE_PAGE and rate > SLOW_HUGE_FAULTS_S_PER_GB:
+        if give_up_when_slow and end - done >= HUGE_PAGE and rate > SLOW_HUGE_FAULTS_S_PER_GB:
             _give_up_huge_pages(region, offset + end, rate)
             flat[end:].zero_()
             break
@@ -125,7 +122,7 @@ def _give_up_huge_pages(region: mmap.mmap, at: int, rate: float) -> None:
         logger.info("cache.kv_huge_pages = 'auto': huge pages came at %.1f s a GB (the host backs them again), "
                     "so the rest of the KV pool goes on 4 KiB pages (~0.2 s a GB); `true` keeps huge pages",
                     rate)
-    _slow_huge_faults = rate
+        _slow_huge_faults = rate
 
 
 class ReqToTokenPool:

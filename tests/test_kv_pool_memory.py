@@ -133,6 +133,22 @@ def test_the_setting_puts_an_engines_pool_on_huge_pages_with_the_same_outputs(ma
     assert outputs[0] == outputs[1] == outputs[2] and [len(o) for o in outputs[1]] == [8, 8]
 
 
+def _every_fault_slow(monkeypatch) -> list:
+    """`auto` made to find every chunk's faults slow, in a process that has not given up yet;
+    returns the `give_up_when_slow` of each zeros_on_huge_pages call from then on."""
+    monkeypatch.setattr(memory, "_slow_huge_faults", None)
+    monkeypatch.setattr(memory, "SLOW_HUGE_FAULTS_S_PER_GB", 0.0)
+    calls = []
+    real = memory.zeros_on_huge_pages
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("give_up_when_slow"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "zeros_on_huge_pages", counted)
+    return calls
+
+
 def _big_pool(huge_pages) -> TokenToKVPool:
     # 100,000 tokens: 38.4 MB a buffer, more than one FAULT_CHUNK (16 MiB)
     return TokenToKVPool(100_000, torch.bfloat16, num_kv_heads=3, head_dim=64, num_layers=2, huge_pages=huge_pages)
@@ -144,16 +160,7 @@ def test_auto_gives_up_huge_pages_after_one_slow_chunk(monkeypatch, caplog):
     """cache.kv_huge_pages = 'auto' where huge pages fault in slowly (every chunk made to count as
     slow): the first buffer's first chunk keeps them, the rest of it is advised onto base pages,
     every later buffer is plain torch.zeros, and the log says so once."""
-    monkeypatch.setattr(memory, "_slow_huge_faults", None)
-    monkeypatch.setattr(memory, "SLOW_HUGE_FAULTS_S_PER_GB", 0.0)
-    calls = []
-    real = memory.zeros_on_huge_pages
-
-    def counted(*args, **kwargs):
-        calls.append(kwargs.get("give_up_when_slow"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(memory, "zeros_on_huge_pages", counted)
+    calls = _every_fault_slow(monkeypatch)
     with caplog.at_level("INFO", logger="framework.memory"):
         pool = _big_pool("auto")
     assert calls == [True]  # the first buffer only
@@ -170,14 +177,10 @@ def test_auto_gives_up_huge_pages_after_one_slow_chunk(monkeypatch, caplog):
 def test_auto_gives_up_on_a_slow_buffer_shorter_than_a_chunk(monkeypatch):
     """Buffers of one chunk or less (15.4 MB here): the first one's slow faults still send every
     later buffer to torch.zeros."""
-    monkeypatch.setattr(memory, "_slow_huge_faults", None)
-    monkeypatch.setattr(memory, "SLOW_HUGE_FAULTS_S_PER_GB", 0.0)
-    calls = []
-    real = memory.zeros_on_huge_pages
-    monkeypatch.setattr(memory, "zeros_on_huge_pages", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _every_fault_slow(monkeypatch)
     pool = TokenToKVPool(40_000, torch.bfloat16, num_kv_heads=3, head_dim=64, num_layers=2, huge_pages="auto")
     assert pool.k_buffer[0].numel() * 2 <= memory.FAULT_CHUNK
-    assert calls == [1] and memory.huge_pages_came_slowly() is not None
+    assert calls == [True] and memory.huge_pages_came_slowly() is not None
     assert all(not buf.any() for buf in pool.k_buffer + pool.v_buffer)
 
 
