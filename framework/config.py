@@ -38,10 +38,12 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Weight and activation dtype. auto: bfloat16 where the CPU supports it, else float32."
     )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8_e5m2"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8_e5m2", "int8"] = Field(
         "auto", description="KV cache dtype. auto: the model dtype. fp8_e5m2: one byte a value (twice the "
         "tokens of bf16 in the same memory, half the bytes a decode step reads) at 2 mantissa bits; greedy "
-        "outputs then drift from the model's own.",
+        "outputs then drift from the model's own. int8: one byte a value and an fp32 scale per token and KV "
+        "head (max |x| / 127 of its row), so ~1.9x bf16's tokens and about half the bytes read, at about "
+        "bf16's quality (perplexity in docs/performance.md); outputs drift from the model's own too.",
     )
     quantization: Literal["none", "w8a8"] = Field(
         "none",

@@ -165,9 +165,14 @@ E5M2_MAX = 57344.0
 class TokenToKVPool:
     """KV slots for a multi-head-attention model: per layer `[size + 1, kv_heads, head_dim]` K and V.
 
-    `dtype` is what the cache holds: float32, bfloat16 or float8_e5m2. float8_e5m2 is stored as
+    `dtype` is what the cache holds: float32, bfloat16, float8_e5m2 or int8. float8_e5m2 is stored as
     uint8 (`store_dtype`, as the reference does); readers view those rows as float8_e5m2 and widen
     them (`widen_kv`), the C kernels decode the bytes themselves.
+
+    int8 (model.kv_cache_dtype = "int8") keeps each slot's head row of K and of V as int8 values
+    and one fp32 scale (max |x| / 127 of the row; `quantize_kv_rows`): the scales are per layer
+    `[size + 1, kv_heads]` tensors, `k_scale` and `v_scale`, and each int8 buffer carries its own
+    as the attribute `kv_scales` (`kv_scales(buf)`), so that whatever holds a buffer can read it.
     """
 
     def __init__(
@@ -186,6 +191,8 @@ class TokenToKVPool:
         self.huge_pages = huge_pages
         self.dtype = dtype
         self.store_dtype = torch.uint8 if dtype == torch.float8_e5m2 else dtype
+        if dtype not in (torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int8):
+            raise ValueError(f"a KV pool holds float32, bfloat16, float8_e5m2 or int8, not {dtype}")
         self.device = device
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -193,22 +200,32 @@ class TokenToKVPool:
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffer = [self._zeros(shape) for _ in range(num_layers)]
         self.v_buffer = [self._zeros(shape) for _ in range(num_layers)]
+        self.k_scale: list[torch.Tensor] = []  # int8 pools: per layer [size + 1, kv_heads] fp32
+        self.v_scale: list[torch.Tensor] = []
+        if dtype == torch.int8:
+            for bufs, scales in ((self.k_buffer, self.k_scale), (self.v_buffer, self.v_scale)):
+                for buf in bufs:
+                    scales.append(self._zeros(shape[:2], torch.float32))
+                    buf.kv_scales = scales[-1]
         self._free_group: list[torch.Tensor] | None = None
         self.clear()
 
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zeroed buffer: on huge pages where `huge_pages` asks (true; `auto` while they come
-        fast in this process, see zeros_on_huge_pages), else torch.zeros."""
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A zeroed buffer (of the stored dtype unless `dtype`): on huge pages where `huge_pages`
+        asks (true; `auto` while they come fast in this process, see zeros_on_huge_pages), else
+        torch.zeros."""
+        dtype = dtype or self.store_dtype
         auto = self.huge_pages == "auto"
         if (self.huge_pages and torch.device(self.device).type == "cpu"
                 and not (auto and huge_pages_came_slowly() is not None)):
-            return zeros_on_huge_pages(shape, self.store_dtype, give_up_when_slow=auto)
-        return torch.zeros(shape, dtype=self.store_dtype, device=self.device)
+            return zeros_on_huge_pages(shape, dtype, give_up_when_slow=auto)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @staticmethod
     def cell_size(num_kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype) -> int:
-        """Bytes one token of KV takes over all layers (reference P3)."""
-        return num_kv_heads * head_dim * num_layers * 2 * dtype.itemsize
+        """Bytes one token of KV takes over all layers (reference P3); an int8 pool's scales too."""
+        row = head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)
+        return num_kv_heads * row * num_layers * 2
 
     def available_size(self) -> int:
         return int(self.free_slots.numel())
@@ -244,8 +261,12 @@ class TokenToKVPool:
         self._free_group = None
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][loc] = self._stored(k)
-        self.v_buffer[layer_id][loc] = self._stored(v)
+        """k, v: [len(loc), kv_heads, head_dim] rows for the slots `loc`."""
+        for buf, x in ((self.k_buffer[layer_id], k), (self.v_buffer[layer_id], v)):
+            if self.dtype == torch.int8:
+                buf[loc], buf.kv_scales[loc] = quantize_kv_rows(x)
+            else:
+                buf[loc] = self._stored(x)
 
     def _stored(self, x: torch.Tensor) -> torch.Tensor:
         if self.store_dtype != torch.uint8:
@@ -253,9 +274,27 @@ class TokenToKVPool:
         return x.clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2).view(torch.uint8)
 
 
-def widen_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K or V rows [..., head_dim] as an int8 pool keeps them: int8 values round(x / s) (to nearest
+    even) and the scales s = max |x| / 127 of each row, in fp32 (a row of zeros: scale 0, values 0;
+    x is first as the model's dtype gives it, e.g. bf16). The C kernels (rope_kv) make the same bits."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / 127
+    q = torch.where(scale[..., None] > 0, x / scale[..., None], torch.zeros((), dtype=torch.float32))
+    return torch.round(q).clamp_(-127, 127).to(torch.int8), scale
+
+
+def kv_scales(buf: torch.Tensor) -> torch.Tensor | None:
+    """The [slots, kv_heads] fp32 scales of an int8 pool's K or V buffer; None for other pools."""
+    return getattr(buf, "kv_scales", None)
+
+
+def widen_kv(rows: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor | None = None) -> torch.Tensor:
     """Rows read from a pool's K/V buffers, in a dtype attention computes in: the float8_e5m2
-    bytes of an fp8 pool widened to `dtype`, other pools' rows as they are."""
+    bytes of an fp8 pool widened to `dtype`, an int8 pool's values times their `scales` (one per
+    row: the rows' shape without head_dim), other pools' rows as they are."""
     if rows.dtype == torch.uint8:
         return rows.view(torch.float8_e5m2).to(dtype)
+    if rows.dtype == torch.int8:
+        return (rows.float() * scales.unsqueeze(-1)).to(dtype)
     return rows

@@ -13,7 +13,7 @@ import torch
 
 import torch.nn.functional as F
 
-from framework.memory import widen_kv
+from framework.memory import kv_scales, quantize_kv_rows, widen_kv
 from framework.model import cpu_kernels
 from framework.model.attention import TorchNativeAttention, _KernelDecode
 from framework.model.cpu_kernels import load_decode_kernel
@@ -26,8 +26,18 @@ needs_kernel = pytest.mark.skipif(KERNELS is None, reason="no C compiler on this
 
 
 def _as_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as a KV pool of `dtype` holds it (float8_e5m2 as its bytes, see TokenToKVPool)."""
+    """x as a KV pool of `dtype` holds it (float8_e5m2 as its bytes; int8 as its values, carrying
+    their scales as an int8 pool's buffers do: see TokenToKVPool)."""
+    if dtype == torch.int8:
+        values, scales = quantize_kv_rows(x.bfloat16())
+        values.kv_scales = scales
+        return values
     return x.to(dtype).view(torch.uint8) if dtype == torch.float8_e5m2 else x.to(dtype)
+
+
+def _values(buf: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A pool buffer's values widened to `dtype` (widen_kv, an int8 pool's with their scales), in fp32."""
+    return widen_kv(buf, dtype, kv_scales(buf)).float()
 
 
 def _scattered_pool(lens, kv_heads, head_dim, dtype, seed=0):
@@ -49,7 +59,7 @@ def _scattered_pool(lens, kv_heads, head_dim, dtype, seed=0):
 def _reference(q, k, v, req_to_token, pool_idx, lens, group, scale):
     """[n, heads, D] float64: each query attends to its request's slots, one KV head per group."""
     out = torch.empty(q.shape, dtype=torch.float64)
-    k, v = widen_kv(k, torch.float32), widen_kv(v, torch.float32)
+    k, v = _values(k), _values(v)
     for i, n in enumerate(lens):
         slots = req_to_token[pool_idx[i], :n]
         kk = k[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, n, D]
@@ -63,7 +73,8 @@ def _reference(q, k, v, req_to_token, pool_idx, lens, group, scale):
 @pytest.mark.parametrize(
     "q_dtype,kv_dtype,atol",
     [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2), (torch.float32, torch.bfloat16, 1e-4),
-     (torch.bfloat16, torch.float8_e5m2, 2e-2), (torch.float32, torch.float8_e5m2, 1e-4)],
+     (torch.bfloat16, torch.float8_e5m2, 2e-2), (torch.float32, torch.float8_e5m2, 1e-4),
+     (torch.bfloat16, torch.int8, 2e-2), (torch.float32, torch.int8, 1e-4)],
 )
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tiles", [True, False])
@@ -345,10 +356,11 @@ def test_fused_ops_are_used_only_for_bf16():
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 40)])  # 40: half not a multiple of 16
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2, torch.int8])
 def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim, kv_dtype):
     """q, and k and v as a pool stores them (TokenToKVPool.set_kv: an fp8 pool's bytes rounded to
-    nearest even, e5m2 subnormals, values past 57344 clamped, NaN kept), bit for bit."""
+    nearest even, e5m2 subnormals, values past 57344 clamped, NaN kept; an int8 pool's values and
+    scales, rows of zeros among them), bit for bit."""
     from types import SimpleNamespace
 
     from framework.memory import TokenToKVPool
@@ -362,6 +374,7 @@ def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim, kv_dtype):
     scales = torch.tensor([1.0, 1e-5, 3e-5, 1e5, 5e4, 1.0])[torch.randint(0, 6, (width + 8,), generator=gen)]
     qkv = (torch.randn(tokens, width + 8, generator=gen) * scales).to(torch.bfloat16)[:, :width]  # strided rows
     qkv[3, -1] = float("nan")
+    qkv[5, -head_dim:] = 0.0  # a V row of zeros: scale 0
     loc = torch.randperm(slots, generator=gen)[:tokens]
     ours = TokenToKVPool(slots - 1, kv_dtype, kv_heads, head_dim, 1)
     ref = TokenToKVPool(slots - 1, kv_dtype, kv_heads, head_dim, 1)
@@ -370,6 +383,13 @@ def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim, kv_dtype):
     qk = rope.apply(qkv[:, : (heads + kv_heads) * head_dim].reshape(tokens, heads + kv_heads, head_dim))
     ref.set_kv(0, loc, qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim))
     assert torch.equal(q, qk[:, :heads].reshape(tokens, heads * head_dim))  # the same roundings
+    if kv_dtype == torch.int8:  # (NaN's row aside: what a row with a NaN holds is not defined)
+        rows = torch.ones(slots, dtype=torch.bool)
+        rows[loc[3]] = False
+        for mine, theirs in ((ours.k_buffer[0], ref.k_buffer[0]), (ours.v_buffer[0], ref.v_buffer[0])):
+            assert torch.equal(mine[rows], theirs[rows]) and torch.equal(mine.kv_scales[rows], theirs.kv_scales[rows])
+        assert ours.v_scale[0][loc[5], -1] == 0 and not ours.v_buffer[0][loc[5], -1].any()
+        return
     for mine, theirs in ((ours.k_buffer[0], ref.k_buffer[0]), (ours.v_buffer[0], ref.v_buffer[0])):
         mine, theirs = widen_kv(mine, torch.float32), widen_kv(theirs, torch.float32)  # NaN's sign may differ
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
@@ -635,7 +655,7 @@ def _extend_reference(q, k_pool, v_pool, slots, prefix_len, round_p: bool = Fals
     """fp32 causal attention of q [L, heads, 64] over the pool's slots, the prefix all visible;
     `round_p`: the probabilities' numerators rounded to bf16 before P V, as the kernel rounds them."""
     heads, kv_heads = q.shape[1], k_pool.shape[1]
-    k_pool, v_pool = widen_kv(k_pool, torch.float32), widen_kv(v_pool, torch.float32)
+    k_pool, v_pool = _values(k_pool, torch.bfloat16), _values(v_pool, torch.bfloat16)  # as the kernel widens them
     k = k_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
     v = v_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
     seq_len = slots.numel()
@@ -648,7 +668,7 @@ def _extend_reference(q, k_pool, v_pool, slots, prefix_len, round_p: bool = Fals
 
 
 @each_extend
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2, torch.int8])
 @pytest.mark.parametrize("ext_len,prefix_len,heads,kv_heads", [(37, 0, 9, 3), (2, 0, 4, 4), (16, 0, 9, 3),
                                                                  (100, 45, 9, 3), (17, 300, 8, 1), (300, 7, 6, 2),
                                                                  (13, 0, 9, 3), (9, 20, 2, 1), (7, 0, 9, 3),
@@ -665,8 +685,8 @@ def test_extend_attention_matches_fp32(extend, ext_len, prefix_len, heads, kv_he
     slots = torch.randperm(pool, generator=gen)[: prefix_len + ext_len]
     q = _bf16(gen, ext_len, heads + 1, 64, scale=2.0)[:, :heads]  # strided rows
     out = torch.full((ext_len, heads + 2, 64), float("nan"), dtype=torch.bfloat16)
-    rc = extend(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), cpu_kernels.kv_format(k_pool),
-                slots.data_ptr(), prefix_len + ext_len, prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads,
+    rc = extend(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), *cpu_kernels.scale_ptrs(k_pool, v_pool),
+                cpu_kernels.kv_format(k_pool), slots.data_ptr(), prefix_len + ext_len, prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads,
                 64, 0.125, 2)
     assert rc == 0
     ref = _extend_reference(q, k_pool, v_pool, slots, prefix_len)
@@ -694,8 +714,8 @@ def test_extend_attention_keeps_later_keys_out_of_each_rows_max(extend, prefix_l
     k_pool[big + 1] = (q[32, 0].float() * 60).to(torch.bfloat16)
     slots = torch.arange(1, seq_len + 1)
     out = torch.full((ext_len, heads, 64), float("nan"), dtype=torch.bfloat16)
-    rc = extend(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), cpu_kernels.kv_format(k_pool),
-                slots.data_ptr(), seq_len, prefix_len, out.data_ptr(), out.stride(0), heads, 1, 64, 0.125, 2)
+    rc = extend(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), None, None,
+                cpu_kernels.kv_format(k_pool), slots.data_ptr(), seq_len, prefix_len, out.data_ptr(), out.stride(0), heads, 1, 64, 0.125, 2)
     assert rc == 0
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), _extend_reference(q, k_pool, v_pool, slots, prefix_len),
@@ -709,15 +729,16 @@ def test_extend_attention_refuses_what_it_cannot_do(extend):
 
     def call(heads=2, kv_heads=1, head_dim=64, seq_len=4, prefix_len=0, kv_fmt=1):
         out = torch.zeros_like(q)
-        return extend(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.data_ptr(), kv_fmt, slots.data_ptr(), seq_len,
-                      prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads, head_dim, 0.125, 2)
+        return extend(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.data_ptr(), None, None, kv_fmt, slots.data_ptr(),
+                      seq_len, prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads, head_dim, 0.125, 2)
 
     assert call() == 0 and call(kv_fmt=2) == 0
+    assert call(kv_fmt=3) == -1  # an int8 pool without its scales
     assert call(head_dim=32) == -1 and call(heads=3, kv_heads=2) == -1 and call(prefix_len=4) == -1
     assert call(kv_fmt=0) == -1  # an fp32 pool
     if not HAS_TILES:  # the tiles, asked for where there are none
         tiles = cpu_kernels.ExtendAttention(extend._fn, True)
-        assert tiles(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.data_ptr(), 1, slots.data_ptr(), 4, 0,
+        assert tiles(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.data_ptr(), None, None, 1, slots.data_ptr(), 4, 0,
                      q.clone().data_ptr(), q.stride(0), 2, 1, 64, 0.125, 2) == -1
 
 

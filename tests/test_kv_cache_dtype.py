@@ -1,6 +1,6 @@
-"""model.kv_cache_dtype: what the KV pool holds (the model's dtype, float32, bfloat16, or
-float8_e5m2 stored as bytes), how many tokens fit, and that every reader widens fp8 rows to their
-values. The kernels' reading of e5m2 bytes is in tests/test_cpu_kernels.py, our llama over an fp8
+"""model.kv_cache_dtype: what the KV pool holds (the model's dtype, float32, bfloat16,
+float8_e5m2 stored as bytes, or int8 with a scale per row), how many tokens fit, and that every
+reader widens fp8 and int8 rows to their values. The kernels' reading of e5m2 bytes is in tests/test_cpu_kernels.py, our llama over an fp8
 pool against transformers in tests/test_model.py, the real model in tests/test_e2e_reference.py.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framework.memory import E5M2_MAX, TokenToKVPool, widen_kv
+from framework.memory import E5M2_MAX, TokenToKVPool, kv_scales, quantize_kv_rows, widen_kv
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], list(range(10, 60)), [42] * 3]
 
@@ -42,6 +42,32 @@ def test_fp8_values_beyond_the_largest_finite_one_are_stored_as_it_not_as_inf():
     assert back.tolist() == [E5M2_MAX, -E5M2_MAX, E5M2_MAX, -E5M2_MAX, E5M2_MAX, E5M2_MAX, 1.0, 0.0]
 
 
+def test_an_int8_pool_keeps_each_rows_values_and_scale():
+    """Per slot and KV head: int8 values round(x / s) (to nearest even) and s = max |x| / 127 in
+    fp32, in scale tensors each buffer carries (`kv_scales`); read back within half a step."""
+    pool = _pool(torch.int8)
+    assert pool.k_buffer[0].dtype == torch.int8 and pool.store_dtype == torch.int8
+    assert kv_scales(pool.k_buffer[0]) is pool.k_scale[0] and kv_scales(pool.v_buffer[0]) is pool.v_scale[0]
+    assert pool.k_scale[0].shape == (17, 2) and pool.k_scale[0].dtype == torch.float32
+    assert kv_scales(_pool(torch.bfloat16).k_buffer[0]) is None
+    # 4 values a row + a 4-byte scale, against 8 bytes of bf16 (SmolLM2's 64 + 4 against 128)
+    assert TokenToKVPool.cell_size(2, 4, 1, torch.int8) == 2 * 2 * (4 + 4)
+    assert TokenToKVPool.cell_size(3, 64, 30, torch.int8) * 128 == TokenToKVPool.cell_size(3, 64, 30, torch.bfloat16) * 68
+    k = torch.tensor([[1.0, -0.5, 0.25, 127.0], [0.0, 0.0, 0.0, 0.0]]).view(1, 2, 4)
+    v = torch.tensor([[3.0, 2.5, -1.5, 0.5], [1e-3, -2e-3, 3e-3, 0.0]]).view(1, 2, 4)
+    loc = torch.tensor([5])
+    pool.set_kv(0, loc, k, v)
+    assert pool.k_buffer[0][5].tolist() == [[1, 0, 0, 127], [0, 0, 0, 0]]  # -0.5 and 0.25 round to even 0
+    assert pool.k_scale[0][5].tolist() == [1.0, 0.0]  # a row of zeros: scale 0
+    assert pool.v_buffer[0][5, 0].tolist() == [127, 106, -64, 21]  # 2.5 * 127 / 3 = 105.83
+    assert torch.equal(pool.v_scale[0][5], torch.tensor([3.0, 3e-3]) / 127)
+    back = widen_kv(pool.v_buffer[0][loc], torch.float32, pool.v_scale[0][loc])
+    assert ((back - v).abs() <= pool.v_scale[0][loc].unsqueeze(-1) / 2 + 1e-9).all()
+    assert widen_kv(pool.k_buffer[0][loc], torch.bfloat16, pool.k_scale[0][loc]).dtype == torch.bfloat16
+    values, scales = quantize_kv_rows(torch.full((3, 64), -2.0))
+    assert (values == -127).all() and torch.equal(scales, torch.full((3,), 2.0 / 127))
+
+
 def test_other_pools_are_read_as_they_are():
     for dtype in (torch.float32, torch.bfloat16):
         pool = _pool(dtype)
@@ -52,17 +78,19 @@ def test_other_pools_are_read_as_they_are():
 
 @pytest.mark.parametrize("kv_cache_dtype,pool_dtype,bytes_per_value", [
     ("auto", torch.float32, 4), ("float32", torch.float32, 4), ("bfloat16", torch.bfloat16, 2),
-    ("fp8_e5m2", torch.float8_e5m2, 1),
+    ("fp8_e5m2", torch.float8_e5m2, 1), ("int8", torch.int8, 1),
 ])
 def test_the_setting_types_and_sizes_the_pool(make_engine, kv_cache_dtype, pool_dtype, bytes_per_value):
     """The tiny fp32 model: the pool holds the setting's dtype (auto: the model's), as many tokens
-    as kv_cache_memory_mb takes at that size, and the engine generates over it (leak-checked)."""
+    as kv_cache_memory_mb takes at that size (an int8 pool's scales counted: 4 bytes a row), and
+    the engine generates over it (leak-checked)."""
     engine = make_engine(model={"kv_cache_dtype": kv_cache_dtype}, cache={"max_total_tokens": None, "kv_cache_memory_mb": 4})
     worker = engine.scheduler.worker
     pool = worker.token_to_kv_pool
     assert pool.dtype == pool_dtype
     cfg = worker.runner.model_config
-    assert worker.max_total_num_tokens == (4 << 20) // (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * bytes_per_value)
+    row = cfg.head_dim * bytes_per_value + (4 if pool_dtype == torch.int8 else 0)
+    assert worker.max_total_num_tokens == (4 << 20) // (2 * cfg.num_layers * cfg.num_kv_heads * row)
     outs = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert [len(o["output_ids"]) for o in outs] == [6] * len(PROMPTS)
 
@@ -81,4 +109,5 @@ def test_the_sim_worker_sizes_an_fp8_pool_as_the_engine_does(tiny_model_folder):
         return pool_sizes(cfg, torch.bfloat16, 2048, 1, settings)[0]
 
     assert tokens("fp8_e5m2") == 2 * tokens("auto") == 2 * tokens("bfloat16")
+    assert tokens("int8") == (4 << 20) // (2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4))
 

@@ -156,7 +156,7 @@ def test_bf16_prefill_attention_runs_on_the_c_kernel():
         pytest.skip("no prefill attention kernel here (no C compiler or no AVX512-BF16)")
     calls: list[int] = []
     real = backend.extend_kernel
-    backend.extend_kernel = lambda *args: calls.append(args[6]) or real(*args)  # the KV length
+    backend.extend_kernel = lambda *args: calls.append(args[8]) or real(*args)  # the KV length
     reqs = _new_reqs(runner, [40, 23])
     out = runner.forward(_batch(runner, reqs, [21, 23], ForwardMode.EXTEND))
     _check_last(hf, out, reqs, atol=0.1)
@@ -192,7 +192,7 @@ def test_bf16_decode_attention_runs_on_amx_tiles():
     assert calls == [1] * (3 * hf.config.num_hidden_layers)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e5m2])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e5m2, torch.int8])
 def test_decode_path_gives_the_layers_bits(kv_dtype, monkeypatch):
     """A bf16 decode step on the decode path (framework/model/decode_path.py) writes the same KV
     and gives the same logits, bit for bit, as the same step through the layers; a model whose
@@ -216,13 +216,16 @@ def test_decode_path_gives_the_layers_bits(kv_dtype, monkeypatch):
         batch = _batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE)
         locs = batch.out_cache_loc
         fast = runner.forward(batch).next_token_logits.clone()
-        kv = [(pool.k_buffer[i][locs].clone(), pool.v_buffer[i][locs].clone()) for i in range(len(pool.k_buffer))]
+        kv = [[b[locs].clone() for b in (pool.k_buffer[i], pool.v_buffer[i], *_scales(pool, i))]
+              for i in range(len(pool.k_buffer))]
         model._decode_path = False  # the layers, on the same step (same slots, same inputs)
         slow = runner.forward(batch).next_token_logits
         model.reset_decode_path()
         assert torch.equal(fast, slow)
-        for i, (k, v) in enumerate(kv):
-            assert torch.equal(k, pool.k_buffer[i][locs]) and torch.equal(v, pool.v_buffer[i][locs])
+        for i, bufs in enumerate(kv):  # (an int8 pool's scales too)
+            again = (pool.k_buffer[i], pool.v_buffer[i], *_scales(pool, i))
+            assert len(again) == (4 if kv_dtype == torch.int8 else 2)
+            assert all(torch.equal(b, a[locs]) for b, a in zip(bufs, again))
     assert len(runs) == 4
 
     class Wrapped(torch.nn.Module):  # what LoRA does to a targeted projection
@@ -282,6 +285,38 @@ def test_bf16_prefill_tiles_write_their_q_and_outputs_in_place(monkeypatch):
     assert tiles == 3 and into == {"rope_kv": layers * tiles, "linear": layers * tiles}
 
 
+def _scales(pool, layer: int) -> tuple:
+    """An int8 pool's K and V scales of `layer`; () for other pools."""
+    return (pool.k_scale[layer], pool.v_scale[layer]) if pool.dtype == torch.int8 else ()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_int8_kv_cache_is_read_alike_by_the_kernels_and_pytorch(dtype):
+    """An int8 KV pool (model.kv_cache_dtype = "int8"): prefill (the prefill kernel or SDPA, over
+    bf16(value x scale)) and decode (the C kernel: the integers exactly, the scales on scores and
+    probabilities; or PyTorch's dense decode over the widened rows) give logits within fp32
+    rounding of each other in fp32, and stay as near fp32 transformers as a bf16 pool does."""
+    hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                      num_key_value_heads=1))
+    logits = {}
+    for kernels in ("auto", "off"):
+        runner = _runner(hf, dtype=dtype, cpu_kernels=kernels, kv_dtype=torch.int8)
+        pool = runner.token_to_kv_pool
+        assert pool.k_buffer[0].dtype == torch.int8 and pool.k_buffer[0].kv_scales is pool.k_scale[0]
+        prompt_lens = [5, 40, 17]
+        reqs = _new_reqs(runner, [n + 3 for n in prompt_lens])
+        steps = [runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))]
+        for _ in range(3):
+            steps.append(runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE)))
+        for i, r in enumerate(reqs):
+            ref = _hf_logits(hf, r.tokens[: r.done])[-1]
+            assert F.cosine_similarity(steps[-1].next_token_logits[i].float(), ref, dim=0) > 0.999
+        logits[kernels] = torch.stack([out.next_token_logits for out in steps])
+        if kernels == "auto" and runner.cpu_kernels is None:
+            pytest.skip("no C kernels here (no C compiler)")
+    torch.testing.assert_close(logits["auto"], logits["off"], atol=0.2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_an_fp8_kv_cache_is_read_alike_by_the_kernels_and_pytorch(dtype):
     """A float8_e5m2 KV pool (model.kv_cache_dtype = "fp8_e5m2"): prefill (AMX kernel or SDPA) and
@@ -328,7 +363,7 @@ def test_no_amx_runs_the_paths_of_a_cpu_without_amx():
     backend.decode_kernel = lambda *args: flags.append(args[-1]) or real(*args)  # the tiles flag
     extends: list[int] = []
     real_extend = backend.extend_kernel
-    backend.extend_kernel = lambda *args: extends.append(args[6]) or real_extend(*args)  # the KV length
+    backend.extend_kernel = lambda *args: extends.append(args[8]) or real_extend(*args)  # the KV length
     rows: list[int] = []
     for name in ("linear", "gate_up"):
         real_gemm = getattr(kernels.gemm, name)

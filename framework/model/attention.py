@@ -21,8 +21,9 @@ Paths:
   extend_attention.c does them instead, straight from the pool (`use_extend_kernel`; on AMX tiles
   1.5-2.5x faster than SDPA at 64-1,024 tokens on a 2-core Xeon, on the vectors 2.8-3.8x at
   64-2,048 tokens on a 2-core AMD EPYC Zen 4).
-A float8_e5m2 pool (model.kv_cache_dtype; bytes, see TokenToKVPool) is widened to q's dtype right
-after each gather (`widen_kv`); the C kernels widen its bytes themselves (`kv_format`).
+A float8_e5m2 or int8 pool (model.kv_cache_dtype; see TokenToKVPool) is widened to q's dtype right
+after each gather (`widen_kv`, an int8 pool's rows times their scales); the C kernels widen its
+values themselves (`kv_format`, `kv_scales`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from framework.batch import ModelWorkerBatch
-from framework.memory import ReqToTokenPool, TokenToKVPool, widen_kv
+from framework.memory import ReqToTokenPool, TokenToKVPool, kv_scales, widen_kv
 from framework.model.cpu import to_float32
-from framework.model.cpu_kernels import kv_format
+from framework.model.cpu_kernels import kv_format, scale_ptrs
 
 
 @dataclass
@@ -518,9 +519,11 @@ class TorchNativeAttention:
         return out.view(n, self.num_heads * d).to(q.dtype)
 
     def _rows(self, buf: torch.Tensor, index: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """Rows `index` of a K/V buffer viewed as [slots * kv_heads, head_dim] (an fp8 pool's
-        widened to q's dtype)."""
-        return widen_kv(buf.view(-1, self.head_dim).index_select(0, index), q.dtype)
+        """Rows `index` of a K/V buffer viewed as [slots * kv_heads, head_dim] (an fp8 or int8
+        pool's widened to q's dtype)."""
+        scales = kv_scales(buf)
+        return widen_kv(buf.view(-1, self.head_dim).index_select(0, index), q.dtype,
+                        None if scales is None else scales.view(-1).index_select(0, index))
 
     def _kernel_decode(self, q, k_buf, v_buf, plan: _KernelDecode) -> torch.Tensor:
         """[n, heads, D] one-token queries -> [n, heads * D], by the C kernel (fp32 softmax)."""
@@ -528,7 +531,7 @@ class TorchNativeAttention:
         n = q.shape[0]
         out = torch.empty((n, self.num_heads * self.head_dim), dtype=q.dtype)
         rc = self.decode_kernel(
-            q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), plan.req_to_token.data_ptr(),
+            q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), *scale_ptrs(k_buf, v_buf), plan.req_to_token.data_ptr(),
             plan.req_to_token.stride(0), plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr(), out.data_ptr(),
             n, self.num_heads, self.num_kv_heads, self.head_dim, int(q.dtype == torch.bfloat16),
             kv_format(k_buf), self.scaling, torch.get_num_threads(), int(self.decode_tiles),
@@ -545,7 +548,8 @@ class TorchNativeAttention:
                 or out.stride(1) != self.head_dim):
             return False
         rc = self.extend_kernel(
-            q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), kv_format(k_buf), req.kv_indices.data_ptr(),
+            q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), *scale_ptrs(k_buf, v_buf), kv_format(k_buf),
+            req.kv_indices.data_ptr(),
             req.prefix_len + req.extend_len, req.prefix_len, out.data_ptr(), out.stride(0), self.num_heads,
             self.num_kv_heads, self.head_dim, self.scaling, torch.get_num_threads(),
         )
@@ -553,8 +557,9 @@ class TorchNativeAttention:
 
     def _extend_one(self, q, k_buf, v_buf, req: _ExtendReq) -> torch.Tensor:
         """Causal attention of one request's new tokens over its prefix and themselves."""
-        k = widen_kv(k_buf.index_select(0, req.kv_indices), q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, S, D]
-        v = widen_kv(v_buf.index_select(0, req.kv_indices), q.dtype).transpose(0, 1).unsqueeze(0)
+        k, v = (widen_kv(buf.index_select(0, req.kv_indices), q.dtype,
+                         None if kv_scales(buf) is None else kv_scales(buf).index_select(0, req.kv_indices))
+                .transpose(0, 1).unsqueeze(0) for buf in (k_buf, v_buf))  # [1, kv_heads, S, D]
         qh = q.transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, heads, L, D]
         if req.mask is None:
             out = F.scaled_dot_product_attention(

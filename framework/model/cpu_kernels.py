@@ -25,12 +25,14 @@ from typing import Any
 
 import torch
 
+from framework.memory import kv_scales
+
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 # How the attention kernels read a KV pool's buffers, by their dtype (kernels/common.h's KV_F32,
 # KV_BF16, KV_E5M2; a float8_e5m2 pool stores uint8, see TokenToKVPool).
-KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2, torch.int8: 3}
 COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread"]
 # Tried first: the kernels then split their work over torch's own OpenMP threads (kernels/common.h).
 OPENMP_FLAGS = ["-fopenmp"]
@@ -149,13 +151,19 @@ def load_extend_kernel(tiles: bool | None = None) -> ExtendAttention | None:
         return None
     fn = lib.extend_attention
     fn.restype = _INT
-    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _INT, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT, _INT, _FLOAT, _INT, _INT]
+    fn.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_INT, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT, _INT, _FLOAT, _INT, _INT]
     return ExtendAttention(fn, paths == 2 if tiles is None else tiles)
 
 
 def kv_format(buf: torch.Tensor) -> int:
     """The KV_FORMATS code of a pool buffer."""
     return KV_FORMATS[buf.dtype]
+
+
+def scale_ptrs(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple[int | None, int | None]:
+    """The kernels' k_scale and v_scale arguments: an int8 pool's scales, None (NULL) for others."""
+    k, v = kv_scales(k_buf), kv_scales(v_buf)
+    return (None if k is None else k.data_ptr()), (None if v is None else v.data_ptr())
 
 
 def load_decode_kernel():
@@ -168,7 +176,7 @@ def decode_kernel_of(lib: ctypes.CDLL):
     """The `decode_attention` function of a built decode_attention library, typed for ctypes."""
     fn = lib.decode_attention
     fn.restype = _INT
-    fn.argtypes = [_PTR] * 4 + [_I64] + [_PTR] * 3 + [_INT] * 6 + [_FLOAT, _INT, _INT]
+    fn.argtypes = [_PTR] * 6 + [_I64] + [_PTR] * 3 + [_INT] * 6 + [_FLOAT, _INT, _INT]
     return fn
 
 
@@ -190,7 +198,7 @@ class FusedOps:
         self._argmax_masked.argtypes = [_PTR, _INT, _I64, _PTR, _I64, _I64, _I64, _PTR]
         self._rope_kv = lib.rope_kv_bf16
         self._rope_kv.restype = _INT
-        self._rope_kv.argtypes = [_PTR, _I64] + [_PTR] * 6 + [_INT, _I64] + [_INT] * 4
+        self._rope_kv.argtypes = [_PTR, _I64] + [_PTR] * 8 + [_INT, _I64] + [_INT] * 4
 
     # The widest row rms_norm takes (its per-thread row buffer, kernels/fused_ops.c).
     MAX_NORM_WIDTH = 8192
@@ -258,20 +266,23 @@ class FusedOps:
                             mask.data_ptr(), mask.stride(0), rows, d, out.data_ptr())
         return out
 
-    # The widest slot row (kv_heads * head_dim) rope_kv writes into a float8_e5m2 pool (E5M2_ROW_MAX).
+    # The widest slot row (kv_heads * head_dim) rope_kv writes into a float8_e5m2 or int8 pool
+    # (E5M2_ROW_MAX).
     E5M2_ROW_MAX = 4096
 
     def supports_rope_kv(self, k_pool: torch.Tensor) -> bool:
-        """Whether rope_kv writes into this pool buffer: bf16, or float8_e5m2 bytes of rows up to
-        E5M2_ROW_MAX values."""
+        """Whether rope_kv writes into this pool buffer: bf16, or float8_e5m2 bytes or int8 values
+        (with their scales) of rows up to E5M2_ROW_MAX values."""
         return k_pool.dtype == torch.bfloat16 or (
-            k_pool.dtype == torch.uint8 and k_pool.shape[-2] * k_pool.shape[-1] <= self.E5M2_ROW_MAX)
+            (k_pool.dtype == torch.uint8 or (k_pool.dtype == torch.int8 and kv_scales(k_pool) is not None))
+            and k_pool.shape[-2] * k_pool.shape[-1] <= self.E5M2_ROW_MAX)
 
     def rope_kv(self, qkv, cos, sin, loc, k_pool, v_pool, heads: int, kv_heads: int,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """From the fused projection qkv [T, (heads + 2 kv_heads) * D]: rotate q and k by the
         bf16 tables cos/sin ([T, 1, D/2], contiguous), write k and v into the pools ([slots,
-        kv_heads, D], bf16 or float8_e5m2 bytes rounded as TokenToKVPool.set_kv rounds them) at
+        kv_heads, D], bf16, float8_e5m2 bytes or int8 values and scales, as TokenToKVPool.set_kv
+        makes them) at
         `loc` [T] int64; returns q [T, heads * D], written into `out` when given (contiguous bf16
         of that shape, e.g. some rows of a larger q)."""
         rows = qkv.shape[0]
@@ -285,7 +296,8 @@ class FusedOps:
             q = out
         loc = loc.to(torch.int64).contiguous()
         rc = self._rope_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), q.data_ptr(),
-                           k_pool.data_ptr(), v_pool.data_ptr(), kv_format(k_pool), rows, heads, kv_heads, head_dim,
+                           k_pool.data_ptr(), v_pool.data_ptr(), *scale_ptrs(k_pool, v_pool), kv_format(k_pool),
+                           rows, heads, kv_heads, head_dim,
                            torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"rope_kv cannot write into a {k_pool.dtype} pool of rows {tuple(k_pool.shape[1:])}")

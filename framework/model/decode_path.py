@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from framework.model import gguf_decode
-from framework.model.cpu_kernels import _GEMM_EPILOGUES, kv_format
+from framework.model.cpu_kernels import _GEMM_EPILOGUES, kv_format, scale_ptrs
 from framework.model.int8 import min_rows as min_int8_rows
 from framework.model.int8 import _ptr
 
@@ -202,6 +202,7 @@ class DecodePath:
             w = layer.q4 if q4 else layer.tiles
             phid = hid.data_ptr()
             k_buf, v_buf = kv_pool.k_buffer[i].data_ptr(), kv_pool.v_buffer[i].data_ptr()
+            k_scale, v_scale = scale_ptrs(kv_pool.k_buffer[i], kv_pool.v_buffer[i])
             out = outs[i % 2]  # never the layer's input (the other one, or `hidden` itself)
             if int8 is not None:
                 w8 = layer.int8
@@ -216,12 +217,12 @@ class DecodePath:
                 rc |= gemm(px, d, w.qkv, None, 0, pqkv, qkv_size, n, d, qkv_size, _NONE, threads, *tail)
             if mark:
                 mark("gemm")
-            rc |= rope_kv(pqkv, qkv_size, cos, sin, ploc, pq, k_buf, v_buf, kv_fmt, n, heads, kv_heads, head_dim,
-                          threads)
+            rc |= rope_kv(pqkv, qkv_size, cos, sin, ploc, pq, k_buf, v_buf, k_scale, v_scale, kv_fmt, n, heads,
+                          kv_heads, head_dim, threads)
             if mark:
                 mark("elementwise")
-            rc |= attend(pq, k_buf, v_buf, r2t, r2t_stride, pool_idx, seq_lens, pattn, n, heads, kv_heads, head_dim,
-                         q_bf16, kv_fmt, scale, threads, amx)
+            rc |= attend(pq, k_buf, v_buf, k_scale, v_scale, r2t, r2t_stride, pool_idx, seq_lens, pattn, n, heads,
+                         kv_heads, head_dim, q_bf16, kv_fmt, scale, threads, amx)
             if mark:
                 mark("attention")
             if int8 is not None:

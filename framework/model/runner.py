@@ -36,7 +36,7 @@ from framework.preload import running_allocator
 logger = logging.getLogger(__name__)
 
 # What the KV pool can hold (model.kv_cache_dtype).
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e5m2)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int8)
 # KV budget when neither max_total_tokens nor kv_cache_memory_bytes is given.
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 # req_to_token is int64 [max_num_reqs + 1, context_len + 4]. The reference's 2048-4096 request
@@ -50,8 +50,9 @@ class ModelRunner:
     Args:
         model_path: a local HF folder (config.json + safetensors), see `loader.resolve_model`.
         dtype: torch.float32 or torch.bfloat16, for weights, activations and (by default) the KV cache.
-        kv_dtype: the KV cache's dtype when not `dtype`: float32, bfloat16 or float8_e5m2 (half
-            the bytes of bf16, so twice the tokens in the same memory, at 2 mantissa bits).
+        kv_dtype: the KV cache's dtype when not `dtype`: float32, bfloat16, float8_e5m2 (half
+            the bytes of bf16, so twice the tokens in the same memory, at 2 mantissa bits) or int8
+            (one byte a value and a scale per token and KV head: TokenToKVPool).
         max_total_tokens: KV slots; when None, `kv_cache_memory_bytes // cell_size`.
         kv_cache_memory_bytes: KV budget in bytes (default 1 GiB when both are None).
         max_running_requests: request slots; default as in the reference (P3), capped on CPU.
@@ -179,7 +180,7 @@ class ModelRunner:
         self.int8_lm_head = int8_lm_head
         kv_dtype = kv_dtype or dtype
         if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be float32, bfloat16 or float8_e5m2, got {kv_dtype}")
+            raise ValueError(f"kv_dtype must be float32, bfloat16, float8_e5m2 or int8, got {kv_dtype}")
         self.kv_dtype = kv_dtype
         self.kv_huge_pages = kv_huge_pages
         torch.manual_seed(seed)

@@ -43,7 +43,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """model.kv_cache_dtype: auto is the model's dtype."""
     return {"auto": dtype, "float32": torch.float32, "bfloat16": torch.bfloat16,
-            "fp8_e5m2": torch.float8_e5m2}[name]
+            "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}[name]
 
 
 def eos_ids_of(runner: ModelRunner) -> set[int]:

@@ -104,11 +104,12 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-/* How a KV pool's buffers hold their values (TokenToKVPool: float32, bfloat16, or float8_e5m2
- * stored as bytes); cpu_kernels.KV_FORMATS passes these codes. */
+/* How a KV pool's buffers hold their values (TokenToKVPool: float32, bfloat16, float8_e5m2 stored
+ * as bytes, or int8 with scales of their own); cpu_kernels.KV_FORMATS passes these codes. */
 #define KV_F32 0
 #define KV_BF16 1
 #define KV_E5M2 2
+#define KV_I8 3 /* int8 values, one fp32 scale per slot and head in a buffer of their own */
 
 static inline size_t kv_elem_size(int fmt) { return fmt == KV_F32 ? 4 : fmt == KV_BF16 ? 2 : 1; }
 
@@ -166,9 +167,11 @@ static inline __m512 widen_bf16x16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* 16 values at p (fmt: KV_F32, KV_BF16 or KV_E5M2) as fp32 lanes (exact). */
+/* 16 values at p (fmt: KV_F32, KV_BF16, KV_E5M2, or KV_I8 as the integers, before their scale)
+ * as fp32 lanes (exact). */
 static inline __m512 load16(const void *p, int fmt) {
     if (fmt == KV_BF16) return widen_bf16x16(_mm256_loadu_si256((const __m256i *)p));
+    if (fmt == KV_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     if (fmt == KV_E5M2) /* the bytes as the upper halves of fp16s */
         return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
     return _mm512_loadu_ps((const float *)p);
@@ -202,6 +205,15 @@ static inline __m512i e5m2x32_to_bf16(const void *p) {
     return _mm512_mask_add_epi16(_mm512_and_si512(w, _mm512_set1_epi16((short)0x8000)), normal, moved,
                                  _mm512_set1_epi16(112 << 7));
 }
+
+#ifdef __AVX512BF16__
+/* 32 int8 values as bf16 (exact: every integer up to 256 is a bf16). */
+static inline __m512i i8x32_to_bf16(const void *p) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p + 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
 
 /* n (a multiple of 32) float8_e5m2 bytes at src as bf16 at dst (e5m2x32_to_bf16). */
 static inline void e5m2_row_to_bf16(uint16_t *dst, const uint8_t *src, int64_t n) {

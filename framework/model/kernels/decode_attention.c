@@ -3,8 +3,11 @@
  * One query token per request attends to the request's first seq_lens[i] KV slots, which are
  * looked up in the request-to-token table (no gathered or padded copies of the KV). Each request
  * is one task: for every KV head, the `group` query heads that share it read each K and V row
- * once. Scores and the softmax are fp32; q may be bf16 or fp32, K/V fp32, bf16 or float8_e5m2
- * (kv_fmt: common.h's KV_* codes; e5m2 rows are widened as they are read).
+ * once. Scores and the softmax are fp32; q may be bf16 or fp32, K/V fp32, bf16, float8_e5m2 or
+ * int8 (kv_fmt: common.h's KV_* codes; e5m2 and int8 rows are widened as they are read, an int8
+ * row's integers exactly: its scale, one per slot and head, multiplies the row's scores before the
+ * softmax and its probabilities after the softmax's sums, so the int8 pool's reads are its bytes
+ * and a scale per row; int8 requests stay off the AMX tiles).
  *
  * The KV rows are read from DRAM (a decode step reads every running request's whole KV, far more
  * than the caches hold), and a request's slots are scattered over the pool. So the tokens go in
@@ -46,6 +49,7 @@
 typedef struct {
     const void *q;             /* [n, heads, head_dim] */
     const void *k, *v;         /* [slots, kv_heads, head_dim] */
+    const float *k_scale, *v_scale; /* an int8 pool's [slots, kv_heads] scales (kv_fmt KV_I8) */
     const int64_t *req_to_token; /* [pool_rows, row_stride] */
     const int64_t *pool_idx;   /* [n] row of each request in req_to_token */
     const int64_t *seq_lens;   /* [n] */
@@ -76,7 +80,7 @@ typedef struct {
     default: { const int G = (group); call; } break;      \
     }
 
-/* Row `d` elements at `p` (fmt: KV_F32, KV_BF16 or KV_E5M2) into fp32 `dst`. */
+/* Row `d` elements at `p` (fmt: KV_F32, KV_BF16, KV_E5M2 or KV_I8) into fp32 `dst`. */
 static inline void load_row(float *dst, const void *p, int d, int fmt) {
     if (fmt == KV_BF16) {
         const uint16_t *s = (const uint16_t *)p;
@@ -84,6 +88,9 @@ static inline void load_row(float *dst, const void *p, int d, int fmt) {
     } else if (fmt == KV_E5M2) {
         const uint8_t *s = (const uint8_t *)p;
         for (int j = 0; j < d; j++) dst[j] = e5m2_to_f32(s[j]);
+    } else if (fmt == KV_I8) { /* the integers: their scale is applied to the scores and probabilities */
+        const int8_t *s = (const int8_t *)p;
+        for (int j = 0; j < d; j++) dst[j] = (float)s[j];
     } else {
         memcpy(dst, p, (size_t)d * sizeof(float));
     }
@@ -223,11 +230,14 @@ static void group_values_f32(const float *probs, int group, const char *v, size_
 #endif
 
 #if defined(__AVX512BF16__)
-/* A 64-element K row (bf16 or e5m2 at p) as two vectors of bf16 pairs. */
+/* A 64-element K row (bf16, e5m2 or int8 at p) as two vectors of bf16 pairs. */
 static inline void k_row_bf16(const char *p, int fmt, __m512bh out[2]) {
     if (fmt == KV_E5M2) {
         out[0] = (__m512bh)e5m2x32_to_bf16(p);
         out[1] = (__m512bh)e5m2x32_to_bf16(p + 32);
+    } else if (fmt == KV_I8) {
+        out[0] = (__m512bh)i8x32_to_bf16(p);
+        out[1] = (__m512bh)i8x32_to_bf16(p + 32);
     } else {
         out[0] = (__m512bh)_mm512_loadu_si512(p);
         out[1] = (__m512bh)_mm512_loadu_si512(p + 64);
@@ -362,22 +372,28 @@ static void head_scores(const void *q, const float *qf, int group, const void *k
  * prefetcher also a local copy (it too had been kept in memory), on a 2-core AMD EPYC (Zen 4, no
  * AMX): 50 requests' KV in the caches 0.46 -> 0.36 ms a layer, 200 requests from DRAM 2.76-2.84 ->
  * 2.36-2.44; the same bits. */
+/* 32 values of a V row (bf16, or int8 widened: `i8`) as bf16. */
+static inline __m512i v_row32_bf16(const char *p, const int i8) {
+    return i8 ? i8x32_to_bf16(p) : _mm512_loadu_si512(p);
+}
+
 static inline __attribute__((always_inline)) void values_bf16(const uint16_t *probs_bf16, const int group,
-                                                              const uint16_t *v, int64_t kv_stride,
+                                                              const char *v, size_t row_bytes, const int i8,
                                                               const int64_t *slots, int64_t t0, int64_t t1,
                                                               int64_t len, float *acc, Prefetcher *pf) {
     Prefetcher p = *pf; /* (a local copy, kept in registers) */
+    const size_t half = i8 ? 32 : 64; /* bytes of 32 values */
     __m512 av[8][4];
     values_acc_load(av, acc, group);
     int64_t t = t0;
     for (; t + 2 <= t1; t += 2) {
         prefetch_next(&p);
-        const uint16_t *ra = v + (size_t)slots[t] * kv_stride;
+        const char *ra = v + (size_t)slots[t] * row_bytes;
         prefetch_next(&p);
-        const uint16_t *rb = v + (size_t)slots[t + 1] * kv_stride;
+        const char *rb = v + (size_t)slots[t + 1] * row_bytes;
         __m512bh vp[4];
         for (int c = 0; c < 2; c++) {
-            const __m512i a = _mm512_loadu_si512(ra + c * 32), b = _mm512_loadu_si512(rb + c * 32);
+            const __m512i a = v_row32_bf16(ra + c * half, i8), b = v_row32_bf16(rb + c * half, i8);
             vp[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
             vp[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
         }
@@ -388,10 +404,10 @@ static inline __attribute__((always_inline)) void values_bf16(const uint16_t *pr
     }
     if (t < t1) { /* a last odd token: its row paired with zeros, its probability with 0 */
         prefetch_next(&p);
-        const uint16_t *ra = v + (size_t)slots[t] * kv_stride;
+        const char *ra = v + (size_t)slots[t] * row_bytes;
         __m512bh vp[4];
         for (int c = 0; c < 2; c++) {
-            const __m512i a = _mm512_loadu_si512(ra + c * 32), z = _mm512_setzero_si512();
+            const __m512i a = v_row32_bf16(ra + c * half, i8), z = _mm512_setzero_si512();
             vp[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, z);
             vp[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, z);
         }
@@ -404,9 +420,13 @@ static inline __attribute__((always_inline)) void values_bf16(const uint16_t *pr
     *pf = p;
 }
 
-static void values_bf16_group(const uint16_t *probs_bf16, int group, const uint16_t *v, int64_t kv_stride,
+static void values_bf16_group(const uint16_t *probs_bf16, int group, const char *v, size_t row_bytes, int fmt,
                               const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
-    BY_GROUP(group, values_bf16(probs_bf16, G, v, kv_stride, slots, t0, t1, len, acc, pf));
+    if (fmt == KV_I8) {
+        BY_GROUP(group, values_bf16(probs_bf16, G, v, row_bytes, 1, slots, t0, t1, len, acc, pf));
+    } else {
+        BY_GROUP(group, values_bf16(probs_bf16, G, v, row_bytes, 0, slots, t0, t1, len, acc, pf));
+    }
 }
 
 /* Accumulator c of values_bf16 (c = 2 * half + hi, half: columns 32 * half..) holds in its lane
@@ -437,15 +457,16 @@ static void head_values(const float *probs, const uint16_t *probs_bf16, int grou
     (void)pf, (void)probs_bf16; /* used by the AVX-512 paths only */
     size_t elem = kv_elem_size(fmt);
 #if defined(__AVX512BF16__)
-    if (d == 64 && group <= 8 && fmt == KV_BF16 && probs_bf16) {
-        /* P V on vdpbf16ps (values_bf16), where the fp32 path below widens every row and takes a
-         * multiply-add per token and query head. (An e5m2 pool stays there: its rows widened to
-         * bf16 would lose e5m2's subnormals, which the fp32 path reads exactly.) On a 2-core AMD
+    if (d == 64 && group <= 8 && (fmt == KV_BF16 || fmt == KV_I8) && probs_bf16) {
+        /* P V on vdpbf16ps (values_bf16; an int8 pool's rows widened to bf16, exactly), where the
+         * fp32 path below widens every row and takes a multiply-add per token and query head. (An
+         * e5m2 pool stays there: its rows widened to bf16 would lose e5m2's subnormals, which the
+         * fp32 path reads exactly.) On a 2-core AMD
          * EPYC (Zen 4, no AMX), 50 requests' KV in the caches: 0.45 -> 0.40-0.41 ms a layer; 200
          * requests from DRAM 2.85-3.17 -> 2.79-2.82 (there the memory's time adds to the
          * arithmetic's, so the vectors' share of it counts in full); W200's decode attention
          * 9.67 -> 9.05 s. */
-        values_bf16_group(probs_bf16, group, (const uint16_t *)v, kv_stride, slots, t0, t1, len, acc, pf);
+        values_bf16_group(probs_bf16, group, (const char *)v, kv_stride * elem, fmt, slots, t0, t1, len, acc, pf);
         return;
     }
 #endif
@@ -464,14 +485,17 @@ static void head_values(const float *probs, const uint16_t *probs_bf16, int grou
     }
 }
 
-/* scores[0..len) *= scale, then exp(score - max) in place; returns the sum. */
-static float softmax_numerators(float *scores, int64_t len, float scale) {
+/* scores[0..len) *= scale (first times mul[0..len) where there is one: an int8 pool's K scales),
+ * then exp(score - max) in place; returns the sum. */
+static float softmax_numerators(float *scores, int64_t len, float scale, const float *mul) {
     float mx = -INFINITY, sum = 0.0f;
     int64_t t = 0;
 #ifdef __AVX512F__
     __m512 vmx = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
     for (; t + 16 <= len; t += 16) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(scores + t), vscale);
+        __m512 x = _mm512_loadu_ps(scores + t);
+        if (mul) x = _mm512_mul_ps(x, _mm512_loadu_ps(mul + t));
+        x = _mm512_mul_ps(x, vscale);
         _mm512_storeu_ps(scores + t, x);
         vmx = _mm512_max_ps(vmx, x);
     }
@@ -479,6 +503,8 @@ static float softmax_numerators(float *scores, int64_t len, float scale) {
 #else
     /* the scaling (a loop that vectorizes without AVX-512), then LANES running maxima (float
      * compares, which GCC keeps scalar, but in sixteen independent chains) */
+    if (mul)
+        for (int64_t i = 0; i < len; i++) scores[i] *= mul[i];
     for (int64_t i = 0; i < len; i++) scores[i] *= scale;
     float mx_l[LANES];
     for (int l = 0; l < LANES; l++) mx_l[l] = -INFINITY;
@@ -489,6 +515,7 @@ static float softmax_numerators(float *scores, int64_t len, float scale) {
     t = len;
 #endif
     for (; t < len; t++) {
+        if (mul) scores[t] *= mul[t];
         scores[t] *= scale;
         mx = fmaxf(mx, scores[t]);
     }
@@ -808,6 +835,35 @@ static void amx_request(const Args *a, const uint16_t *q, int queries, const int
 }
 #endif
 
+/* An int8 pool's K and V scales of tokens [t0, t1), prefetched (one line for neighbouring slots). */
+static inline void prefetch_scales(const Args *a, const int64_t *slots, int64_t t0, int64_t t1) {
+#ifdef __AVX512F__
+    uintptr_t last = 0;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *k = a->k_scale + (size_t)slots[t] * a->kv_heads;
+        if ((uintptr_t)k >> 6 == last) continue;
+        last = (uintptr_t)k >> 6;
+        _mm_prefetch((const char *)k, _MM_HINT_T0);
+        _mm_prefetch((const char *)(a->v_scale + (size_t)slots[t] * a->kv_heads), _MM_HINT_T0);
+    }
+#else
+    (void)a, (void)slots, (void)t0, (void)t1;
+#endif
+}
+
+/* The scales of tokens [t0, t1) by head: tok_scale[h * len + t] K's, [(kv_heads + h) * len + t] V's. */
+static inline void gather_scales(const Args *a, const int64_t *slots, int64_t t0, int64_t t1, int64_t len,
+                                 float *tok_scale) {
+    const int kvh = a->kv_heads;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *k = a->k_scale + (size_t)slots[t] * kvh, *v = a->v_scale + (size_t)slots[t] * kvh;
+        for (int h = 0; h < kvh; h++) {
+            tok_scale[h * len + t] = k[h];
+            tok_scale[(kvh + h) * len + t] = v[h];
+        }
+    }
+}
+
 static void *run_span(void *arg) {
     Span *span = (Span *)arg;
     const Args *a = span->a;
@@ -818,6 +874,7 @@ static void *run_span(void *arg) {
     /* scratch of the path the span's requests take: the tiles' (amx_request) or the vector code's */
     float *qf = NULL, *acc = NULL, *inv_sum = NULL, *scores = NULL, *kv_row = NULL; /* kv_row: the portable paths' */
     uint16_t *probs_bf16 = NULL; /* the probabilities rounded to bf16 (head_values) */
+    float *tok_scale = NULL; /* an int8 pool's scales of the request's tokens (gather_scales) */
 #if HAVE_AMX
     TileScratch tiles = {0};
     int max_queries = 1;
@@ -844,8 +901,12 @@ static void *run_span(void *arg) {
         scores = (float *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * heads * sizeof(float));
         kv_row = (float *)malloc((size_t)d * sizeof(float));
         span->failed = !qf || !acc || !inv_sum || !scores || !kv_row;
+        if (a->kv_fmt == KV_I8) {
+            tok_scale = (float *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * 2 * a->kv_heads * sizeof(float));
+            span->failed |= !tok_scale;
+        }
 #if defined(__AVX512BF16__)
-        if (a->q_bf16 && a->kv_fmt == KV_BF16) {
+        if (a->q_bf16 && (a->kv_fmt == KV_BF16 || a->kv_fmt == KV_I8)) {
             probs_bf16 = (uint16_t *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * heads * 2);
             span->failed |= !probs_bf16;
         }
@@ -881,10 +942,15 @@ static void *run_span(void *arg) {
         const int spread_v = 0;
 #endif
         prefetch_rows((const char *)a->k, slots, 0, first, slot_bytes);
+        if (tok_scale) prefetch_scales(a, slots, 0, first);
         Prefetcher pf;
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
             int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
             int64_t t2 = t1 + CHUNK < len ? t1 + CHUNK : len;
+            if (tok_scale) {
+                gather_scales(a, slots, t0, t1, len, tok_scale);
+                prefetch_scales(a, slots, t1, t2);
+            }
             /* calls of prefetch_next: per KV head, per 16 tokens and query head */
             int64_t calls = spread_k ? (int64_t)a->kv_heads * ((t1 - t0) / 16) * group : 0;
             if (t1 < len)
@@ -897,7 +963,15 @@ static void *run_span(void *arg) {
                             t0, t1, len, scores + (size_t)h * group * len, &pf, kv_row);
             prefetch_lines(&pf, -1);
         }
-        for (int r = 0; r < heads; r++) inv_sum[r] = 1.0f / softmax_numerators(scores + (size_t)r * len, len, a->scale);
+        for (int r = 0; r < heads; r++)
+            inv_sum[r] = 1.0f / softmax_numerators(scores + (size_t)r * len, len, a->scale,
+                                                   tok_scale ? tok_scale + (size_t)(r / group) * len : NULL);
+        if (tok_scale) /* P times the V rows' scales (the sums above are P's own) */
+            for (int r = 0; r < heads; r++) {
+                float *p = scores + (size_t)r * len;
+                const float *vs = tok_scale + (size_t)(a->kv_heads + r / group) * len;
+                for (int64_t t = 0; t < len; t++) p[t] *= vs[t];
+            }
 #if defined(__AVX512BF16__)
         if (probs_bf16) { /* P rounded to bf16 (as on the tiles and in torch's flash attention), the sums fp32 */
             const int64_t all = (int64_t)heads * len;
@@ -921,6 +995,7 @@ static void *run_span(void *arg) {
                 const int64_t next_len = a->seq_lens[i + 1] < CHUNK ? a->seq_lens[i + 1] : CHUNK;
                 prefetch_start(&pf, (const char *)a->k, a->req_to_token + a->pool_idx[i + 1] * a->row_stride, 0,
                                next_len, slot_bytes, calls);
+                if (tok_scale) prefetch_scales(a, a->req_to_token + a->pool_idx[i + 1] * a->row_stride, 0, next_len);
             }
             for (int h = 0; h < a->kv_heads; h++)
                 head_values(scores + (size_t)h * group * len, probs_bf16 ? probs_bf16 + (size_t)h * group * len : NULL,
@@ -957,30 +1032,33 @@ static void *run_span(void *arg) {
     free(inv_sum);
     free(scores);
     free(probs_bf16);
+    free(tok_scale);
     return NULL;
 }
 
 /* Whether decode_attention (amx = 1) attends these requests on the AMX tiles (amx_request). */
 int decode_attention_tiles(int heads, int kv_heads, int head_dim, int q_bf16, int kv_fmt) {
 #if HAVE_AMX
-    return head_dim == 64 && q_bf16 && kv_fmt != KV_F32 && kv_heads > 0 && heads <= 16 && heads % kv_heads == 0 &&
-           amx_usable();
+    return head_dim == 64 && q_bf16 && (kv_fmt == KV_BF16 || kv_fmt == KV_E5M2) && kv_heads > 0 && heads <= 16 &&
+           heads % kv_heads == 0 && amx_usable();
 #else
     (void)heads, (void)kv_heads, (void)head_dim, (void)q_bf16, (void)kv_fmt;
     return 0;
 #endif
 }
 
-/* `amx`: bf16 requests may go on the AMX tiles (decode_attention_tiles). Returns 0, or -1 when
- * scratch memory could not be allocated. Spans whose thread cannot be
+/* `amx`: bf16 requests may go on the AMX tiles (decode_attention_tiles); k_scale, v_scale: an int8
+ * pool's scales (NULL for other pools). Returns 0, -2 for an int8 pool without its scales, or -1
+ * when scratch memory could not be allocated. Spans whose thread cannot be
  * started run on the calling thread. */
-int decode_attention(const void *q, const void *k, const void *v, const int64_t *req_to_token,
-                     int64_t row_stride, const int64_t *pool_idx, const int64_t *seq_lens, void *out,
-                     int n, int heads, int kv_heads, int head_dim, int q_bf16, int kv_fmt, float scale,
-                     int num_threads, int amx) {
+int decode_attention(const void *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
+                     const int64_t *req_to_token, int64_t row_stride, const int64_t *pool_idx,
+                     const int64_t *seq_lens, void *out, int n, int heads, int kv_heads, int head_dim, int q_bf16,
+                     int kv_fmt, float scale, int num_threads, int amx) {
+    if (kv_fmt == KV_I8 && (!k_scale || !v_scale)) return -2;
     amx = amx && decode_attention_tiles(heads, kv_heads, head_dim, q_bf16, kv_fmt);
-    Args a = {q, k, v, req_to_token, pool_idx, seq_lens, out, row_stride, heads, kv_heads, head_dim,
-              q_bf16, kv_fmt, scale, amx};
+    Args a = {q, k, v, k_scale, v_scale, req_to_token, pool_idx, seq_lens, out, row_stride, heads, kv_heads,
+              head_dim, q_bf16, kv_fmt, scale, amx};
     num_threads = span_threads(num_threads, n);
     int64_t total = 0;
     for (int i = 0; i < n; i++) total += seq_lens[i];

@@ -58,7 +58,8 @@ int extend_attention_supported(void) {
 #if HAVE_VECTORS
 typedef struct {
     const uint16_t *q;
-    const void *k, *v; /* the pool: bf16, or float8_e5m2 bytes (kv_fmt) */
+    const void *k, *v; /* the pool: bf16, float8_e5m2 bytes or int8 (kv_fmt) */
+    const float *k_scale, *v_scale; /* an int8 pool's [slots, kv_heads] scales */
     int kv_fmt;
     const int64_t *kv_indices;
     uint16_t *out;
@@ -86,13 +87,20 @@ static inline uint16_t *v_tile(const Ext *e, int h, int64_t b, int c) {
     return e->vt + ((h * e->kv_blocks + b) * 4 + c) * TILE_ELEMS;
 }
 
-/* Token t's row of KV head h in `pool` as bf16: in place in a bf16 pool, else widened into `buf`;
- * zeros past seq_len. */
+/* Token t's row of KV head h in `pool` (e->k or e->v) as bf16: in place in a bf16 pool, else
+ * widened into `buf` (an int8 row: bf16(value * scale), as memory.widen_kv); zeros past seq_len. */
 static const uint16_t *head_row(const Ext *e, const void *pool, int64_t t, int h, uint16_t buf[HEAD_DIM]) {
     static const uint16_t zeros[HEAD_DIM];
     if (t >= e->seq_len) return zeros;
     size_t at = (size_t)e->kv_indices[t] * e->kv_heads * HEAD_DIM + (size_t)h * HEAD_DIM;
     if (e->kv_fmt == KV_BF16) return (const uint16_t *)pool + at;
+    if (e->kv_fmt == KV_I8) {
+        const float *scales = pool == e->k ? e->k_scale : e->v_scale;
+        const __m512 s = _mm512_set1_ps(scales[(size_t)e->kv_indices[t] * e->kv_heads + h]);
+        for (int j = 0; j < HEAD_DIM; j += 16)
+            store16_bf16(buf + j, _mm512_mul_ps(load16((const int8_t *)pool + at + j, KV_I8), s));
+        return buf;
+    }
     e5m2_row_to_bf16(buf, (const uint8_t *)pool + at, HEAD_DIM);
     return buf;
 }
@@ -395,18 +403,21 @@ static void *run_attention(void *arg) {
 #endif
 
 /* out[i, g * 64 ..] = attention of query i (q + i * q_stride, head g at g * 64) over the KV slots
- * kv_indices[0 .. prefix_len + i]; k, v: the pool, [slots, kv_heads, 64] bf16 or float8_e5m2
- * (kv_fmt: KV_BF16 or KV_E5M2); on the AMX tiles (`tiles` 1) or the AVX512-BF16 vectors (0).
+ * kv_indices[0 .. prefix_len + i]; k, v: the pool, [slots, kv_heads, 64] bf16, float8_e5m2 or
+ * int8 (kv_fmt: KV_BF16, KV_E5M2 or KV_I8, whose scales k_scale and v_scale are, NULL for the
+ * others); on the AMX tiles (`tiles` 1) or the AVX512-BF16 vectors (0).
  * Returns 0, or -1 when the call is not supported (no AVX512-BF16, no AMX for `tiles`, head_dim
  * not 64, heads not a multiple of kv_heads, fp32 KV, no memory). */
-int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const void *v, int kv_fmt,
+int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const void *v, const float *k_scale,
+                     const float *v_scale, int kv_fmt,
                      const int64_t *kv_indices, int64_t seq_len, int64_t prefix_len, uint16_t *out,
                      int64_t out_stride, int heads, int kv_heads, int head_dim, float scale, int num_threads,
                      int tiles) {
 #if HAVE_VECTORS
     int64_t ext_len = seq_len - prefix_len;
     if (head_dim != HEAD_DIM || kv_heads < 1 || heads % kv_heads || ext_len < 1 || prefix_len < 0 ||
-        (kv_fmt != KV_BF16 && kv_fmt != KV_E5M2) || (tiles && extend_attention_supported() != 2))
+        (kv_fmt != KV_BF16 && kv_fmt != KV_E5M2 && kv_fmt != KV_I8) || (kv_fmt == KV_I8 && (!k_scale || !v_scale)) ||
+        (tiles && extend_attention_supported() != 2))
         return -1;
     int64_t kv_blocks = (seq_len + 31) / 32;
     size_t copy_elems = (size_t)kv_heads * kv_blocks * 32 * HEAD_DIM;
@@ -416,7 +427,7 @@ int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const v
         free(vt);
         return -1;
     }
-    Ext e = {q, k, v, kv_fmt, kv_indices, out, kt, vt, q_stride, out_stride, seq_len, prefix_len, ext_len, kv_blocks,
+    Ext e = {q, k, v, k_scale, v_scale, kv_fmt, kv_indices, out, kt, vt, q_stride, out_stride, seq_len, prefix_len, ext_len, kv_blocks,
              heads, kv_heads, scale, tiles != 0};
     num_threads = span_threads(num_threads, (ext_len + 15) / 16 * heads);
     Share shares[MAX_THREADS];
@@ -429,7 +440,7 @@ int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const v
     for (int s = 0; s < num_threads; s++) failed |= shares[s].failed;
     return failed ? -1 : 0;
 #else
-    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_fmt, (void)kv_indices, (void)seq_len, (void)prefix_len, (void)out;
+    (void)q, (void)q_stride, (void)k, (void)v, (void)k_scale, (void)v_scale, (void)kv_fmt, (void)kv_indices, (void)seq_len, (void)prefix_len, (void)out;
     (void)out_stride, (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)num_threads, (void)tiles;
     return -1;
 #endif

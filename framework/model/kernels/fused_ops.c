@@ -24,8 +24,9 @@ typedef struct {
     /* rope_kv: x is qkv [rows, (heads + 2 kv_heads) * head_dim]; cos/sin [rows, head_dim / 2] */
     const uint16_t *cos, *sin;
     const int64_t *loc;
-    void *k_pool, *v_pool; /* [slots, kv_heads, head_dim], bf16 or float8_e5m2 (kv_fmt) */
+    void *k_pool, *v_pool; /* [slots, kv_heads, head_dim], bf16, float8_e5m2 or int8 (kv_fmt) */
     int heads, kv_heads, head_dim, kv_fmt;
+    float *k_scale, *v_scale; /* an int8 pool's [slots, kv_heads] scales */
 } Job;
 
 typedef struct {
@@ -109,11 +110,41 @@ static void store_e5m2(uint8_t *dst, const uint16_t *src, size_t n) {
     for (; i < n; i++) dst[i] = f32_to_e5m2(bf16_to_f32(src[i]));
 }
 
-/* The widest slot row (kv_heads * head_dim) rope_kv_bf16 takes into a float8_e5m2 pool. */
+/* A head row of n bf16 values as an int8 pool keeps it (memory.quantize_kv_rows, the same bits):
+ * s = max |x| / 127 into *scale, the values round(x / s) to nearest even (0 where s is 0). */
+static void store_i8(int8_t *dst, float *scale, const uint16_t *src, int n) {
+    float amax = 0.0f;
+    int i = 0;
+#ifdef __AVX512F__
+    __m512 m = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(src + i, KV_BF16)));
+    amax = _mm512_reduce_max_ps(m);
+#endif
+    for (; i < n; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(src[i])));
+    const float s = amax / 127.0f;
+    *scale = s;
+    if (s == 0.0f) {
+        memset(dst, 0, (size_t)n);
+        return;
+    }
+    i = 0;
+#ifdef __AVX512F__
+    const __m512 vs = _mm512_set1_ps(s);
+    for (; i + 16 <= n; i += 16) { /* x / s is within [-127, 127] up to its rounding, which rounds into it */
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16(src + i, KV_BF16), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+    }
+#endif
+    for (; i < n; i++) dst[i] = (int8_t)nearbyintf(bf16_to_f32(src[i]) / s);
+}
+
+/* The widest slot row (kv_heads * head_dim) rope_kv_bf16 takes into a float8_e5m2 or int8 pool. */
 #define E5M2_ROW_MAX 4096
 
 /* q rotated into out [rows, heads * head_dim]; k rotated and v copied into the pool at loc (into
- * an e5m2 pool k is rotated in bf16 first, then both are rounded as TokenToKVPool.set_kv does). */
+ * an e5m2 or int8 pool k is rotated in bf16 first, then both are rounded as TokenToKVPool.set_kv
+ * does). */
 static void rope_kv_rows(const Job *j, int64_t begin, int64_t end) {
     int d = j->head_dim, half = d / 2;
     size_t kv_row = (size_t)j->kv_heads * d;
@@ -123,12 +154,18 @@ static void rope_kv_rows(const Job *j, int64_t begin, int64_t end) {
         const uint16_t *cos = j->cos + r * half, *sin = j->sin + r * half;
         for (int h = 0; h < j->heads; h++) rotate_head(qkv + (size_t)h * d, cos, sin, half, j->out + (r * j->heads + h) * d);
         size_t at = (size_t)j->loc[r] * kv_row;
-        uint16_t *k = j->kv_fmt == KV_E5M2 ? rotated : (uint16_t *)j->k_pool + at;
+        uint16_t *k = j->kv_fmt != KV_BF16 ? rotated : (uint16_t *)j->k_pool + at;
         for (int h = 0; h < j->kv_heads; h++)
             rotate_head(qkv + (size_t)(j->heads + h) * d, cos, sin, half, k + (size_t)h * d);
         if (j->kv_fmt == KV_E5M2) {
             store_e5m2((uint8_t *)j->k_pool + at, rotated, kv_row);
             store_e5m2((uint8_t *)j->v_pool + at, v, kv_row);
+        } else if (j->kv_fmt == KV_I8) {
+            size_t s = (size_t)j->loc[r] * j->kv_heads;
+            for (int h = 0; h < j->kv_heads; h++) {
+                store_i8((int8_t *)j->k_pool + at + (size_t)h * d, j->k_scale + s + h, rotated + (size_t)h * d, d);
+                store_i8((int8_t *)j->v_pool + at + (size_t)h * d, j->v_scale + s + h, v + (size_t)h * d, d);
+            }
         } else {
             memcpy((uint16_t *)j->v_pool + at, v, kv_row * sizeof(uint16_t));
         }
@@ -170,26 +207,28 @@ static void run(const Job *job, int num_threads) {
 int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, uint16_t *residual_out,
                   const uint16_t *w, uint16_t *out, int64_t rows, int64_t d, float eps, int num_threads) {
     if (d > 8192) return -1;
-    Job job = {RMS_NORM, x, w, residual, out, residual_out, rows, d, x_stride, eps, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0};
+    Job job = {RMS_NORM, x, w, residual, out, residual_out, rows, d, x_stride, eps, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL, NULL};
     run(&job, num_threads);
     return 0;
 }
 
 int silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t d, int num_threads) {
-    Job job = {SILU_MUL, x, NULL, NULL, out, NULL, rows, d, x_stride, 0.0f, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0};
+    Job job = {SILU_MUL, x, NULL, NULL, out, NULL, rows, d, x_stride, 0.0f, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL, NULL};
     run(&job, num_threads);
     return 0;
 }
 
 /* Rotary embedding of q and k from the fused qkv projection, q into q_out, k and v into the KV
- * pool at slots loc (the work of RopeTables.apply + TokenToKVPool.set_kv). */
+ * pool at slots loc (the work of RopeTables.apply + TokenToKVPool.set_kv; an int8 pool's scales
+ * into k_scale and v_scale, NULL for other pools). */
 int rope_kv_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos, const uint16_t *sin,
-                 const int64_t *loc, uint16_t *q_out, void *k_pool, void *v_pool, int kv_fmt, int64_t rows,
-                 int heads, int kv_heads, int head_dim, int num_threads) {
-    if ((kv_fmt != KV_BF16 && kv_fmt != KV_E5M2) || (kv_fmt == KV_E5M2 && kv_heads * head_dim > E5M2_ROW_MAX))
+                 const int64_t *loc, uint16_t *q_out, void *k_pool, void *v_pool, float *k_scale, float *v_scale,
+                 int kv_fmt, int64_t rows, int heads, int kv_heads, int head_dim, int num_threads) {
+    if ((kv_fmt != KV_BF16 && kv_fmt != KV_E5M2 && kv_fmt != KV_I8) ||
+        (kv_fmt != KV_BF16 && kv_heads * head_dim > E5M2_ROW_MAX) || (kv_fmt == KV_I8 && (!k_scale || !v_scale)))
         return -1;
     Job job = {ROPE_KV, qkv, NULL, NULL, q_out, NULL, rows, 0, qkv_stride, 0.0f, cos, sin, loc, k_pool, v_pool,
-               heads, kv_heads, head_dim, kv_fmt};
+               heads, kv_heads, head_dim, kv_fmt, k_scale, v_scale};
     run(&job, num_threads);
     return 0;
 }
