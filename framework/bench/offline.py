@@ -133,7 +133,8 @@ def peer_paths(args) -> dict[str, str]:
 def run_peer(peer: str, args, requests: list[BenchRequest], folder: str, dtype: str,
              paths: dict[str, str], kv_cache_dtype: str = "auto", quantization: str = "none") -> tuple[dict, dict]:
     """One peer engine on the workload (framework/bench/peers.py); returns (metrics, details).
-    vLLM gets the engine's fp8_e5m2 KV cache too (llama.cpp has no e5m2 cache type), and its
+    vLLM gets the engine's fp8_e5m2 KV cache too (llama.cpp has no e5m2 cache type; an int8 cache has
+    no counterpart in vLLM's CPU build, which then keeps its bf16 cache, the nearest in quality), and its
     W8A8 int8 scheme (model.quantization = "w8a8": int8 weights made the same way, as a compressed-tensors
     checkpoint, `peers.w8a8_checkpoint`)."""
     from framework.bench import peers
