@@ -280,7 +280,7 @@ def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x is first as the model's dtype gives it, e.g. bf16). The C kernels (rope_kv) make the same bits."""
     x = x.float()
     scale = x.abs().amax(dim=-1) / 127
-    q = torch.where(scale[..., None] > 0, x / scale[..., None], torch.zeros((), dtype=torch.float32))
+    q = torch.where(scale[..., None] > 0, x / scale[..., None], 0.0)
     return torch.round(q).clamp_(-127, 127).to(torch.int8), scale
 
 
