@@ -291,18 +291,25 @@ def _scales(pool, layer: int) -> tuple:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_an_int8_kv_cache_is_read_alike_by_the_kernels_and_pytorch(dtype):
-    """An int8 KV pool (model.kv_cache_dtype = "int8"): prefill (the prefill kernel or SDPA, over
-    bf16(value x scale)) and decode (the C kernel: the integers exactly, the scales on scores and
-    probabilities; or PyTorch's dense decode over the widened rows) give logits within fp32
-    rounding of each other in fp32, and stay as near fp32 transformers as a bf16 pool does."""
+@pytest.mark.parametrize("kv_dtype,stored,min_cosine", [
+    (torch.float8_e5m2, torch.uint8, 0.97),  # steps of 12-25 % move single logits by up to ~1: cosines 0.98-0.993
+    (torch.int8, torch.int8, 0.999),  # a bf16 pool's cosines: 0.9999
+])
+def test_an_fp8_or_int8_kv_cache_is_read_alike_by_the_kernels_and_pytorch(dtype, kv_dtype, stored, min_cosine):
+    """A float8_e5m2 KV pool (model.kv_cache_dtype = "fp8_e5m2"): prefill (AMX kernel or SDPA) and
+    decode (C kernel, tiles or vectors, or PyTorch's dense decode) read the same e5m2 values. An
+    int8 pool ("int8"): prefill over bf16(value x scale), decode on the C kernel (the integers, the
+    scales on scores and probabilities; on VNNI the bf16 query rounded to int8) or PyTorch's dense
+    decode over the widened rows. Either way the kernels' logits match PyTorch's (in fp32 to 1e-4),
+    and both stay near fp32 transformers (e5m2 keeps 2 mantissa bits of K and V, int8 about bf16's)."""
     hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
                                       num_key_value_heads=1))
     logits = {}
     for kernels in ("auto", "off"):
-        runner = _runner(hf, dtype=dtype, cpu_kernels=kernels, kv_dtype=torch.int8)
+        runner = _runner(hf, dtype=dtype, cpu_kernels=kernels, kv_dtype=kv_dtype)
         pool = runner.token_to_kv_pool
-        assert pool.k_buffer[0].dtype == torch.int8 and pool.k_buffer[0].kv_scales is pool.k_scale[0]
+        assert pool.dtype == kv_dtype and pool.k_buffer[0].dtype == stored
+        assert len(_scales(pool, 0)) == (2 if kv_dtype == torch.int8 else 0)
         prompt_lens = [5, 40, 17]
         reqs = _new_reqs(runner, [n + 3 for n in prompt_lens])
         steps = [runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))]
@@ -310,39 +317,12 @@ def test_an_int8_kv_cache_is_read_alike_by_the_kernels_and_pytorch(dtype):
             steps.append(runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE)))
         for i, r in enumerate(reqs):
             ref = _hf_logits(hf, r.tokens[: r.done])[-1]
-            assert F.cosine_similarity(steps[-1].next_token_logits[i].float(), ref, dim=0) > 0.999
+            assert F.cosine_similarity(steps[-1].next_token_logits[i].float(), ref, dim=0) > min_cosine
         logits[kernels] = torch.stack([out.next_token_logits for out in steps])
         if kernels == "auto" and runner.cpu_kernels is None:
             pytest.skip("no C kernels here (no C compiler)")
-    torch.testing.assert_close(logits["auto"], logits["off"], atol=0.2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_an_fp8_kv_cache_is_read_alike_by_the_kernels_and_pytorch(dtype):
-    """A float8_e5m2 KV pool (model.kv_cache_dtype = "fp8_e5m2"): prefill (AMX kernel or SDPA) and
-    decode (C kernel, tiles or vectors, or PyTorch's dense decode) read the same e5m2 values, so
-    the kernels' logits match PyTorch's (in fp32 to 1e-4); both stay near fp32 transformers (e5m2
-    keeps 2 mantissa bits of K and V)."""
-    hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                                      num_key_value_heads=1))
-    logits = {}
-    for kernels in ("auto", "off"):
-        runner = _runner(hf, dtype=dtype, cpu_kernels=kernels, kv_dtype=torch.float8_e5m2)
-        pool = runner.token_to_kv_pool
-        assert pool.dtype == torch.float8_e5m2 and pool.k_buffer[0].dtype == torch.uint8
-        prompt_lens = [5, 40, 17]
-        reqs = _new_reqs(runner, [n + 3 for n in prompt_lens])
-        steps = [runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))]
-        for _ in range(3):
-            steps.append(runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE)))
-        for i, r in enumerate(reqs):  # e5m2 (steps of 12-25 %) moves single logits by up to ~1 here:
-            ref = _hf_logits(hf, r.tokens[: r.done])[-1]  # cosines 0.98-0.993 (a bf16 pool: 0.9999)
-            assert F.cosine_similarity(steps[-1].next_token_logits[i].float(), ref, dim=0) > 0.97
-        logits[kernels] = torch.stack([out.next_token_logits for out in steps])
-        if kernels == "auto" and runner.cpu_kernels is None:
-            pytest.skip("no C kernels here (no C compiler)")
-    # In bf16 the two paths' K/V differ by bf16 roundings before they are rounded to e5m2, which now
-    # and then lands them a whole e5m2 step apart: up to 0.12 here (0.08 with a bf16 pool).
+    # In bf16 the two paths' K/V differ by bf16 roundings before they are rounded to e5m2 (or int8),
+    # which now and then lands them a whole step apart: up to 0.12 here (0.08 with a bf16 pool).
     torch.testing.assert_close(logits["auto"], logits["off"], atol=0.2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
 
 
