@@ -305,7 +305,8 @@ static inline __m512i hsum16_epi32(const __m512i v[16]) {
         x[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], 0x88),
                                 _mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], 0xDD));
 #define SHUF(a, b, imm) _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), imm))
-    for (int i = 0; i < 2; i++) y[i] = _mm512_add_epi32(SHUF(x[2 * i], x[2 * i + 1], 0x44), SHUF(x[2 * i], x[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm512_add_epi32(SHUF(x[2 * i], x[2 * i + 1], 0x44), SHUF(x[2 * i], x[2 * i + 1], 0xEE));
     __m512i z = _mm512_add_epi32(SHUF(y[0], y[1], 0x88), SHUF(y[0], y[1], 0xDD));
 #undef SHUF
     return _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), z);
@@ -353,9 +354,10 @@ static inline __attribute__((always_inline)) void scores_i8(const int8_t *qi8, c
         for (int g = 0; g < group; g++) {
             __m512i acc[16];
             prefetch_next(&p);
-            for (int u = 0; u < 16; u++)
-                acc[u] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(rows[u]), flip),
-                                             qv[g]);
+            for (int u = 0; u < 16; u++) {
+                const __m512i row = _mm512_xor_si512(_mm512_loadu_si512(rows[u]), flip);
+                acc[u] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), row, qv[g]);
+            }
             const __m512i dot = _mm512_sub_epi32(hsum16_epi32(acc), _mm512_set1_epi32(qcorr[g]));
             _mm512_storeu_ps(scores + g * len + t, _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qs[g])));
         }
@@ -363,8 +365,8 @@ static inline __attribute__((always_inline)) void scores_i8(const int8_t *qi8, c
     for (; t < t1; t++) {
         const __m512i row = _mm512_xor_si512(_mm512_loadu_si512(k + (size_t)slots[t] * kv_stride), flip);
         for (int g = 0; g < group; g++) {
-            const int32_t dot = _mm512_reduce_add_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), row, qv[g])) - qcorr[g];
-            scores[g * len + t] = (float)dot * qs[g];
+            const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), row, qv[g]);
+            scores[g * len + t] = (float)(_mm512_reduce_add_epi32(sums) - qcorr[g]) * qs[g];
         }
     }
     *pf = p;
@@ -1011,7 +1013,8 @@ static void *run_span(void *arg) {
         kv_row = (float *)malloc((size_t)d * sizeof(float));
         span->failed = !qf || !acc || !inv_sum || !scores || !kv_row;
         if (a->kv_fmt == KV_I8) {
-            tok_scale = (float *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * 2 * a->kv_heads * sizeof(float));
+            const size_t tokens = (size_t)(span->max_len > 0 ? span->max_len : 1);
+            tok_scale = (float *)malloc(tokens * 2 * a->kv_heads * sizeof(float));
             span->failed |= !tok_scale;
 #if HAVE_I8_SCORES
             if (a->q_bf16 && d == 64 && group <= 8) {

@@ -409,8 +409,8 @@ static void *run_attention(void *arg) {
  * Returns 0, or -1 when the call is not supported (no AVX512-BF16, no AMX for `tiles`, head_dim
  * not 64, heads not a multiple of kv_heads, fp32 KV, no memory). */
 int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const void *v, const float *k_scale,
-                     const float *v_scale, int kv_fmt,
-                     const int64_t *kv_indices, int64_t seq_len, int64_t prefix_len, uint16_t *out,
+                     const float *v_scale, int kv_fmt, const int64_t *kv_indices, int64_t seq_len, int64_t prefix_len,
+                     uint16_t *out,
                      int64_t out_stride, int heads, int kv_heads, int head_dim, float scale, int num_threads,
                      int tiles) {
 #if HAVE_VECTORS
@@ -427,8 +427,8 @@ int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const v
         free(vt);
         return -1;
     }
-    Ext e = {q, k, v, k_scale, v_scale, kv_fmt, kv_indices, out, kt, vt, q_stride, out_stride, seq_len, prefix_len, ext_len, kv_blocks,
-             heads, kv_heads, scale, tiles != 0};
+    Ext e = {q, k, v, k_scale, v_scale, kv_fmt, kv_indices, out, kt, vt, q_stride, out_stride, seq_len, prefix_len,
+             ext_len, kv_blocks, heads, kv_heads, scale, tiles != 0};
     num_threads = span_threads(num_threads, (ext_len + 15) / 16 * heads);
     Share shares[MAX_THREADS];
     for (int s = 0; s < num_threads; s++) shares[s] = (Share){&e, s, num_threads, 0};
@@ -440,8 +440,9 @@ int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const v
     for (int s = 0; s < num_threads; s++) failed |= shares[s].failed;
     return failed ? -1 : 0;
 #else
-    (void)q, (void)q_stride, (void)k, (void)v, (void)k_scale, (void)v_scale, (void)kv_fmt, (void)kv_indices, (void)seq_len, (void)prefix_len, (void)out;
-    (void)out_stride, (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)num_threads, (void)tiles;
+    (void)q, (void)q_stride, (void)k, (void)v, (void)k_scale, (void)v_scale, (void)kv_fmt, (void)kv_indices;
+    (void)seq_len, (void)prefix_len, (void)out, (void)out_stride, (void)heads, (void)kv_heads, (void)head_dim;
+    (void)scale, (void)num_threads, (void)tiles;
     return -1;
 #endif
 }

@@ -207,13 +207,15 @@ static void run(const Job *job, int num_threads) {
 int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, uint16_t *residual_out,
                   const uint16_t *w, uint16_t *out, int64_t rows, int64_t d, float eps, int num_threads) {
     if (d > 8192) return -1;
-    Job job = {RMS_NORM, x, w, residual, out, residual_out, rows, d, x_stride, eps, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL, NULL};
+    Job job = {RMS_NORM, x, w, residual, out, residual_out, rows, d, x_stride, eps, NULL, NULL, NULL, NULL, NULL,
+               0, 0, 0, 0, NULL, NULL};
     run(&job, num_threads);
     return 0;
 }
 
 int silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t d, int num_threads) {
-    Job job = {SILU_MUL, x, NULL, NULL, out, NULL, rows, d, x_stride, 0.0f, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL, NULL};
+    Job job = {SILU_MUL, x, NULL, NULL, out, NULL, rows, d, x_stride, 0.0f, NULL, NULL, NULL, NULL, NULL,
+               0, 0, 0, 0, NULL, NULL};
     run(&job, num_threads);
     return 0;
 }
