@@ -191,8 +191,6 @@ class TokenToKVPool:
         self.huge_pages = huge_pages
         self.dtype = dtype
         self.store_dtype = torch.uint8 if dtype == torch.float8_e5m2 else dtype
-        if dtype not in (torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int8):
-            raise ValueError(f"a KV pool holds float32, bfloat16, float8_e5m2 or int8, not {dtype}")
         self.device = device
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
