@@ -686,8 +686,8 @@ def test_extend_attention_matches_fp32(extend, ext_len, prefix_len, heads, kv_he
     q = _bf16(gen, ext_len, heads + 1, 64, scale=2.0)[:, :heads]  # strided rows
     out = torch.full((ext_len, heads + 2, 64), float("nan"), dtype=torch.bfloat16)
     rc = extend(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), *cpu_kernels.scale_ptrs(k_pool, v_pool),
-                cpu_kernels.kv_format(k_pool), slots.data_ptr(), prefix_len + ext_len, prefix_len, out.data_ptr(), out.stride(0), heads, kv_heads,
-                64, 0.125, 2)
+                cpu_kernels.kv_format(k_pool), slots.data_ptr(), prefix_len + ext_len, prefix_len, out.data_ptr(),
+                out.stride(0), heads, kv_heads, 64, 0.125, 2)
     assert rc == 0
     ref = _extend_reference(q, k_pool, v_pool, slots, prefix_len)
     torch.testing.assert_close(out[:, :heads].float(), ref, atol=2e-2, rtol=2e-2)
