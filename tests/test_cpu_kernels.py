@@ -715,7 +715,8 @@ def test_extend_attention_keeps_later_keys_out_of_each_rows_max(extend, prefix_l
     slots = torch.arange(1, seq_len + 1)
     out = torch.full((ext_len, heads, 64), float("nan"), dtype=torch.bfloat16)
     rc = extend(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), None, None,
-                cpu_kernels.kv_format(k_pool), slots.data_ptr(), seq_len, prefix_len, out.data_ptr(), out.stride(0), heads, 1, 64, 0.125, 2)
+                cpu_kernels.kv_format(k_pool), slots.data_ptr(), seq_len, prefix_len, out.data_ptr(), out.stride(0), heads,
+                1, 64, 0.125, 2)
     assert rc == 0
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), _extend_reference(q, k_pool, v_pool, slots, prefix_len),

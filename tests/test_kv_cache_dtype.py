@@ -1,7 +1,8 @@
 """model.kv_cache_dtype: what the KV pool holds (the model's dtype, float32, bfloat16,
 float8_e5m2 stored as bytes, or int8 with a scale per row), how many tokens fit, and that every
-reader widens fp8 and int8 rows to their values. The kernels' reading of e5m2 bytes is in tests/test_cpu_kernels.py, our llama over an fp8
-pool against transformers in tests/test_model.py, the real model in tests/test_e2e_reference.py.
+reader widens fp8 and int8 rows to their values. The kernels' reading of e5m2 bytes and int8
+rows is in tests/test_cpu_kernels.py, our llama over an fp8 or int8 pool against transformers in
+tests/test_model.py, the real model in tests/test_e2e_reference.py.
 """
 
 from __future__ import annotations
