@@ -294,5 +294,7 @@ def widen_kv(rows: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor | None
     if rows.dtype == torch.uint8:
         return rows.view(torch.float8_e5m2).to(dtype)
     if rows.dtype == torch.int8:
+        if scales is None:
+            raise ValueError("int8 KV rows need their scales (kv_scales of the pool's buffer) to be widened")
         return (rows.float() * scales.unsqueeze(-1)).to(dtype)
     return rows

@@ -97,6 +97,21 @@ def test_kernel_matches_reference(q_dtype, kv_dtype, atol, threads, tiles, monke
 
 
 @needs_kernel
+def test_an_int8_pool_without_its_scales_is_refused_by_name():
+    """An int8 buffer that carries no kv_scales: the kernel refuses it, and the error says why
+    (not an out-of-memory)."""
+    lens = [3, 20]
+    k, v, req_to_token, pool_idx = _scattered_pool(lens, 3, 64, torch.bfloat16)
+    k, v = quantize_kv_rows(k)[0], quantize_kv_rows(v)[0]  # values only
+    attn = TorchNativeAttention(9, 3, 64)
+    attn.use_decode_kernel(KERNEL)
+    q = torch.randn(len(lens), 9, 64).to(torch.bfloat16)
+    plan = _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens, dtype=torch.int64))
+    with pytest.raises(ValueError, match="int8 KV pool"):
+        attn._kernel_decode(q, k, v, plan)
+
+
+@needs_kernel
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tiles,d", [(True, 64), (False, 64), (False, 32)])
 def test_every_finite_e5m2_value_is_read_as_itself(q_dtype, tiles, d):

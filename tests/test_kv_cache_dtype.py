@@ -67,6 +67,8 @@ def test_an_int8_pool_keeps_each_rows_values_and_scale():
     assert widen_kv(pool.k_buffer[0][loc], torch.bfloat16, pool.k_scale[0][loc]).dtype == torch.bfloat16
     values, scales = quantize_kv_rows(torch.full((3, 64), -2.0))
     assert (values == -127).all() and torch.equal(scales, torch.full((3,), 2.0 / 127))
+    with pytest.raises(ValueError, match="scales"):  # int8 rows without them: no values to give
+        widen_kv(pool.k_buffer[0][loc], torch.float32)
 
 
 def test_other_pools_are_read_as_they_are():

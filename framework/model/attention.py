@@ -40,6 +40,11 @@ from framework.model.cpu import to_float32
 from framework.model.cpu_kernels import kv_format, scale_ptrs
 
 
+def _gather_kv(buf: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `index` of a K/V buffer (and of an int8 pool's scales, indexed alike), widened to `dtype`."""
+    return widen_kv(buf.index_select(0, index), dtype, None if scales is None else scales.index_select(0, index))
+
+
 @dataclass
 class _ExtendReq:
     """One multi-token request: its token rows in the pass and its KV slots."""
@@ -522,8 +527,7 @@ class TorchNativeAttention:
         """Rows `index` of a K/V buffer viewed as [slots * kv_heads, head_dim] (an fp8 or int8
         pool's widened to q's dtype)."""
         scales = kv_scales(buf)
-        return widen_kv(buf.view(-1, self.head_dim).index_select(0, index), q.dtype,
-                        None if scales is None else scales.view(-1).index_select(0, index))
+        return _gather_kv(buf.view(-1, self.head_dim), None if scales is None else scales.view(-1), index, q.dtype)
 
     def _kernel_decode(self, q, k_buf, v_buf, plan: _KernelDecode) -> torch.Tensor:
         """[n, heads, D] one-token queries -> [n, heads * D], by the C kernel (fp32 softmax)."""
@@ -536,6 +540,8 @@ class TorchNativeAttention:
             n, self.num_heads, self.num_kv_heads, self.head_dim, int(q.dtype == torch.bfloat16),
             kv_format(k_buf), self.scaling, torch.get_num_threads(), int(self.decode_tiles),
         )
+        if rc == -2:
+            raise ValueError("decode attention kernel: an int8 KV pool's buffers carry no scales (kv_scales)")
         if rc != 0:
             raise MemoryError("decode attention kernel: out of memory for its scratch buffers")
         return out
@@ -557,9 +563,8 @@ class TorchNativeAttention:
 
     def _extend_one(self, q, k_buf, v_buf, req: _ExtendReq) -> torch.Tensor:
         """Causal attention of one request's new tokens over its prefix and themselves."""
-        k, v = (widen_kv(buf.index_select(0, req.kv_indices), q.dtype,
-                         None if kv_scales(buf) is None else kv_scales(buf).index_select(0, req.kv_indices))
-                .transpose(0, 1).unsqueeze(0) for buf in (k_buf, v_buf))  # [1, kv_heads, S, D]
+        k, v = (_gather_kv(buf, kv_scales(buf), req.kv_indices, q.dtype).transpose(0, 1).unsqueeze(0)
+                for buf in (k_buf, v_buf))  # [1, kv_heads, S, D]
         qh = q.transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, heads, L, D]
         if req.mask is None:
             out = F.scaled_dot_product_attention(

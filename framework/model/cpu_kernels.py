@@ -282,9 +282,8 @@ class FusedOps:
         """From the fused projection qkv [T, (heads + 2 kv_heads) * D]: rotate q and k by the
         bf16 tables cos/sin ([T, 1, D/2], contiguous), write k and v into the pools ([slots,
         kv_heads, D], bf16, float8_e5m2 bytes or int8 values and scales, as TokenToKVPool.set_kv
-        makes them) at
-        `loc` [T] int64; returns q [T, heads * D], written into `out` when given (contiguous bf16
-        of that shape, e.g. some rows of a larger q)."""
+        makes them) at `loc` [T] int64; returns q [T, heads * D], written into `out` when given
+        (contiguous bf16 of that shape, e.g. some rows of a larger q)."""
         rows = qkv.shape[0]
         head_dim = k_pool.shape[-1]
         if out is None:
@@ -297,8 +296,7 @@ class FusedOps:
         loc = loc.to(torch.int64).contiguous()
         rc = self._rope_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), q.data_ptr(),
                            k_pool.data_ptr(), v_pool.data_ptr(), *scale_ptrs(k_pool, v_pool), kv_format(k_pool),
-                           rows, heads, kv_heads, head_dim,
-                           torch.get_num_threads())
+                           rows, heads, kv_heads, head_dim, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"rope_kv cannot write into a {k_pool.dtype} pool of rows {tuple(k_pool.shape[1:])}")
         return q

@@ -469,6 +469,11 @@ static void head_scores(const void *q, const float *qf, const QueryI8 *qi8, int 
 }
 
 #if defined(__AVX512BF16__)
+/* 32 values of a V row (bf16, or int8 widened: `i8`) as bf16. */
+static inline __m512i v_row32_bf16(const char *p, const int i8) {
+    return i8 ? i8x32_to_bf16(p) : _mm512_loadu_si512(p);
+}
+
 /* head_values' bf16 path with the group a constant (values_bf16_group dispatches, as for the
  * scores), so that its 4 x group accumulators stay in registers: with the group a variable GCC
  * kept them on the stack and tested the group at every token pair. Two tokens at a time: their
@@ -480,11 +485,6 @@ static void head_scores(const void *q, const float *qf, const QueryI8 *qi8, int 
  * prefetcher also a local copy (it too had been kept in memory), on a 2-core AMD EPYC (Zen 4, no
  * AMX): 50 requests' KV in the caches 0.46 -> 0.36 ms a layer, 200 requests from DRAM 2.76-2.84 ->
  * 2.36-2.44; the same bits. */
-/* 32 values of a V row (bf16, or int8 widened: `i8`) as bf16. */
-static inline __m512i v_row32_bf16(const char *p, const int i8) {
-    return i8 ? i8x32_to_bf16(p) : _mm512_loadu_si512(p);
-}
-
 static inline __attribute__((always_inline)) void values_bf16(const uint16_t *probs_bf16, const int group,
                                                               const char *v, size_t row_bytes, const int i8,
                                                               const int64_t *slots, int64_t t0, int64_t t1,
@@ -569,11 +569,10 @@ static void head_values(const float *probs, const uint16_t *probs_bf16, int grou
         /* P V on vdpbf16ps (values_bf16; an int8 pool's rows widened to bf16, exactly), where the
          * fp32 path below widens every row and takes a multiply-add per token and query head. (An
          * e5m2 pool stays there: its rows widened to bf16 would lose e5m2's subnormals, which the
-         * fp32 path reads exactly.) On a 2-core AMD
-         * EPYC (Zen 4, no AMX), 50 requests' KV in the caches: 0.45 -> 0.40-0.41 ms a layer; 200
-         * requests from DRAM 2.85-3.17 -> 2.79-2.82 (there the memory's time adds to the
-         * arithmetic's, so the vectors' share of it counts in full); W200's decode attention
-         * 9.67 -> 9.05 s. */
+         * fp32 path reads exactly.) On a 2-core AMD EPYC (Zen 4, no AMX), 50 requests' KV in the
+         * caches: 0.45 -> 0.40-0.41 ms a layer; 200 requests from DRAM 2.85-3.17 -> 2.79-2.82 (there
+         * the memory's time adds to the arithmetic's, so the vectors' share of it counts in full);
+         * W200's decode attention 9.67 -> 9.05 s. */
         values_bf16_group(probs_bf16, group, (const char *)v, kv_stride * elem, fmt, slots, t0, t1, len, acc, pf);
         return;
     }
@@ -1082,7 +1081,8 @@ static void *run_span(void *arg) {
                 prefetch_start(&pf, (const char *)a->v, slots, 0, first, slot_bytes, calls);
             for (int h = 0; h < a->kv_heads; h++) {
                 const int first_head = h * group;
-                const QueryI8 qh = {q_i8 + (size_t)first_head * 64, q_i8_scale + first_head, q_i8_corr + first_head};
+                QueryI8 qh = {NULL, NULL, NULL};
+                if (q_i8) qh = (QueryI8){q_i8 + (size_t)first_head * 64, q_i8_scale + first_head, q_i8_corr + first_head};
                 head_scores(q + (size_t)first_head * d * q_elem, qf + (size_t)first_head * d, q_i8 ? &qh : NULL, group,
                             (const char *)a->k + (size_t)h * d * kv_elem, kv_stride, d, a->q_bf16, a->kv_fmt, slots,
                             t0, t1, len, scores + (size_t)first_head * len, &pf, kv_row);
@@ -1178,8 +1178,8 @@ int decode_attention_tiles(int heads, int kv_heads, int head_dim, int q_bf16, in
 
 /* `amx`: bf16 requests may go on the AMX tiles (decode_attention_tiles); k_scale, v_scale: an int8
  * pool's scales (NULL for other pools). Returns 0, -2 for an int8 pool without its scales, or -1
- * when scratch memory could not be allocated. Spans whose thread cannot be
- * started run on the calling thread. */
+ * when scratch memory could not be allocated. Spans whose thread cannot be started run on the
+ * calling thread. */
 int decode_attention(const void *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
                      const int64_t *req_to_token, int64_t row_stride, const int64_t *pool_idx,
                      const int64_t *seq_lens, void *out, int n, int heads, int kv_heads, int head_dim, int q_bf16,

@@ -410,9 +410,8 @@ static void *run_attention(void *arg) {
  * not 64, heads not a multiple of kv_heads, fp32 KV, no memory). */
 int extend_attention(const uint16_t *q, int64_t q_stride, const void *k, const void *v, const float *k_scale,
                      const float *v_scale, int kv_fmt, const int64_t *kv_indices, int64_t seq_len, int64_t prefix_len,
-                     uint16_t *out,
-                     int64_t out_stride, int heads, int kv_heads, int head_dim, float scale, int num_threads,
-                     int tiles) {
+                     uint16_t *out, int64_t out_stride, int heads, int kv_heads, int head_dim, float scale,
+                     int num_threads, int tiles) {
 #if HAVE_VECTORS
     int64_t ext_len = seq_len - prefix_len;
     if (head_dim != HEAD_DIM || kv_heads < 1 || heads % kv_heads || ext_len < 1 || prefix_len < 0 ||
