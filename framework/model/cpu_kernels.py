@@ -172,6 +172,17 @@ def load_decode_kernel():
     return None if lib is None else decode_kernel_of(lib)
 
 
+def decode_int8_dot() -> bool:
+    """Whether the decode kernel reads an int8 pool's rows as integers (AVX512-VNNI: the scores on
+    `vpdpbusd` with the bf16 queries rounded to int8, P V on `vpdpwssd` with P as int16); elsewhere
+    it widens them to bf16. False without the kernel."""
+    lib = load("decode_attention")
+    if lib is None:
+        return False
+    lib.decode_attention_int8_dot.restype = _INT
+    return bool(lib.decode_attention_int8_dot())
+
+
 def decode_kernel_of(lib: ctypes.CDLL):
     """The `decode_attention` function of a built decode_attention library, typed for ctypes."""
     fn = lib.decode_attention

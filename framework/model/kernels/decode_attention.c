@@ -9,10 +9,12 @@
  * softmax and its probabilities after the softmax's sums, so the int8 pool's reads are its bytes
  * and a scale per row; int8 requests stay off the AMX tiles). With AVX512-VNNI, an int8 pool's
  * scores are integer dot products of its rows and the bf16 queries quantized to int8 (scores_i8;
- * q . k then differs from the bf16 query's by the query's rounding to 8 bits). 200 requests of
- * 100-400 prompt tokens and 64 decoded tokens, 30 layers' pools, 2-core AMD EPYC (Zen 4): bf16
- * pool 1.8-2.1 ms a layer; int8 with the rows widened to bf16 for vdpbf16ps 1.57-1.81, on
- * vpdpbusd 1.23-1.38 (with the KV in the caches 0.198 -> 0.155, bf16 0.167-0.176).
+ * q . k then differs from the bf16 query's by the query's rounding to 8 bits), and P V sums the V
+ * rows' integers against the probabilities as int16 (values_i16, nearer the exact sums than P in
+ * bf16). 200 requests of 100-400 prompt tokens and 64 decoded tokens, 30 layers' pools, 2-core
+ * AMD EPYC (Zen 4): bf16 pool 1.8-2.1 ms a layer; int8 with the rows widened to bf16 for
+ * vdpbf16ps 1.57-1.81, on vpdpbusd 1.23-1.38 (with the KV in the caches 0.198 -> 0.155, bf16
+ * 0.167-0.176).
  *
  * The KV rows are read from DRAM (a decode step reads every running request's whole KV, far more
  * than the caches hold), and a request's slots are scattered over the pool. So the tokens go in
@@ -560,6 +562,100 @@ static void values_bf16_group(const uint16_t *probs_bf16, int group, const char 
     }
 }
 
+#if HAVE_I8_SCORES
+/* P V of an int8 pool on vpdpwssd (AVX512-VNNI): the probabilities of a chunk of tokens (times the
+ * V rows' scales) as int16, round(p / s) with s = the chunk's largest / 32767 per query head
+ * (run_span: probs_i16, p_scale), and the V rows' int8 values widened to int16 (vpmovsxbw, one
+ * instruction for 32 values where the widening to bf16 takes five). Two tokens' rows interleaved
+ * into pairs as in values_bf16 (the same lane order, values_columns_in_order), each pair's two
+ * products summed into int32 lanes (at most 64 x 32767 x 128 < 2^31 a chunk), then added to the
+ * fp32 sums times s once a chunk. Against P rounded to bf16 (2^-9 of each probability) the error is
+ * at most 2^-16 of the chunk's largest (against float64 attention the kernel's outputs are then
+ * as far off as their own bf16 rounding; with P in bf16 1.38x as far). With the KV in the caches
+ * (30 requests, one thread, 2-core AMD EPYC Zen 4) 30.1 -> 25.7 ns a token and layer; W200's
+ * decode attention (w8a8, two runs each, alternated) 6.46 / 5.55 -> 5.32 / 5.35 s. */
+static inline __attribute__((always_inline)) void values_i16(const int16_t *p16, const float *p_scale, const int group,
+                                                             const char *v, size_t row_bytes, const int64_t *slots,
+                                                             int64_t t0, int64_t t1, int64_t len, float *acc,
+                                                             Prefetcher *pf) {
+    Prefetcher p = *pf; /* (a local copy, kept in registers) */
+    __m512i sums[8][4];
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < 4; c++) sums[g][c] = _mm512_setzero_si512();
+    int64_t t = t0;
+    for (; t + 2 <= t1; t += 2) {
+        prefetch_next(&p);
+        const char *ra = v + (size_t)slots[t] * row_bytes;
+        prefetch_next(&p);
+        const char *rb = v + (size_t)slots[t + 1] * row_bytes;
+        __m512i vp[4];
+        for (int c = 0; c < 2; c++) {
+            const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(ra + c * 32)));
+            const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(rb + c * 32)));
+            vp[2 * c] = _mm512_unpacklo_epi16(a, b);
+            vp[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+        for (int g = 0; g < group; g++) {
+            int32_t pair; /* (P_t, P_t+1) */
+            memcpy(&pair, p16 + g * len + t, sizeof pair);
+            const __m512i pr = _mm512_set1_epi32(pair);
+            for (int c = 0; c < 4; c++) sums[g][c] = _mm512_dpwssd_epi32(sums[g][c], vp[c], pr);
+        }
+    }
+    if (t < t1) { /* a last odd token: its row paired with zeros, its probability with 0 */
+        prefetch_next(&p);
+        const char *ra = v + (size_t)slots[t] * row_bytes;
+        __m512i vp[4];
+        for (int c = 0; c < 2; c++) {
+            const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(ra + c * 32)));
+            vp[2 * c] = _mm512_unpacklo_epi16(a, _mm512_setzero_si512());
+            vp[2 * c + 1] = _mm512_unpackhi_epi16(a, _mm512_setzero_si512());
+        }
+        for (int g = 0; g < group; g++) {
+            const __m512i pr = _mm512_set1_epi32((int32_t)(uint16_t)p16[g * len + t]);
+            for (int c = 0; c < 4; c++) sums[g][c] = _mm512_dpwssd_epi32(sums[g][c], vp[c], pr);
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const __m512 s = _mm512_set1_ps(p_scale[g]);
+        for (int c = 0; c < 4; c++) {
+            float *o = acc + g * 64 + c * 16;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[g][c]), s, _mm512_loadu_ps(o)));
+        }
+    }
+    *pf = p;
+}
+
+static void values_i16_group(const int16_t *p16, const float *p_scale, int group, const char *v, size_t row_bytes,
+                             const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
+    BY_GROUP(group, values_i16(p16, p_scale, G, v, row_bytes, slots, t0, t1, len, acc, pf));
+}
+
+/* Each query head's probabilities (times the V rows' scales) of the chunks of CHUNK tokens as
+ * int16 for values_i16: p16[r * len + t] = round(p / s), p_scale[chunk * heads + r] = s, s = the
+ * chunk's largest / 32767 (0 for a chunk of zeros). */
+static void probs_to_i16(const float *probs, int heads, int64_t len, int16_t *p16, float *p_scale) {
+    for (int r = 0; r < heads; r++) {
+        const float *p = probs + (size_t)r * len;
+        int16_t *q = p16 + (size_t)r * len;
+        for (int64_t t0 = 0, chunk = 0; t0 < len; t0 += CHUNK, chunk++) {
+            const int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
+            __m512 m = _mm512_setzero_ps();
+            for (int64_t t = t0; t < t1; t += 16)
+                m = _mm512_max_ps(m, _mm512_maskz_loadu_ps(first_lanes(t1 - t), p + t));
+            const float top = _mm512_reduce_max_ps(m);
+            p_scale[chunk * heads + r] = top / 32767.0f;
+            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+            for (int64_t t = t0; t < t1; t += 16) {
+                const __mmask16 keep = first_lanes(t1 - t);
+                const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + t), inv));
+                _mm256_mask_storeu_epi16(q + t, keep, _mm512_cvtsepi32_epi16(x));
+            }
+        }
+    }
+}
+#endif
+
 /* Accumulator c of values_bf16 (c = 2 * half + hi, half: columns 32 * half..) holds in its lane
  * 4k + e column 32 * half + 8k + 4 * hi + e (the unpacks' order). Rows of 64 columns at `acc`
  * back into column order, `rows` of them. */
@@ -581,12 +677,21 @@ static void values_columns_in_order(float *acc, int rows) {
 /* acc[g] += sum over t in [t0, t1) of probs[g * len + t] * v_t; `probs_bf16`: the same
  * probabilities rounded to bf16, for a bf16 pool and q on AVX512-BF16 (NULL elsewhere), where
  * head_dim 64 leaves `acc` in values_bf16's lane order (values_columns_in_order puts it back);
+ * `probs_i16` and `p_scale`: for an int8 pool and bf16 q on AVX512-VNNI, the same probabilities
+ * as int16 and the scales of the chunk [t0, t1) (values_i16, the same lane order; NULL elsewhere);
  * `row`: d floats of scratch for the portable path */
-static void head_values(const float *probs, const uint16_t *probs_bf16, int group, const void *v, int64_t kv_stride,
-                        int d, int fmt, const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc,
-                        Prefetcher *pf, float *row) {
-    (void)pf, (void)probs_bf16; /* used by the AVX-512 paths only */
+static void head_values(const float *probs, const uint16_t *probs_bf16, const int16_t *probs_i16,
+                        const float *p_scale, int group, const void *v, int64_t kv_stride, int d, int fmt,
+                        const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf,
+                        float *row) {
+    (void)pf, (void)probs_bf16, (void)probs_i16, (void)p_scale; /* used by the AVX-512 paths only */
     size_t elem = kv_elem_size(fmt);
+#if HAVE_I8_SCORES
+    if (probs_i16) { /* an int8 pool, head_dim 64, group <= 8 (run_span) */
+        values_i16_group(probs_i16, p_scale, group, (const char *)v, kv_stride * elem, slots, t0, t1, len, acc, pf);
+        return;
+    }
+#endif
 #if defined(__AVX512BF16__)
     if (d == 64 && group <= 8 && (fmt == KV_BF16 || fmt == KV_I8) && probs_bf16) {
         /* P V on vdpbf16ps (values_bf16; an int8 pool's rows widened to bf16, exactly), where the
@@ -979,6 +1084,8 @@ static void *run_span(void *arg) {
     /* scratch of the path the span's requests take: the tiles' (amx_request) or the vector code's */
     float *qf = NULL, *acc = NULL, *inv_sum = NULL, *scores = NULL, *kv_row = NULL; /* kv_row: the portable paths' */
     uint16_t *probs_bf16 = NULL; /* the probabilities rounded to bf16 (head_values) */
+    int16_t *probs_i16 = NULL; /* an int8 pool's: as int16, with their scales a chunk (probs_to_i16) */
+    float *p_scale = NULL;
     float *tok_scale = NULL; /* an int8 pool's scales of the request's tokens (gather_scales) */
     int8_t *q_i8 = NULL; /* an int8 pool's bf16 queries as int8, their scales and sums (quantize_queries) */
     float *q_i8_scale = NULL;
@@ -1022,6 +1129,14 @@ static void *run_span(void *arg) {
             }
 #endif
         }
+#if HAVE_I8_SCORES
+        if (a->q_bf16 && a->kv_fmt == KV_I8 && d == 64 && group <= 8) { /* (fp32 q keeps fp32 P) */
+            const size_t tokens = (size_t)(span->max_len > 0 ? span->max_len : 1);
+            probs_i16 = (int16_t *)malloc(tokens * heads * sizeof(int16_t));
+            p_scale = (float *)malloc((tokens + CHUNK - 1) / CHUNK * heads * sizeof(float));
+            span->failed |= !probs_i16 || !p_scale;
+        } else
+#endif
 #if defined(__AVX512BF16__)
         if (a->q_bf16 && (a->kv_fmt == KV_BF16 || a->kv_fmt == KV_I8)) {
             probs_bf16 = (uint16_t *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * heads * 2);
@@ -1104,6 +1219,9 @@ static void *run_span(void *arg) {
             for (; j < all; j++) probs_bf16[j] = f32_to_bf16(scores[j]);
         }
 #endif
+#if HAVE_I8_SCORES
+        if (probs_i16) probs_to_i16(scores, heads, len, probs_i16, p_scale);
+#endif
         memset(acc, 0, (size_t)heads * d * sizeof(float));
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
             int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
@@ -1123,12 +1241,14 @@ static void *run_span(void *arg) {
             }
             for (int h = 0; h < a->kv_heads; h++)
                 head_values(scores + (size_t)h * group * len, probs_bf16 ? probs_bf16 + (size_t)h * group * len : NULL,
-                            group, (const char *)a->v + (size_t)h * d * kv_elem, kv_stride, d, a->kv_fmt, slots, t0,
-                            t1, len, acc + (size_t)h * group * d, &pf, kv_row);
+                            probs_i16 ? probs_i16 + (size_t)h * group * len : NULL,
+                            p_scale ? p_scale + (t0 / CHUNK) * heads + h * group : NULL, group,
+                            (const char *)a->v + (size_t)h * d * kv_elem, kv_stride, d, a->kv_fmt, slots, t0, t1, len,
+                            acc + (size_t)h * group * d, &pf, kv_row);
             prefetch_lines(&pf, -1);
         }
 #if defined(__AVX512BF16__)
-        if (probs_bf16 && d == 64 && group <= 8) values_columns_in_order(acc, heads);
+        if ((probs_bf16 || probs_i16) && d == 64 && group <= 8) values_columns_in_order(acc, heads);
 #endif
         for (int r = 0; r < heads; r++) {
             float *row = acc + (size_t)r * d;
@@ -1156,12 +1276,19 @@ static void *run_span(void *arg) {
     free(inv_sum);
     free(scores);
     free(probs_bf16);
+    free(probs_i16);
+    free(p_scale);
     free(tok_scale);
     free(q_i8);
     free(q_i8_scale);
     free(q_i8_corr);
     return NULL;
 }
+
+/* Whether an int8 pool's rows are read as integers here (AVX512-VNNI): the scores on vpdpbusd with
+ * the bf16 queries rounded to int8 (scores_i8), P V on vpdpwssd with the probabilities as int16
+ * (values_i16). Elsewhere the rows are widened to bf16. */
+int decode_attention_int8_dot(void) { return HAVE_I8_SCORES; }
 
 /* Whether decode_attention (amx = 1) attends these requests on the AMX tiles (amx_request). */
 int decode_attention_tiles(int heads, int kv_heads, int head_dim, int q_bf16, int kv_fmt) {
