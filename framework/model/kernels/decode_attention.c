@@ -494,9 +494,37 @@ static void head_scores(const void *q, const float *qf, const QueryI8 *qi8, int 
 }
 
 #if defined(__AVX512BF16__)
-/* 32 values of a V row (bf16, or int8 widened: `i8`) as bf16. */
-static inline __m512i v_row32_bf16(const char *p, const int i8) {
-    return i8 ? i8x32_to_bf16(p) : _mm512_loadu_si512(p);
+/* How the P V paths take a V row's values: bf16, int8 widened to bf16 (exactly), int8 widened to
+ * int16 (values_i16). */
+enum { V_BF16, V_I8_AS_BF16, V_I8_AS_I16 };
+
+/* 32 values of a V row as 16-bit lanes (`mode`: the enum above). */
+static inline __m512i v_row32(const char *p, const int mode) {
+    return mode == V_I8_AS_I16    ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p))
+           : mode == V_I8_AS_BF16 ? i8x32_to_bf16(p)
+                                  : _mm512_loadu_si512(p);
+}
+
+/* The V rows of tokens t and t + 1 (`two` 0: token t's and a row of zeros) as four vectors of
+ * their values in pairs, one pair a 32-bit lane, interleaved by unpacklo / unpackhi within each
+ * 128-bit lane (a cheaper instruction than a cross-lane permute; values_columns_in_order puts the
+ * columns back); a call of prefetch_next for each row read. */
+static inline __attribute__((always_inline)) void v_pairs(const char *v, size_t row_bytes, const int64_t *slots,
+                                                          int64_t t, const int two, const int mode, Prefetcher *p,
+                                                          __m512i vp[4]) {
+    const size_t half = mode == V_BF16 ? 64 : 32; /* bytes of 32 values */
+    prefetch_next(p);
+    const char *ra = v + (size_t)slots[t] * row_bytes, *rb = NULL;
+    if (two) {
+        prefetch_next(p);
+        rb = v + (size_t)slots[t + 1] * row_bytes;
+    }
+    for (int c = 0; c < 2; c++) {
+        const __m512i a = v_row32(ra + c * half, mode);
+        const __m512i b = two ? v_row32(rb + c * half, mode) : _mm512_setzero_si512();
+        vp[2 * c] = _mm512_unpacklo_epi16(a, b);
+        vp[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
 }
 
 /* head_values' bf16 path with the group a constant (values_bf16_group dispatches, as for the
@@ -515,38 +543,24 @@ static inline __attribute__((always_inline)) void values_bf16(const uint16_t *pr
                                                               const int64_t *slots, int64_t t0, int64_t t1,
                                                               int64_t len, float *acc, Prefetcher *pf) {
     Prefetcher p = *pf; /* (a local copy, kept in registers) */
-    const size_t half = i8 ? 32 : 64; /* bytes of 32 values */
+    const int mode = i8 ? V_I8_AS_BF16 : V_BF16;
     __m512 av[8][4];
     values_acc_load(av, acc, group);
     int64_t t = t0;
     for (; t + 2 <= t1; t += 2) {
-        prefetch_next(&p);
-        const char *ra = v + (size_t)slots[t] * row_bytes;
-        prefetch_next(&p);
-        const char *rb = v + (size_t)slots[t + 1] * row_bytes;
-        __m512bh vp[4];
-        for (int c = 0; c < 2; c++) {
-            const __m512i a = v_row32_bf16(ra + c * half, i8), b = v_row32_bf16(rb + c * half, i8);
-            vp[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-            vp[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-        }
+        __m512i vp[4];
+        v_pairs(v, row_bytes, slots, t, 1, mode, &p, vp);
         for (int g = 0; g < group; g++) {
             const __m512bh pr = pair_bcast(probs_bf16 + g * len + t); /* (P_t, P_t+1) */
-            for (int c = 0; c < 4; c++) av[g][c] = _mm512_dpbf16_ps(av[g][c], vp[c], pr);
+            for (int c = 0; c < 4; c++) av[g][c] = _mm512_dpbf16_ps(av[g][c], (__m512bh)vp[c], pr);
         }
     }
     if (t < t1) { /* a last odd token: its row paired with zeros, its probability with 0 */
-        prefetch_next(&p);
-        const char *ra = v + (size_t)slots[t] * row_bytes;
-        __m512bh vp[4];
-        for (int c = 0; c < 2; c++) {
-            const __m512i a = v_row32_bf16(ra + c * half, i8), z = _mm512_setzero_si512();
-            vp[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, z);
-            vp[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, z);
-        }
+        __m512i vp[4];
+        v_pairs(v, row_bytes, slots, t, 0, mode, &p, vp);
         for (int g = 0; g < group; g++) {
             const __m512bh pr = (__m512bh)_mm512_set1_epi32((int32_t)probs_bf16[g * len + t]);
-            for (int c = 0; c < 4; c++) av[g][c] = _mm512_dpbf16_ps(av[g][c], vp[c], pr);
+            for (int c = 0; c < 4; c++) av[g][c] = _mm512_dpbf16_ps(av[g][c], (__m512bh)vp[c], pr);
         }
     }
     values_acc_store(av, acc, group);
@@ -584,17 +598,8 @@ static inline __attribute__((always_inline)) void values_i16(const int16_t *p16,
         for (int c = 0; c < 4; c++) sums[g][c] = _mm512_setzero_si512();
     int64_t t = t0;
     for (; t + 2 <= t1; t += 2) {
-        prefetch_next(&p);
-        const char *ra = v + (size_t)slots[t] * row_bytes;
-        prefetch_next(&p);
-        const char *rb = v + (size_t)slots[t + 1] * row_bytes;
         __m512i vp[4];
-        for (int c = 0; c < 2; c++) {
-            const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(ra + c * 32)));
-            const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(rb + c * 32)));
-            vp[2 * c] = _mm512_unpacklo_epi16(a, b);
-            vp[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-        }
+        v_pairs(v, row_bytes, slots, t, 1, V_I8_AS_I16, &p, vp);
         for (int g = 0; g < group; g++) {
             int32_t pair; /* (P_t, P_t+1) */
             memcpy(&pair, p16 + g * len + t, sizeof pair);
@@ -603,14 +608,8 @@ static inline __attribute__((always_inline)) void values_i16(const int16_t *p16,
         }
     }
     if (t < t1) { /* a last odd token: its row paired with zeros, its probability with 0 */
-        prefetch_next(&p);
-        const char *ra = v + (size_t)slots[t] * row_bytes;
         __m512i vp[4];
-        for (int c = 0; c < 2; c++) {
-            const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(ra + c * 32)));
-            vp[2 * c] = _mm512_unpacklo_epi16(a, _mm512_setzero_si512());
-            vp[2 * c + 1] = _mm512_unpackhi_epi16(a, _mm512_setzero_si512());
-        }
+        v_pairs(v, row_bytes, slots, t, 0, V_I8_AS_I16, &p, vp);
         for (int g = 0; g < group; g++) {
             const __m512i pr = _mm512_set1_epi32((int32_t)(uint16_t)p16[g * len + t]);
             for (int c = 0; c < 4; c++) sums[g][c] = _mm512_dpwssd_epi32(sums[g][c], vp[c], pr);
