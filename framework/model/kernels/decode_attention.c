@@ -586,8 +586,10 @@ static void values_bf16_group(const uint16_t *probs_bf16, int group, const char 
  * fp32 sums times s once a chunk. Against P rounded to bf16 (2^-9 of each probability) the error is
  * at most 2^-16 of the chunk's largest (against float64 attention the kernel's outputs are then
  * as far off as their own bf16 rounding; with P in bf16 1.38x as far). With the KV in the caches
- * (30 requests, one thread, 2-core AMD EPYC Zen 4) 30.1 -> 25.7 ns a token and layer; W200's
- * decode attention (w8a8, two runs each, alternated) 6.46 / 5.55 -> 5.32 / 5.35 s. */
+ * (30 requests, one thread, 2-core AMD EPYC Zen 4) 30.1 -> 25.7 ns a token and layer. In W200
+ * (w8a8), where the reads set most of the pace, less: decode attention against P in bf16 6.46 /
+ * 5.55 -> 5.32 / 5.35 s (two alternated pairs), with scores_i8's transposed rows against the
+ * kernel before both 5.40 -> 5.30 s on average (four alternated pairs, 4.88-5.64 s). */
 static inline __attribute__((always_inline)) void values_i16(const int16_t *p16, const float *p_scale, const int group,
                                                              const char *v, size_t row_bytes, const int64_t *slots,
                                                              int64_t t0, int64_t t1, int64_t len, float *acc,
