@@ -277,16 +277,16 @@ class FusedOps:
                             mask.data_ptr(), mask.stride(0), rows, d, out.data_ptr())
         return out
 
-    # The widest slot row (kv_heads * head_dim) rope_kv writes into a float8_e5m2 or int8 pool
-    # (E5M2_ROW_MAX).
-    E5M2_ROW_MAX = 4096
+    # The widest slot row (kv_heads * head_dim) rope_kv writes into a pool of one byte a value,
+    # float8_e5m2 or int8 (kernels/fused_ops.c's BYTE_ROW_MAX).
+    BYTE_ROW_MAX = 4096
 
     def supports_rope_kv(self, k_pool: torch.Tensor) -> bool:
         """Whether rope_kv writes into this pool buffer: bf16, or float8_e5m2 bytes or int8 values
-        (with their scales) of rows up to E5M2_ROW_MAX values."""
+        (with their scales) of rows up to BYTE_ROW_MAX values."""
         return k_pool.dtype == torch.bfloat16 or (
             (k_pool.dtype == torch.uint8 or (k_pool.dtype == torch.int8 and kv_scales(k_pool) is not None))
-            and k_pool.shape[-2] * k_pool.shape[-1] <= self.E5M2_ROW_MAX)
+            and k_pool.shape[-2] * k_pool.shape[-1] <= self.BYTE_ROW_MAX)
 
     def rope_kv(self, qkv, cos, sin, loc, k_pool, v_pool, heads: int, kv_heads: int,
                 out: torch.Tensor | None = None) -> torch.Tensor:

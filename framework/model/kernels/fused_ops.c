@@ -139,8 +139,9 @@ static void store_i8(int8_t *dst, float *scale, const uint16_t *src, int n) {
     for (; i < n; i++) dst[i] = (int8_t)nearbyintf(bf16_to_f32(src[i]) / s);
 }
 
-/* The widest slot row (kv_heads * head_dim) rope_kv_bf16 takes into a float8_e5m2 or int8 pool. */
-#define E5M2_ROW_MAX 4096
+/* The widest slot row (kv_heads * head_dim) rope_kv_bf16 takes into a pool of one byte a value
+ * (float8_e5m2 or int8): k is rotated into a scratch row of this many bf16 before it is rounded. */
+#define BYTE_ROW_MAX 4096
 
 /* q rotated into out [rows, heads * head_dim]; k rotated and v copied into the pool at loc (into
  * an e5m2 or int8 pool k is rotated in bf16 first, then both are rounded as TokenToKVPool.set_kv
@@ -148,7 +149,7 @@ static void store_i8(int8_t *dst, float *scale, const uint16_t *src, int n) {
 static void rope_kv_rows(const Job *j, int64_t begin, int64_t end) {
     int d = j->head_dim, half = d / 2;
     size_t kv_row = (size_t)j->kv_heads * d;
-    uint16_t rotated[E5M2_ROW_MAX];
+    uint16_t rotated[BYTE_ROW_MAX];
     for (int64_t r = begin; r < end; r++) {
         const uint16_t *qkv = j->x + r * j->x_stride, *v = qkv + (size_t)(j->heads + j->kv_heads) * d;
         const uint16_t *cos = j->cos + r * half, *sin = j->sin + r * half;
@@ -227,7 +228,7 @@ int rope_kv_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos, c
                  const int64_t *loc, uint16_t *q_out, void *k_pool, void *v_pool, float *k_scale, float *v_scale,
                  int kv_fmt, int64_t rows, int heads, int kv_heads, int head_dim, int num_threads) {
     if ((kv_fmt != KV_BF16 && kv_fmt != KV_E5M2 && kv_fmt != KV_I8) ||
-        (kv_fmt != KV_BF16 && kv_heads * head_dim > E5M2_ROW_MAX) || (kv_fmt == KV_I8 && (!k_scale || !v_scale)))
+        (kv_fmt != KV_BF16 && kv_heads * head_dim > BYTE_ROW_MAX) || (kv_fmt == KV_I8 && (!k_scale || !v_scale)))
         return -1;
     Job job = {ROPE_KV, qkv, NULL, NULL, q_out, NULL, rows, 0, qkv_stride, 0.0f, cos, sin, loc, k_pool, v_pool,
                heads, kv_heads, head_dim, kv_fmt, k_scale, v_scale};
