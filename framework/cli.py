@@ -79,14 +79,15 @@ def cmd_plugins(args) -> int:
 
         if not args.name:
             raise ValueError("plugins new: give the plugin's name, e.g. `batchyard plugins new shortest`")
-        root = write_skeleton(args.name, args.kind, args.dir)
+        root = write_skeleton(args.name, args.kind or "policy", args.dir)
         print(f"wrote {root}; next: pip install -e {root} && pytest {root}")
         return 0
     settings = settings_from_args(args)
     manager = PluginManager(settings)
     print(f"{'kind':<10}{'name':<16}{'active':<8}source")
     for kind, name, active, note in manager.describe():
-        print(f"{kind:<10}{name:<16}{'*' if active else '':<8}{note}")
+        if args.kind is None or kind == args.kind:
+            print(f"{kind:<10}{name:<16}{'*' if active else '':<8}{note}")
     return 0
 
 
@@ -145,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("action", nargs="?", choices=["new"], help="new: write a plugin package skeleton")
     p.add_argument("name", nargs="?", help="the new plugin's name (its entry point)")
-    p.add_argument("--kind", default="policy", help="the new plugin's kind: policy or observer")
+    p.add_argument("--kind", default=None,
+                   help="the new plugin's kind: policy (the default) or observer; listing: only that kind's plugins")
     p.add_argument("--dir", default=".", help="where to write the package folder")
     add_settings_flags(p)
     p.set_defaults(func=cmd_plugins)

@@ -376,6 +376,20 @@ class Settings(BaseSettings):
         raw = self.plugin.get(name, {})
         if isinstance(raw, BaseModel):
             return
+        if model.model_config.get("extra") is None:
+            # As the core's sections: a misspelt option is an error, not silently the default. A
+            # model that sets `extra` itself ("allow", "ignore") decides for its section.
+            known = set()
+            for field_name, info in model.model_fields.items():
+                known.add(field_name)
+                known.update(a for a in (info.alias, info.validation_alias) if isinstance(a, str))
+            unknown = sorted(k for k in raw if k not in known)
+            if unknown:
+                raise SettingsError(
+                    "invalid settings:\n"
+                    + "\n".join(f"plugin.{name}.{k}: Extra inputs are not permitted (options: "
+                                f"{', '.join(model.model_fields) or 'none'})" for k in unknown)
+                )
         try:
             instance = model(**raw)
         except ValidationError as exc:

@@ -116,13 +116,15 @@ def select_prefill(view: "SchedulerView", adder: "AdderView") -> "list[Req] | No
         last round, then new arrivals and retracted requests), running counts,
         ``view.match_prefix(req)`` (does not change the request), settings, ``view.stash``.
     :param adder: read-only view of this round's token budgets (`framework.budget.AdderView`).
-    :return: the requests to admit, in order, each from ``view.waiting_queue`` at most once; or
-        None to admit nothing. The core runs the reference's admission loop over them (running-
+    :return: the requests to admit, in order, each from ``view.waiting_queue`` at most once (any
+        iterable of them); or None to admit nothing. Anything else is refused like an exception
+        (`framework.plugins.PluginReturnError`): the waiting requests fail. The core runs the reference's admission loop over them (running-
         request cap, LoRA cap, the four token budgets; prefixes matched through ``view`` are
         reused), locks their prefixes and removes the admitted ones from the waiting queue. The
         returned order becomes the queue's order; requests left out stay behind them.
 
-    Implemented by policy plugins only (`lpm`, `fcfs`, `dfs-weight`, `lof`, `random`).
+    Implemented by policy plugins only (`lpm`, `fcfs`, `dfs-weight`, `lof`, `random`, ...); every
+    policy must implement it (there is no core fallback: a policy without it is refused at start-up).
     """
 
 
@@ -138,7 +140,10 @@ def on_decode_oom(batch: "BatchView", view: "SchedulerView") -> "list[Req] | tup
     :param view: read-only view of the scheduler (``view.retract_decode_steps``,
         ``view.num_free_kv_tokens``).
     :return: the victims in retraction order, optionally with a new token ratio:
-        ``victims`` or ``(victims, new_token_ratio)``. The core retracts from the front of the
+        ``victims`` (distinct requests of ``batch.reqs``, any sequence: ``batch.reqs`` itself is
+        a tuple of victims) or ``(victims, new_token_ratio)`` (a pair whose second item is a number
+        in [0, 1], or whose first is a list or tuple). Anything else is refused like an exception
+        (`framework.plugins.PluginReturnError`): the batch's requests fail. The core retracts from the front of the
         list while the free KV does not cover ``retract_decode_steps`` more decode steps of the
         rest of the batch (at least one victim, never the batch's last request), evicting cache
         entries as it goes, then filters the batch; retracted requests go to the tail of the
@@ -163,8 +168,10 @@ def prepare_batch(batch: "ScheduleBatch | None", view: "SchedulerView") -> "Sche
     :param batch: the batch to run (the core's own object: set worker-facing fields only, such as
         ``global_num_tokens``), or None.
     :param view: read-only view of the scheduler.
-    :return: the batch to run, or None for none. Replacing a batch the scheduler built is a
-        run-time error: its KV slots are already allocated.
+    :return: the batch to run, or None for none. Replacing a batch the scheduler built (its KV
+        slots are already allocated), or answering anything but None or an IDLE batch where
+        ``batch`` was None, is refused like an exception (`framework.plugins.PluginReturnError`):
+        the built batch runs and its requests fail.
 
     Implemented by worker plugins and the stacked `default` plugins (`dp-attention`).
     """

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
+import reprlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import ModuleType
@@ -70,6 +73,30 @@ class PluginHookError(RuntimeError):
         self.hook = hook
         self.plugin = plugin
         super().__init__(f"plugin {plugin!r} failed in hook {hook}: {type(exc).__name__}: {exc}")
+
+
+class PluginReturnError(PluginHookError):
+    """A plugin's request-time hook returned a value outside the hook's contract. The core treats
+    it as if the hook had raised (a `PluginHookError`): the requests concerned fail, the server
+    serves on."""
+
+    def __init__(self, hook: str, plugins: list[str], problem: str):
+        self.hook = hook
+        self.plugin = " or ".join(plugins)
+        # A firstresult hook's answer comes from one implementation; pluggy does not say which, so
+        # where several plugins implement the hook (in-process objects beside the policy) all are named.
+        who = (f"plugin {plugins[0]!r}" if len(plugins) == 1
+               else f"one of the plugins {', '.join(repr(p) for p in plugins)}")
+        RuntimeError.__init__(self, f"{who} returned an invalid value from {hook}: {problem}")
+
+
+def _shown(value: Any) -> str:
+    """A short description of a returned value for an error message: its type and a short repr."""
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+def _is_ratio(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _plugin_name(impl) -> str:
@@ -157,14 +184,75 @@ class Hooks:
     def on_request_received(self, req, view) -> None:
         self._call("on_request_received", req=req, view=view)
 
-    def select_prefill(self, view, adder):
-        return self._call("select_prefill", view=view, adder=adder)
+    def _decider(self, name: str) -> list[str]:
+        """The plugins one of which gave a firstresult hook's answer: its implementers other than
+        the core's `trylast` fallbacks, in call order (in a server: the active policy, for
+        prepare_batch the worker and default plugins)."""
+        impls = getattr(self._hook, name).get_hookimpls()
+        return [_plugin_name(impl) for impl in reversed(impls) if impl.plugin is not defaults] or ["core-defaults"]
 
-    def on_decode_oom(self, batch, view):
-        return self._call("on_decode_oom", batch=batch, view=view)
+    def _requests(self, name: str, returned: Any, among: tuple, where: str) -> list:
+        """`returned` as a list of distinct requests from `among` (identity), or PluginReturnError."""
+        if isinstance(returned, (str, bytes, Mapping)) or not isinstance(returned, Iterable):
+            raise PluginReturnError(name, self._decider(name),
+                                    f"got {_shown(returned)}; expected a list of requests from {where}")
+        try:
+            items = list(returned)  # (a generator runs the plugin's code here)
+        except Exception as exc:
+            raise PluginReturnError(name, self._decider(name),
+                                    f"iterating it raised {type(exc).__name__}: {exc}") from exc
+        allowed = {id(r) for r in among}
+        seen: set[int] = set()
+        for item in items:
+            if id(item) not in allowed:
+                raise PluginReturnError(name, self._decider(name),
+                                        f"{_shown(item)} is not a request of {where}")
+            if id(item) in seen:
+                raise PluginReturnError(name, self._decider(name), f"request {item.rid!r} is listed twice")
+            seen.add(id(item))
+        return items
+
+    def select_prefill(self, view, adder) -> list | None:
+        """The requests to admit, in order: distinct requests of `view.waiting_queue`, or None.
+        Anything else raises PluginReturnError."""
+        chosen = self._call("select_prefill", view=view, adder=adder)
+        if chosen is None:
+            return None
+        return self._requests("select_prefill", chosen, view.waiting_queue, "view.waiting_queue")
+
+    def on_decode_oom(self, batch, view) -> tuple[list, float | None]:
+        """(victims, new_token_ratio or None): distinct requests of `batch.reqs`, in retraction
+        order, and a ratio in [0, 1] where the plugin gave one. A plugin may return the victims
+        alone (any sequence, a tuple of requests included) or ``(victims, ratio)``: a pair whose
+        second item is a number. Anything else raises PluginReturnError."""
+        decision = self._call("on_decode_oom", batch=batch, view=view)
+        if decision is None:
+            return [], None
+        ratio = None
+        # A pair: a number second, or a sequence (the victims) first, as no request is a sequence.
+        if (isinstance(decision, (tuple, list)) and len(decision) == 2
+                and (_is_ratio(decision[1]) or isinstance(decision[0], (tuple, list)))):
+            decision, ratio = decision
+            if not (_is_ratio(ratio) and math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
+                raise PluginReturnError("on_decode_oom", self._decider("on_decode_oom"),
+                                        f"the new token ratio {_shown(ratio)} of (victims, new_token_ratio) "
+                                        "is not a number in [0, 1]")
+        victims = self._requests("on_decode_oom", decision, batch.reqs, "the running batch (batch.reqs)")
+        return victims, None if ratio is None else float(ratio)
 
     def prepare_batch(self, batch, view):
-        return self._call("prepare_batch", batch=batch, view=view)
+        """The batch to run: `batch` itself, or where it is None, None or an IDLE batch (from
+        `view.idle_batch()`). Anything else raises PluginReturnError."""
+        prepared = self._call("prepare_batch", batch=batch, view=view)
+        if batch is not None and prepared is not batch:
+            raise PluginReturnError("prepare_batch", self._decider("prepare_batch"),
+                                    f"got {_shown(prepared)} in place of the batch the scheduler built "
+                                    "(its KV slots are allocated); return that batch")
+        if batch is None and prepared is not None and not _is_idle_batch(prepared):
+            raise PluginReturnError("prepare_batch", self._decider("prepare_batch"),
+                                    f"got {_shown(prepared)} where there was no batch; expected None or "
+                                    "view.idle_batch()")
+        return prepared
 
     def on_batch_result(self, batch, result, view) -> None:
         self._call("on_batch_result", batch=batch, result=result, view=view)
@@ -176,6 +264,16 @@ class Hooks:
         self._call("on_idle", view=view)
 
 
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
+def _is_idle_batch(value: Any) -> bool:
+    from framework.batch import ScheduleBatch  # (torch: imported where a batch can exist)
+
+    return isinstance(value, ScheduleBatch) and value.forward_mode is not None and value.forward_mode.is_idle()
+
+
 def check_kind(pm: pluggy.PluginManager, plugin: Any, name: str, kind: str) -> None:
     """Raise PluginError when `plugin` implements a hook its kind may not."""
     allowed = KIND_HOOKS[kind]
@@ -183,7 +281,7 @@ def check_kind(pm: pluggy.PluginManager, plugin: Any, name: str, kind: str) -> N
         if caller.name not in allowed:
             owners = sorted(k for k, hooks in KIND_HOOKS.items() if caller.name in hooks)
             raise PluginError(
-                f"plugin {name!r} is a {kind} plugin but implements {caller.name!r}, "
+                f"plugin {name!r} is {_article(kind)} {kind} plugin but implements {caller.name!r}, "
                 f"a hook only {' or '.join(owners)} plugins may implement"
             )
 
@@ -202,6 +300,7 @@ class PluginManager:
         self._activate(extra_plugins)
         self.hooks = Hooks(self.pm)
         self._register_plugin_settings()
+        self._warn_unclaimed_sections()
 
     def _activate(self, extra_plugins: tuple[Any, ...]) -> None:
         selection = self.settings.plugins
@@ -219,7 +318,10 @@ class PluginManager:
                     f"plugins.{kind}: unknown {kind} plugin {name!r}{hint}{broken}; "
                     f"installed: {', '.join(installed) or 'none'}"
                 )
+        passed = {id(p) for p in extra_plugins}
         for name, info in self.installed.items():
+            if info.module is not None and id(info.module) in passed:
+                continue  # an installed module passed in as well (tests): registered once, below
             if info.error is not None:
                 if name in chosen.values():
                     raise PluginError(f"plugin {name!r} failed to load: {info.error}")
@@ -240,6 +342,15 @@ class PluginManager:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"a plugin implements an unknown hook: {exc}") from exc
+        if not self.pm.hook.select_prefill.get_hookimpls():
+            # The core has no fallback: nothing would ever be admitted, and every request would wait.
+            policy = next((getattr(p, "__name__", type(p).__name__) for p in extra_plugins
+                           if getattr(p, "PLUGIN_KIND", None) == "policy"), selection.policy)
+            raise PluginError(
+                f"plugins.policy: policy plugin {policy!r} does not implement select_prefill, so no "
+                "request would ever be admitted. A policy implements it; to change only the retraction "
+                "order, reuse a bundled one's (`from plugins.policies.fcfs import select_prefill`)"
+            )
 
     def _register_plugin_settings(self) -> None:
         # One call per implementation, so that a section registered twice names both plugins.
@@ -256,6 +367,15 @@ class PluginManager:
                 self.settings.register_plugin_section(section, model)
 
             impl.function(register=register)
+
+    def _warn_unclaimed_sections(self) -> None:
+        """A [plugin.<name>] section no active plugin registered, named after no installed plugin:
+        most likely a misspelt name, whose settings would otherwise be dropped without a word. (A
+        section of an installed plugin that is not active is normal: a shared config file.)"""
+        for section in sorted(self.settings.plugin):
+            if section not in self.section_owners and section not in self.installed:
+                logger.warning("settings section [plugin.%s] belongs to no installed plugin; it is ignored "
+                               "(installed: %s)", section, ", ".join(sorted(self.installed)))
 
     def register(self, plugin: Any, name: str | None = None) -> None:
         """Register an extra plugin object at run time (tests, scripts). One that declares a

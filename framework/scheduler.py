@@ -253,14 +253,7 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin, PluginFailureMixin):
                 return
             if chosen is None:
                 return
-            chosen = list(chosen)
-            waiting = {id(r) for r in self.waiting_queue}
-            picked = {id(r) for r in chosen}
-            if len(picked) != len(chosen) or not picked <= waiting:
-                raise ValueError(
-                    "select_prefill must return waiting requests, each at most once; got "
-                    f"{[r.rid for r in chosen]}"
-                )
+            picked = {id(r) for r in chosen}  # (the facade checked: distinct waiting requests)
             self.waiting_queue = chosen + [r for r in self.waiting_queue if id(r) not in picked]
             running = self.running_batch.reqs if running_bs else []
             max_loras = self.max_loras_per_batch if self.lora_names else None
@@ -314,15 +307,14 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin, PluginFailureMixin):
         batch.prepare_for_decode()
         return batch
 
-    def retract_decode(self, batch: ScheduleBatch, decision: Any) -> None:
-        """Apply `on_decode_oom`'s answer: victims (in order), optionally with a new ratio.
-        Retract from the front while the free KV does not cover `retract_decode_steps` more steps
-        of the rest, at least one and never the last request (reference I2)."""
-        victims, new_ratio = decision if isinstance(decision, tuple) else (decision or [], None)
+    def retract_decode(self, batch: ScheduleBatch, decision: tuple[list[Req], float | None]) -> None:
+        """Apply `on_decode_oom`'s answer, as the facade checked it: (victims in order, the new
+        ratio or None). Retract from the front while the free KV does not cover
+        `retract_decode_steps` more steps of the rest, at least one and never the last request
+        (reference I2)."""
+        victims, new_ratio = decision
         steps = self.retract_decode_steps
         index = {id(r): i for i, r in enumerate(batch.reqs)}
-        if any(id(r) not in index for r in victims):
-            raise ValueError("on_decode_oom must return requests of the running batch")
         seq_lens = batch.seq_lens.tolist()
         remaining = batch.batch_size()
         retracted: list[Req] = []
@@ -357,11 +349,9 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin, PluginFailureMixin):
         can be released like a client abort's) and its requests fail once the result is in."""
         try:
             prepared = self.hooks.prepare_batch(batch, self.view)
-        except PluginHookError as exc:
+        except PluginHookError as exc:  # (a returned value the facade refused included)
             self.mark_batch_failed(batch, str(exc))
             return batch
-        if batch is not None and prepared is not batch:
-            raise ValueError("prepare_batch replaced the batch the scheduler built (its KV slots are allocated)")
         return prepared
 
     def new_idle_batch(self) -> ScheduleBatch:

@@ -165,6 +165,15 @@ def test_cli_lists_plugins_by_kind_and_marks_active():
     assert any(r[:2] == ("policy", "lpm") and "*" not in r for r in rows)
 
 
+def test_cli_lists_only_the_kind_asked_for():
+    out = subprocess.run(
+        [sys.executable, "-m", "framework.cli", "plugins", "--kind", "cache"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    ).stdout
+    kinds = {line.split()[0] for line in out.splitlines()[1:] if line.split()}
+    assert kinds == {"cache"}
+
+
 def test_cli_unknown_plugin_is_a_clear_error():
     proc = subprocess.run(
         [sys.executable, "-m", "framework.cli", "plugins", "--plugins.policy", "nope"],
@@ -172,3 +181,57 @@ def test_cli_unknown_plugin_is_a_clear_error():
     )
     assert proc.returncode == 2
     assert "unknown policy plugin 'nope'" in proc.stderr
+
+
+def test_a_misspelt_plugin_option_is_refused(tmp_path):
+    """As in the core's sections: a key the section's model does not have is an error naming it
+    and the options there are, not a setting silently left at its default."""
+    from framework.config import SettingsError
+
+    path = tmp_path / "s.toml"
+    path.write_text("[plugins]\npolicy = 'lifo'\n[plugin.lifo]\nmax_new_per_rond = 3\n")
+    with pytest.raises(SettingsError, match=r"plugin.lifo.max_new_per_rond: Extra inputs are not permitted "
+                                            r"\(options: max_new_per_round\)"):
+        PluginManager(Settings.load(path))
+    with pytest.raises(SettingsError, match="plugin.vtc.input_weigth: Extra inputs are not permitted"):
+        PluginManager(Settings.load(None, plugins={"policy": "vtc"}, plugin={"vtc": {"input_weigth": 3}}))
+
+
+def test_a_plugin_model_that_sets_extra_decides_for_its_section():
+    from pydantic import BaseModel, ConfigDict
+
+    class Free(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        known: int = 0
+
+    class FreeForm:
+        PLUGIN_KIND = "observer"
+
+        @hookimpl
+        def register_settings(self, register):
+            register("free-form", Free)
+
+    settings = Settings.load(None, plugin={"free-form": {"known": 1, "anything": "goes"}})
+    PluginManager(settings, extra_plugins=(FreeForm(),))
+    section = settings.plugin_section("free-form")
+    assert section.known == 1 and section.anything == "goes"
+
+
+def test_a_section_of_no_installed_plugin_is_warned_about(caplog):
+    PluginManager(Settings.load(None, plugin={"lifoo": {"max_new_per_round": 3}, "lifo": {"max_new_per_round": 2}}))
+    assert "settings section [plugin.lifoo] belongs to no installed plugin; it is ignored" in caplog.text
+    # A section of an installed plugin that is not active (a shared config file) is no surprise.
+    assert "[plugin.lifo]" not in caplog.text
+
+
+def test_an_installed_stacked_plugin_may_be_passed_to_the_harness_too():
+    """docs/writing-a-plugin.md, Testing: pass your module to SchedulerHarness. Once the package is
+    installed an observer or default plugin is active anyway; the module passed is registered once."""
+    faults = pytest.importorskip("batchyard_testplugin.faults")
+    from framework.testing import SchedulerHarness
+
+    harness = SchedulerHarness(faults, plugin={"faults": {"enabled": False}})
+    rid = harness.add([1, 2, 3], max_new_tokens=2)
+    harness.run()
+    assert len(harness.outputs[rid]) == 2
+    assert harness.scheduler.plugins.pm.is_registered(faults)
