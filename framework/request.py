@@ -224,7 +224,7 @@ class SamplingParams:
         if stop is None:
             self.stop_strs = []
         elif isinstance(stop, str):
-            self.stop_strs = [stop]
+            self.stop_strs = [stop] if stop else []  # "" stops nothing, as in a list (it is in every text)
         else:
             self.stop_strs = [s for s in stop if s]
         if self.stop_strs:

@@ -144,6 +144,24 @@ def test_sampler_applies_penalties_and_keeps_raw_logits():
     assert Sampler()(logits, SamplingBatchInfo.from_reqs(reqs, penalties))[0] == 5
 
 
+@pytest.mark.parametrize("own", [{}, {"top_p": 0.8}, {"top_k": 50}], ids=["plain", "top_p", "top_k"])
+@pytest.mark.parametrize("neighbour", [{"temperature": 0}, {"top_p": 0.9}, {"top_k": 40}, {"min_p": 0.1}, {}],
+                         ids=["greedy", "top_p", "top_k", "min_p", "plain"])
+def test_a_seeded_row_draws_the_same_whatever_its_neighbours_filter(own, neighbour):
+    """docs/api.md, Seeds: the same draws whatever else is in the batch. Before, a batch where any
+    row filtered (greedy is top_k 1) drew every row from its sorted candidates, so an unfiltered
+    seeded row took another token next to a greedy one than alone."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))  # a flat distribution
+    for step in range(20):
+        seeded = make_req("seeded", [9], seed=step, **own)
+        alone = Sampler()(logits[:1], SamplingBatchInfo.from_reqs([seeded]))
+        reqs = [seeded, make_req("n1", [9], **neighbour), make_req("n2", [9], seed=3, **neighbour)]
+        for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
+            batch = [reqs[i] for i in order]
+            ids = Sampler()(logits[order], SamplingBatchInfo.from_reqs(batch))
+            assert ids[order.index(0)] == alone[0], (step, order)
+
+
 def test_step_seed_depends_on_seed_and_step_only():
     keys = {step_seed(seed, step) for seed in range(50) for step in range(50)}
     assert len(keys) == 2500  # nearby seeds and steps do not collide

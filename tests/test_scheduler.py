@@ -124,6 +124,17 @@ def test_stop_string_is_matched_and_trimmed(make_engine, default_tokenizer):
     assert text.startswith(out["text"])
 
 
+@pytest.mark.parametrize("stop", ["", [""], ["", ""]])
+def test_an_empty_stop_string_stops_nothing(make_engine, stop):
+    """"" is in every text: as a string it used to end every request after one token, while in a
+    list it was dropped. Both forms stop nothing now."""
+    engine = make_engine()
+    out = engine.generate(input_ids=PROMPTS[2], sampling_params={**GREEDY, "max_new_tokens": 6, "ignore_eos": True,
+                                                                 "stop": stop})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert len(out["output_ids"]) == 6
+
+
 def test_seeded_sampling_is_reproducible(make_engine):
     engine = make_engine()
     params = {"max_new_tokens": 8, "temperature": 1.0, "seed": 1234, "ignore_eos": True}

@@ -3,7 +3,9 @@
 Order: grammar vocab mask -> penalties (framework/penalties.py) -> (all greedy: argmax) -> temperature -> softmax (fp32) -> top-k,
 top-p, min-p on the sorted candidates -> one inverse-CDF draw per row. top-p uses the cumulative mass of the full
 distribution (computed before the top-k cut), and min-p is relative to the most likely token, as in
-the reference. Rows with top_k <= 1 are always argmax, whatever the rest of the batch does.
+the reference. Rows with top_k <= 1 are always argmax, whatever the rest of the batch does; rows
+that filter draw from their sorted candidates, the others from the distribution in vocabulary order,
+also whatever the rest of the batch does, so a seeded row's draw depends on its own row only.
 """
 
 from __future__ import annotations
@@ -60,12 +62,20 @@ class Sampler:
         temperatures = info.temperatures.view(bs, 1).clamp(min=1e-6)
         probs = torch.softmax(to_float32(logits) / temperatures, dim=-1)
         top_ks = info.top_ks.clamp(min=1, max=vocab_size)
-        need_top_k = bool((top_ks < vocab_size).any())
-        need_top_p = bool((info.top_ps < 1.0).any())
-        if not (need_top_k or need_top_p or info.need_min_p_sampling):
+        # A row's draw depends on its own parameters only: rows that filter draw from their
+        # candidates sorted by probability, the others from the whole distribution in vocabulary
+        # order, whatever the other rows do (a seeded row gives the same token next to a greedy or a
+        # top-p row as alone; greedy rows are argmax and filter nothing here).
+        filtered = (top_ks > 1) & ((top_ks < vocab_size) | (info.top_ps < 1.0) | (info.min_ps > 0.0))
+        if not bool(filtered.any()):
             ids = _multinomial(probs, info.seeds)
+        elif bool(filtered.all()):
+            ids = _sample_filtered(probs, top_ks, info.top_ps, info.min_ps, info.seeds)
         else:
-            ids = _sample_filtered(probs, top_ks, need_top_p, info)
+            ids = _multinomial(probs, info.seeds)
+            rows = filtered.nonzero().squeeze(1)
+            ids[rows] = _sample_filtered(probs[rows], top_ks[rows], info.top_ps[rows], info.min_ps[rows],
+                                         [info.seeds[r] for r in rows.tolist()] if info.seeds else None)
         return torch.where(info.top_ks <= 1, greedy_ids, ids)
 
     def check_greedy(self, logits: torch.Tensor, info: SamplingBatchInfo, expected: torch.Tensor) -> torch.Tensor:
@@ -81,29 +91,31 @@ class Sampler:
         return ids
 
 
-def _sample_filtered(
-    probs: torch.Tensor, top_ks: torch.Tensor, need_top_p: bool, info: SamplingBatchInfo
-) -> torch.Tensor:
-    probs_sort, probs_idx = _sorted_candidates(probs, top_ks, need_top_p, info)
+def _sample_filtered(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+                     seeds: list[int | None] | None) -> torch.Tensor:
+    need_top_p = bool((top_ps < 1.0).any())
+    need_min_p = bool((min_ps > 0.0).any())
+    probs_sort, probs_idx = _sorted_candidates(probs, top_ks, top_ps if need_top_p else None,
+                                               min_ps if need_min_p else None)
     # Mass strictly before each token, over the untruncated distribution.
     mass_before = probs_sort.cumsum(dim=-1) - probs_sort
     ranks = torch.arange(probs_sort.shape[1], device=probs_sort.device).unsqueeze(0)
     drop = ranks >= top_ks.unsqueeze(1)
     if need_top_p:
-        drop |= mass_before > info.top_ps.unsqueeze(1)
-    if info.need_min_p_sampling:
-        drop |= probs_sort < probs_sort[:, :1] * info.min_ps.unsqueeze(1)
+        drop |= mass_before > top_ps.unsqueeze(1)
+    if need_min_p:
+        drop |= probs_sort < probs_sort[:, :1] * min_ps.unsqueeze(1)
     # The most likely token is never dropped, so each row keeps some mass.
     drop[:, 0] = False
     probs_sort = probs_sort.masked_fill(drop, 0.0)
-    choice = _multinomial(probs_sort, info.seeds)
+    choice = _multinomial(probs_sort, seeds)
     return probs_idx.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
-def _sorted_candidates(
-    probs: torch.Tensor, top_ks: torch.Tensor, need_top_p: bool, info: SamplingBatchInfo
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens that can survive filtering, sorted by probability (descending).
+def _sorted_candidates(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor | None,
+                       min_ps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens that can survive filtering, sorted by probability (descending); `top_ps` and
+    `min_ps` are None where no row filters by them.
 
     A full sort of the vocabulary costs ~100 ms for 32 x 49k on one core; `topk` of a few hundred
     costs a few ms. The truncation is exact whenever every row provably keeps fewer tokens than
@@ -116,15 +128,15 @@ def _sorted_candidates(
     if max_k < vocab_size:
         return probs.topk(max_k, dim=-1, sorted=True)
     num_candidates = min(vocab_size, _NUM_CANDIDATES)
-    if num_candidates < vocab_size and (need_top_p or info.need_min_p_sampling):
+    if num_candidates < vocab_size and (top_ps is not None or min_ps is not None):
         vals, idx = probs.topk(num_candidates, dim=-1, sorted=True)
         # mass_before of the first left-out token = kept mass; its probability <= the last kept.
         kept_mass = vals.sum(dim=-1)
         safe = top_ks <= num_candidates
-        if need_top_p:
-            safe |= kept_mass > info.top_ps
-        if info.need_min_p_sampling:
-            safe |= vals[:, -1] < vals[:, 0] * info.min_ps
+        if top_ps is not None:
+            safe |= kept_mass > top_ps
+        if min_ps is not None:
+            safe |= vals[:, -1] < vals[:, 0] * min_ps
         if bool(safe.all()):
             return vals, idx
     return probs.sort(dim=-1, descending=True)
