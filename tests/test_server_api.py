@@ -246,6 +246,37 @@ def test_openai_completions(oai, http):
     echo = oai.completions.create(model=MODEL, prompt="Echo me", max_tokens=2, temperature=0, echo=True, logprobs=1)
     assert echo.choices[0].text.startswith("Echo me")
     assert echo.choices[0].logprobs.token_logprobs[0] is None
+    offsets = echo.choices[0].logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(echo.choices[0].text)
+    # Streamed, the offsets are the same (the prompt was counted twice before: each one 7 too high).
+    streamed = []
+    for chunk in oai.completions.create(model=MODEL, prompt="Echo me", max_tokens=2, temperature=0, echo=True,
+                                        logprobs=1, stream=True):
+        for c in chunk.choices:
+            streamed += c.logprobs.text_offset if c.logprobs else []
+    assert streamed == offsets
+
+
+def test_openai_completions_max_tokens_zero_scores_the_prompt(oai):
+    """`echo`, `logprobs` and `max_tokens: 0`: the prompt and its logprobs, no generated token (as
+    lm-eval-harness scores a text); streamed the same."""
+    prompt = "The sky is blue"
+    resp = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = resp.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 0 and len(choice.logprobs.tokens) == resp.usage.prompt_tokens
+    assert choice.logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    text, tokens, reasons = "", [], []
+    for chunk in oai.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                        temperature=0, stream=True):
+        for c in chunk.choices:
+            text += c.text
+            tokens += c.logprobs.tokens if c.logprobs else []
+            reasons.append(c.finish_reason)
+    assert text == prompt and tokens == choice.logprobs.tokens and reasons[-1] == "length"
+    # Without echo: nothing at all.
+    bare = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert bare.choices[0].text == "" and bare.usage.completion_tokens == 0
 
 
 def test_openai_chat_completions(oai):
@@ -268,6 +299,10 @@ def test_openai_chat_completions(oai):
             finish = c.finish_reason or finish
     assert content == first.message.content
     assert roles[0] == "assistant" and finish == first.finish_reason
+    # The logprobs' bytes are the tokens' own: joined, they are the content (special tokens aside).
+    special = {"<|im_end|>", "<|im_start|>", "<|endoftext|>"}
+    joined = b"".join(bytes(t.bytes) for t in first.logprobs.content if t.token not in special)
+    assert joined.decode("utf-8", errors="replace") == first.message.content
 
     stop_resp = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                                             stop=first.message.content[3:6] or None)
@@ -348,6 +383,8 @@ BAD_REQUESTS = {
     "chat bad role": (("/v1/chat/completions", json.dumps(
         {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode()), 400),
     "chat no messages": (("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode()), 400),
+    "chat max_tokens 0": (_chat(max_tokens=0), 400),
+    "chat max_completion_tokens 0": (_chat(max_completion_tokens=0), 400),
     "chat top_p > 1": (_chat(top_p=2.0), 400),
     "chat malformed json": (("/v1/chat/completions", b"{not json"), 400),
     "bad regex": (_gen(sampling_params={"regex": "(abc"}), 400),

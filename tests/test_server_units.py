@@ -48,6 +48,50 @@ def test_incremental_decode_never_emits_broken_utf8(default_tokenizer, text):
     assert not detok.statuses  # finished requests are forgotten
 
 
+def _token_reader(tokenizer):
+    """A TokenizerManager with only its tokenizer: what token_bytes and decode_token read."""
+    from framework.server.tokenizer_manager import TokenizerManager
+
+    tm = TokenizerManager.__new__(TokenizerManager)
+    tm.tokenizer = tokenizer
+    return tm
+
+
+UNICODE_TEXTS = ["Emoji: 🎉🎉🎉 and 😀", "中文和日本語のテキスト", "plain ascii, then ünïcödé — and 👩‍👩‍👧"]
+
+
+@pytest.mark.parametrize("text", UNICODE_TEXTS)
+def test_token_bytes_join_into_the_text(default_tokenizer, text):
+    """OpenAI's logprob `bytes`: a token holding part of a character decodes to U+FFFD, but its
+    bytes are the character's own, so the tokens' bytes join into the text."""
+    tm = _token_reader(default_tokenizer)
+    ids = default_tokenizer.encode(text, add_special_tokens=False)
+    assert any(tm.decode_token(t) == "\ufffd" for t in ids), "no token here holds part of a character"
+    assert b"".join(tm.token_bytes(t) for t in ids) == text.encode("utf-8")
+    eos = default_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tm.token_bytes(eos) == b"<|im_end|>"
+
+
+@pytest.mark.parametrize("text", UNICODE_TEXTS)
+def test_text_offsets_follow_the_text(default_tokenizer, text):
+    """Each token's offset is where its first completed character is in the text; partial tokens
+    add nothing, so the offsets end exactly at the text's length (they ran past it, one per
+    U+FFFD, before)."""
+    from framework.server.openai_api import TextOffsets
+
+    tm = _token_reader(default_tokenizer)
+    ids = default_tokenizer.encode(text, add_special_tokens=False)
+    at = TextOffsets()
+    offsets = [at.advance(tm.token_bytes(t)) for t in ids]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert at.offset == len(text)
+    # A token that completes characters starts where they do.
+    for t, start in zip(ids, offsets):
+        piece = tm.decode_token(t)
+        if "\ufffd" not in piece:
+            assert text[start:start + len(piece)] == piece
+
+
 def test_stop_trimming(default_tokenizer):
     ids = default_tokenizer.encode("alpha beta gamma delta")
     detok = IncrementalDetokenizer(default_tokenizer)

@@ -9,6 +9,7 @@ text since the last chunk and the logprobs of the new tokens.
 from __future__ import annotations
 
 import base64
+import codecs
 import struct
 import time
 from typing import Any, AsyncIterator
@@ -56,12 +57,12 @@ class OpenAIFormatter:
     def __init__(self, tm: TokenizerManager):
         self.tm = tm
 
-    def completion_logprobs(self, pairs: list, tops: list | None, offset: int) -> dict:
+    def completion_logprobs(self, pairs: list, tops: list | None, at: "TextOffsets", skip_special: bool) -> dict:
+        """`at`: where the choice's text stands (advanced past these tokens), so that a stream's
+        chunks continue each other's offsets; `skip_special`: the text leaves special tokens out."""
         tokens = [self.tm.decode_token(tid) for _, tid in pairs]
-        offsets = []
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
+        special = self.tm.special_ids if skip_special else frozenset()
+        offsets = [at.advance(b"" if tid in special else self.tm.token_bytes(tid)) for _, tid in pairs]
         top = None
         if tops is not None:
             top = [None if t is None else {self.tm.decode_token(tid): lp for lp, tid in t} for t in tops]
@@ -71,21 +72,38 @@ class OpenAIFormatter:
     def chat_logprobs(self, pairs: list, tops: list | None) -> dict:
         content = []
         for k, (lp, tid) in enumerate(pairs):
-            tok = self.tm.decode_token(tid)
-            entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+            entry = {"token": self.tm.decode_token(tid), "logprob": lp, "bytes": list(self.tm.token_bytes(tid)),
+                     "top_logprobs": []}
             if tops is not None and k < len(tops) and tops[k]:
                 entry["top_logprobs"] = [
-                    {"token": self.tm.decode_token(t), "logprob": l, "bytes": list(self.tm.decode_token(t).encode("utf-8"))}
+                    {"token": self.tm.decode_token(t), "logprob": l, "bytes": list(self.tm.token_bytes(t))}
                     for l, t in tops[k]
                 ]
             content.append(entry)
         return {"content": content}
 
 
-def usage(outs: list[StrOutput], n: int) -> dict:
+class TextOffsets:
+    """The character offset in a choice's text at which each next token starts. A token's
+    characters are those its bytes complete: a token holding the first bytes of a character adds
+    none, the one that completes it adds it, so the offsets follow the text as the detokenizer
+    writes it and never run past its end."""
+
+    def __init__(self):
+        self.offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, token_bytes: bytes) -> int:
+        """The offset where a token of these bytes starts; moves past it."""
+        start = self.offset
+        self.offset += len(self._utf8.decode(token_bytes))
+        return start
+
+
+def usage(outs: list[StrOutput], n: int, scored_only: bool = False) -> dict:
     # The prompt is counted once per prompt, not once per sample (as in the reference).
     prompt = sum(o.meta_info.get("prompt_tokens", 0) for o in outs[::n])
-    completion = sum(o.meta_info.get("completion_tokens", 0) for o in outs)
+    completion = 0 if scored_only else sum(o.meta_info.get("completion_tokens", 0) for o in outs)
     result = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     cached = sum(o.meta_info.get("cached_tokens", 0) for o in outs[::n])
     result["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -118,20 +136,26 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
         rid, created = f"cmpl-{batch.specs[0].rid}", int(time.time())
         echo_texts = [(p[1] if p[1] is not None else tm.tokenizer.decode(p[0])) if req.echo else ""
                       for p in prompts for _ in range(batch.n)]
+        # max_tokens 0 scores the prompt (with echo and logprobs, as lm-eval-harness asks): the
+        # engine still samples one token (max_new_tokens 0, as the reference), which is left out.
+        scored_only = req.max_tokens == 0
 
-        def choice(i: int, spec: ReqSpec, out: StrOutput, text: str, new_pairs, new_tops, offset: int) -> dict:
+        def choice(i: int, spec: ReqSpec, out: StrOutput, text: str, new_pairs, new_tops, at: TextOffsets) -> dict:
             reason, matched = finish_fields(out)
+            if scored_only and reason is not None:
+                reason, matched = "length", None
             logprobs = None
             if spec.return_logprob:
-                logprobs = fmt.completion_logprobs(new_pairs, new_tops if spec.top_logprobs_num else None, offset)
+                logprobs = fmt.completion_logprobs(new_pairs, new_tops if spec.top_logprobs_num else None, at,
+                                                   req.skip_special_tokens)
             return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
 
         def logprob_lists(spec: ReqSpec, out: StrOutput, with_input: bool):
             if not spec.return_logprob:
                 return [], []
             meta = out.meta_info
-            pairs = list(meta.get("output_token_logprobs") or [])
-            tops = list(meta.get("output_top_logprobs") or [])
+            pairs = [] if scored_only else list(meta.get("output_token_logprobs") or [])
+            tops = [] if scored_only else list(meta.get("output_top_logprobs") or [])
             if with_input:
                 pairs = list(meta.get("input_token_logprobs") or []) + pairs
                 tops = list(meta.get("input_top_logprobs") or []) + tops
@@ -142,9 +166,10 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
             choices = []
             for i, (spec, out) in enumerate(zip(specs, outs)):
                 pairs, tops = logprob_lists(spec, out, with_input=req.echo)
-                choices.append(choice(i, spec, out, echo_texts[i] + out.text, pairs, tops, 0))
-            return JSONResponse({"id": rid, "object": "text_completion", "created": created,
-                                 "model": model_name, "choices": choices, "usage": usage(outs, batch.n)})
+                text = echo_texts[i] + ("" if scored_only else out.text)
+                choices.append(choice(i, spec, out, text, pairs, tops, TextOffsets()))
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                                 "choices": choices, "usage": usage(outs, batch.n, scored_only)})
 
         firsts, iterators = await open_streams(tm, specs, request)
 
@@ -152,12 +177,13 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
             sent_text = ["" for _ in specs]
             sent_lp = [0 for _ in specs]
             finals: list[StrOutput | None] = [None] * len(specs)
-            offsets = [len(t) for t in echo_texts]
+            echoed = [False] * len(specs)
+            # With echo the logprobs start with the prompt's tokens, which advance the offsets.
+            offsets = [TextOffsets() for _ in specs]
 
             def chunk(i: int, out: StrOutput) -> str | None:
                 spec = specs[i]
-                visible = tm.visible_text(spec, out)
-                first = sent_lp[i] == 0 and sent_text[i] == ""
+                visible = "" if scored_only else tm.visible_text(spec, out)
                 if not visible.startswith(sent_text[i]):
                     visible = sent_text[i]  # never take back text already sent
                 delta = visible[len(sent_text[i]):]
@@ -165,10 +191,10 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
                 new_pairs, new_tops = pairs[sent_lp[i]:], tops[sent_lp[i]:]
                 if not delta and not new_pairs and out.finished_reason is None:
                     return None
-                if first and req.echo:
+                if req.echo and not echoed[i]:
                     delta = echo_texts[i] + delta
+                    echoed[i] = True
                 body = choice(i, spec, out, delta, new_pairs, new_tops, offsets[i])
-                offsets[i] += sum(len(tm.decode_token(t)) for _, t in new_pairs)
                 sent_text[i] = visible
                 sent_lp[i] = len(pairs)
                 if out.finished_reason is not None:
@@ -184,7 +210,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
                     yield data
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                           "choices": [], "usage": usage([f for f in finals if f is not None], batch.n)})
+                           "choices": [], "usage": usage([f for f in finals if f is not None], batch.n, scored_only)})
             yield SSE_DONE
 
         return stream_response(tm, specs, events())
@@ -195,6 +221,9 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
         identity = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
         ids = await tm.offload(_chat_input_ids, tm, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens == 0:  # (as OpenAI's: a chat answer has a token at least)
+            field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            raise ApiError(f"{field}: must be at least 1")
         top = tm.limits.check_top_logprobs_num(req.top_logprobs or 0, "top_logprobs")
         batch = await tm.offload(_batch, tm, req, [(ids, None)], req.sampling_dict(max_tokens, req.temperature),
                                  req.logprobs, top, -1, identity)

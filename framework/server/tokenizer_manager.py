@@ -47,6 +47,23 @@ from framework.server.protocol import ApiError, GenerateBatch, ReqSpec
 
 logger = logging.getLogger(__name__)
 
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet, character -> the byte it stands for: the printable bytes
+    (33-126, 161-172, 174-255) stand for themselves; the other 68, in order, are the characters
+    from U+0100 on (so that no token holds a control character or a space)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+BYTE_OF_CHAR = _byte_level_alphabet()
+
 # How often a waiting non-streamed request checks whether its client is still there.
 DISCONNECT_CHECK_S = 1.0
 CONTROL_TIMEOUT_S = 60.0
@@ -231,6 +248,41 @@ class TokenizerManager:
     @functools.lru_cache(maxsize=1 << 16)
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for (OpenAI's logprob `bytes`). A token holding part of a
+        UTF-8 character decodes to U+FFFD, so they are read from the token itself: in byte-level
+        BPE (GPT-2, SmolLM2, Llama 3) each of its characters stands for one byte; a SentencePiece
+        byte-fallback token `<0xNN>` is that byte. Other tokens (added and special ones included)
+        are the UTF-8 of their decoded text."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and token_id not in self._added_ids:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            if self._byte_level and all(c in BYTE_OF_CHAR for c in piece):
+                return bytes(BYTE_OF_CHAR[c] for c in piece)
+        return self.decode_token(token_id).encode("utf-8")
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the tokenizer is byte-level BPE (its decoder, or one in its sequence, is ByteLevel)."""
+        decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+        return decoder is not None and "ByteLevel" in repr(decoder)
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        """Added and special tokens: stored as their text, not in the byte-level alphabet."""
+        added = getattr(self.tokenizer, "get_added_vocab", lambda: {})()
+        return frozenset(added.values()) | self.special_ids
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The special tokens, which the text leaves out with `skip_special_tokens`."""
+        return frozenset(getattr(self.tokenizer, "all_special_ids", ()))
 
     def check_input_ids(self, ids: list[int], is_session: bool) -> None:
         vocab = self.ready.vocab_size
