@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from unittest.mock import ANY
 
 import httpx
 import openai
@@ -65,6 +66,9 @@ def test_info_endpoints(http):
     assert set(server_info["process_ids"]) == {"main", "scheduler", "detokenizer"}
     models = http.get("/v1/models").json()
     assert models["data"][0]["id"] == MODEL
+    assert http.get(f"/v1/models/{MODEL}").json() == {**models["data"][0], "created": ANY}
+    unknown = http.get("/v1/models/gpt-4")
+    assert unknown.status_code == 404 and "unknown model 'gpt-4'" in unknown.json()["error"]["message"]
     assert http.post("/flush_cache").status_code == 200
 
 

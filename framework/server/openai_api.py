@@ -113,12 +113,20 @@ def usage(outs: list[StrOutput], n: int, scored_only: bool = False) -> dict:
 def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) -> None:
     fmt = OpenAIFormatter(tm)
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "batchyard",
+                "root": model_name, "max_model_len": tm.ready.context_len}
+
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "batchyard",
-             "root": model_name, "max_model_len": tm.ready.context_len}
-        ]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        """OpenAI's `models.retrieve`: the served model by its name (or the alias "default")."""
+        if model_id not in (model_name, DEFAULT_MODEL_ALIAS):
+            raise ApiError(f"model: unknown model {model_id!r}; this server serves {model_name!r}", status=404)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
