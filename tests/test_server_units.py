@@ -239,6 +239,7 @@ def test_every_endpoint_is_documented(tmp_path):
     headings = [line for line in doc.splitlines() if line.startswith("### ")]
     assert {"/generate", "/v1/chat/completions", "/metrics", "/open_session"} <= paths
     for path in paths:
+        path = path.replace(":path}", "}")  # (a converter: model names may hold slashes)
         assert any(f" {path}`" in h or f" {path}," in h for h in headings), f"{path} has no heading in docs/api.md"
 
 
