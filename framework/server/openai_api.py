@@ -150,7 +150,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
 
         def choice(i: int, spec: ReqSpec, out: StrOutput, text: str, new_pairs, new_tops, at: TextOffsets) -> dict:
             reason, matched = finish_fields(out)
-            if scored_only and reason is not None:
+            if scored_only and reason in ("length", "stop"):  # (the sampled token is not shown; an abort is)
                 reason, matched = "length", None
             logprobs = None
             if spec.return_logprob:
