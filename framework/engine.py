@@ -12,8 +12,11 @@ start-up error pointing to `batchyard serve`, which runs one scheduler process p
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import signal
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from framework.request import (
     FinishMatchedToken,
     SamplingParams,
     check_identity,
+    check_logprob_args,
     input_embeds_tensor,
     split_input_embeds,
 )
@@ -64,6 +68,39 @@ def _one_per_prompt(name: str, value: Any, num_prompts: int) -> list[Any]:
     return value
 
 
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+# Signals whose Python handler may raise into the scheduler's iteration; their default actions
+# (terminate) are left alone.
+_DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGALRM") if hasattr(signal, name))
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold the signals whose handlers are Python code until the block is over, then hand each one
+    to its handler (which may raise: KeyboardInterrupt, a timeout). Handlers can be swapped in
+    the main thread only, where Python runs them; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    saved = {}
+    for sig in _DEFERRED_SIGNALS:
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            saved[sig] = handler
+            signal.signal(sig, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        for signum, frame in caught:
+            saved[signum](signum, frame)
+
+
 class Engine:
     """Offline batch generation with the full scheduler and plugins."""
 
@@ -89,6 +126,7 @@ class Engine:
         self.scheduler = Scheduler(self.settings, output_sink=self._collect, extra_plugins=extra_plugins)
         self.tokenizer = self.scheduler.tokenizer
         self._rid_counter = itertools.count()
+        self._closed = False
         self._image_processor: ImageProcessor | None = None
 
     def _collect(self, batch_out: BatchTokenOut) -> None:
@@ -127,10 +165,20 @@ class Engine:
         image is a data URL, a file path, base64 text or a PIL image, and each goes where the prompt
         has an image token. An image request longer than the context is answered with
         `finish_reason` abort (AA3). Raises ValueError naming the problem for bad input; nothing is
-        left queued.
+        left queued. An exception while it runs (KeyboardInterrupt from Ctrl-C, a timeout's
+        signal: raised between two scheduler iterations, never inside one) aborts and releases this
+        call's requests before it propagates, so the Engine serves the next call. RuntimeError
+        after `shutdown()`.
         """
+        self._check_open()
         single, id_lists, texts, embeds = self._prompts(prompt, input_ids, input_embeds)
         param_dicts = _one_per_prompt("sampling_params", sampling_params, len(id_lists))
+        if any(pd is not None and not isinstance(pd, dict) for pd in param_dicts):
+            raise ValueError("sampling_params: must be a dict (or one dict per prompt)")
+        max_top = min(self.settings.server.max_top_logprobs_num, self.scheduler.worker.vocab_size)
+        for ids in id_lists:
+            check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num, max_top,
+                               None if embeds[0] is not None else len(ids))
         lora_paths = _one_per_prompt("lora_path", lora_path, len(id_lists))
         identities = self._identities(client_id, priority, slo_ttft_ms, len(id_lists))
 
@@ -163,6 +211,7 @@ class Engine:
         embedding model: ``{"embedding": [float, ...] (unit length), "meta_info": {...}}``.
         The identity fields are those of `generate`. Raises ValueError for bad input or a
         generation model."""
+        self._check_open()
         single, id_lists, texts, _ = self._prompts(prompt, input_ids)
         identities = self._identities(client_id, priority, slo_ttft_ms, len(id_lists))
         messages = [
@@ -184,6 +233,12 @@ class Engine:
             embeds = [input_embeds_tensor(v, hidden_size) for v in values]
             # Placeholder ids: the vectors are the prompt.
             return single, [[0] * len(e) for e in embeds], [None] * len(embeds), embeds
+        if prompt is not None and not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}")
+        if input_ids is not None and not _is_ids(input_ids) and not (
+            isinstance(input_ids, (list, tuple)) and input_ids and all(_is_ids(x) for x in input_ids)
+        ):
+            raise ValueError("input_ids must be a list of integers or a list of such lists")
         single = isinstance(prompt, str) or (
             input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], int))
         )
@@ -237,8 +292,17 @@ class Engine:
         try:
             self._run_until_done(rids)
         except BaseException:
+            # Interrupted (Ctrl-C, a timeout's signal) between two scheduler iterations, or a
+            # failure: abort these requests and let the scheduler release them, so the Engine is
+            # idle and whole for the next call.
             for rid in rids:
                 self.scheduler.send(AbortReq(rid))
+            try:
+                self._drain()
+            except Exception:
+                logger.exception("the scheduler failed while releasing the interrupted requests")
+            for rid in rids:
+                self._outputs.pop(rid, None)
             raise
         results = [self._to_dict(self._outputs.pop(rid)) for rid in rids]
         return results[0] if single else results
@@ -255,15 +319,25 @@ class Engine:
     def _run_until_done(self, rids: list[str]) -> None:
         pending = set(rids)
         while pending:
-            self.scheduler.run_once()
+            self._run_once()
             pending = {
                 r for r in pending
                 if r not in self._outputs or self._outputs[r].finished_reason is None
             }
-        # Drain the pipeline and run one idle iteration so the leak check sees the final state.
+        self._drain()
+
+    def _drain(self) -> None:
+        """Drain the pipeline and run one idle iteration, so that the leak check sees the final state."""
         while self.scheduler.has_work():
+            self._run_once()
+        self._run_once()
+
+    def _run_once(self) -> None:
+        """One scheduler iteration, whole: a signal whose handler raises (Ctrl-C's
+        KeyboardInterrupt, an alarm's timeout) raises after it, not in the middle, where it would
+        leave the iteration half done (a request's KV slots allocated but not yet its own)."""
+        with _signals_deferred():
             self.scheduler.run_once()
-        self.scheduler.run_once()
 
     def _to_dict(self, out: ReqOutput) -> dict:
         if out.embedding is not None:
@@ -299,7 +373,14 @@ class Engine:
         return message
 
     def shutdown(self) -> None:
-        self.scheduler.shutdown()
+        """Stop the scheduler and its threads; later calls raise RuntimeError. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.scheduler.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine was shut down; create a new one")
 
     def __enter__(self) -> "Engine":
         return self

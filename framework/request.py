@@ -198,6 +198,13 @@ class SamplingParams:
                 )
         if self.regex is not None and self.json_schema is not None:
             raise ValueError("sampling_params: regex and json_schema cannot both be set")
+        if self.stop is not None and not (
+            isinstance(self.stop, str) or (isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop))
+        ):
+            raise ValueError(f"sampling_params.stop: must be a string or a list of strings, got {self.stop!r}")
+        for flag in ("no_stop_trim", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"sampling_params.{flag}: must be true or false, got {getattr(self, flag)!r}")
         if self.stop_token_ids is not None and not (
             isinstance(self.stop_token_ids, (list, tuple, set))
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_PARAM_INT
@@ -288,6 +295,25 @@ def check_identity(client_id: Any, priority: Any, slo_ttft_ms: Any, max_client_i
     """The three identity fields of one request, checked (ValueError naming the first bad one)."""
     return (check_client_id(client_id, max_client_id_chars, client_id_name), check_priority(priority),
             check_slo_ttft_ms(slo_ttft_ms))
+
+
+def check_logprob_args(return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any, max_top: int,
+                       prompt_len: int | None) -> None:
+    """A request's logprob arguments (ValueError naming the first bad one): `return_logprob` a
+    bool, `logprob_start_len` an integer >= -1 and below the prompt's length (`prompt_len`, None
+    when unknown: a session's history), `top_logprobs_num` an integer in [0, max_top]."""
+    if not isinstance(return_logprob, bool):
+        raise ValueError(f"return_logprob: must be true or false, got {return_logprob!r}")
+    for name, value, minimum in (("logprob_start_len", logprob_start_len, -1), ("top_logprobs_num", top_logprobs_num, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}: must be an integer, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    if prompt_len is not None and logprob_start_len > 0 and logprob_start_len >= prompt_len:
+        raise ValueError(f"logprob_start_len: must be < the prompt length ({prompt_len}), got {logprob_start_len}")
+    if top_logprobs_num > max_top:
+        raise ValueError(f"top_logprobs_num: must be <= {max_top} (server.max_top_logprobs_num and the vocabulary "
+                         f"size), got {top_logprobs_num}")
 
 
 # ---------------------------------------------------------------------------------------------

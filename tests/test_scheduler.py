@@ -174,7 +174,7 @@ def test_seeded_sampling_is_reproducible(make_engine):
         ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature: must be a number"),
         ({"input_ids": [1, -2]}, "token ids must be in"),
         ({"input_ids": [1, 10**9]}, "token ids must be in"),
-        ({"input_ids": [1, 2.5]}, "input_ids must be lists of integers"),
+        ({"input_ids": [1, 2.5]}, "input_ids must be a list of integers"),
         ({"prompt": ""}, "prompt is empty"),
         ({}, "exactly one of prompt, input_ids or input_embeds"),
         ({"prompt": "hi", "input_ids": [1]}, "exactly one of prompt, input_ids or input_embeds"),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from framework.images import ImageError, images_per_prompt
 from framework.messages import GenerateReqInput
-from framework.request import SamplingParams, input_embeds_tensor, split_input_embeds
+from framework.request import SamplingParams, check_logprob_args, input_embeds_tensor, split_input_embeds
 
 if TYPE_CHECKING:
     from framework.messages import StrOutput
@@ -122,15 +122,6 @@ def sampling_params_from(data: Any, tokenizer: Any, name: str = "sampling_params
         raise ApiError(f"{name}: must be an object, got {type(data).__name__}")
     try:
         params = SamplingParams.from_dict(data)
-        if params.stop is not None and not (
-            isinstance(params.stop, str) or (isinstance(params.stop, list) and all(isinstance(s, str) for s in params.stop))
-        ):
-            raise ValueError("sampling_params.stop: must be a string or a list of strings")
-        if params.stop_token_ids is not None and not isinstance(params.stop_token_ids, list):
-            raise ValueError("sampling_params.stop_token_ids: must be a list of integers")
-        for flag in ("no_stop_trim", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
-            if not isinstance(getattr(params, flag), bool):
-                raise ValueError(f"sampling_params.{flag}: must be true or false")
         params.verify()
         params.normalize(tokenizer)
     except (TypeError, ValueError) as exc:
@@ -305,16 +296,18 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
     for i in range(count):
         name = f"sampling_params[{i}]" if is_batch and isinstance(body.get("sampling_params"), list) else "sampling_params"
         params = sampling_params_from(params_in[i], tokenizer, name)
-        start = check_int("logprob_start_len", start_lens[i], minimum=-1)
-        # A session request's input also holds its history, known only to the scheduler.
-        if session_id is None and start > 0 and start >= len(id_lists[i]):
-            raise ApiError(f"logprob_start_len: must be < the prompt length ({len(id_lists[i])}), got {start}")
+        try:
+            # A session request's input also holds its history, known only to the scheduler.
+            check_logprob_args(return_logprob[i], start_lens[i], top_nums[i], limits.max_top_logprobs_num,
+                               len(id_lists[i]) if session_id is None else None)
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
         specs.append(
             ReqSpec(
                 rid=rids[i], input_ids=id_lists[i], sampling_params=params, input_text=texts[i],
-                return_logprob=check_bool("return_logprob", return_logprob[i]),
-                logprob_start_len=start,
-                top_logprobs_num=limits.check_top_logprobs_num(top_nums[i]),
+                return_logprob=return_logprob[i],
+                logprob_start_len=start_lens[i],
+                top_logprobs_num=top_nums[i],
                 return_text_in_logprobs=with_text, stream=stream,
                 session_id=session_id, session_rid=session_rid, image_data=images[i],
                 input_embeds=prompts.embeds[i],

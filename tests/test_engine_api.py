@@ -1,0 +1,87 @@
+"""The in-process `Engine`'s contract with its caller: bad arguments are ValueErrors naming the
+field before anything is queued, an interrupted call (Ctrl-C, a timeout's signal) leaves the
+Engine idle and whole, and a shut-down Engine refuses work. Every engine here is leak-checked
+after its test (`make_engine`)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+PARAMS = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+BAD_CALLS = {
+    "stop a number": (dict(prompt="hi", sampling_params={**PARAMS, "stop": 5}), "sampling_params.stop: must be"),
+    "stop ids": (dict(prompt="hi", sampling_params={**PARAMS, "stop": [1, 2]}), "sampling_params.stop: must be"),
+    "ignore_eos a string": (dict(prompt="hi", sampling_params={**PARAMS, "ignore_eos": "no"}),
+                            "sampling_params.ignore_eos: must be true or false"),
+    "skip_special_tokens 1": (dict(prompt="hi", sampling_params={**PARAMS, "skip_special_tokens": 1}),
+                              "sampling_params.skip_special_tokens: must be true or false"),
+    "sampling_params a string": (dict(prompt="hi", sampling_params="max_new_tokens=4"),
+                                 "sampling_params: must be a dict"),
+    "prompt a number": (dict(prompt=123, sampling_params=PARAMS), "prompt must be a string or a list of strings"),
+    "input_ids floats": (dict(input_ids=[1.5, 2.0], sampling_params=PARAMS), "input_ids must be a list of integers"),
+    "input_ids nested floats": (dict(input_ids=[[1, 2], [1.5]], sampling_params=PARAMS),
+                                "input_ids must be a list of integers"),
+    "return_logprob a string": (dict(prompt="hi", sampling_params=PARAMS, return_logprob="yes"),
+                                "return_logprob: must be true or false"),
+    "top_logprobs_num a string": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
+                                       top_logprobs_num="x"), "top_logprobs_num: must be an integer"),
+    "top_logprobs_num a float": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
+                                      top_logprobs_num=2.5), "top_logprobs_num: must be an integer"),
+    "top_logprobs_num negative": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
+                                       top_logprobs_num=-3), "top_logprobs_num: must be >= 0"),
+    "top_logprobs_num above the limit": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
+                                              top_logprobs_num=1000), "top_logprobs_num: must be <= 20"),
+    "logprob_start_len a string": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
+                                        logprob_start_len="a"), "logprob_start_len: must be an integer"),
+    "logprob_start_len past the prompt": (dict(input_ids=[1, 2, 3], sampling_params=PARAMS, return_logprob=True,
+                                               logprob_start_len=3), "logprob_start_len: must be < the prompt length"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_a_bad_argument_is_a_value_error_naming_it_and_nothing_is_queued(make_engine, case):
+    kwargs, message = BAD_CALLS[case]
+    engine = make_engine()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        engine.generate(**kwargs)
+    assert not engine.scheduler.has_work() and not engine._outputs
+    assert engine.generate("fine", PARAMS)["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_an_interrupt_inside_an_iteration_waits_for_its_end_and_leaves_the_engine_whole(make_engine):
+    """The signal arrives in the middle of an iteration (here: as the worker starts a batch), as a
+    Ctrl-C or an alarm would. Its KeyboardInterrupt is raised once the iteration is over, the
+    interrupted requests are aborted and released, and the next call runs on a clean Engine (the
+    fixture's leak check and `check_leaks` would catch a slot left behind)."""
+    engine = make_engine(scheduler={"check_leaks": True})
+    worker = engine.scheduler.worker
+    launch = worker.launch
+    calls = []
+
+    def interrupted_launch(batch):
+        calls.append(len(calls))
+        if len(calls) == 2:  # the first decode step, with KV already allocated for it
+            signal.raise_signal(signal.SIGINT)
+        return launch(batch)
+
+    worker.launch = interrupted_launch
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(["Tell me a story", "Why is the sky blue"], {**PARAMS, "max_new_tokens": 16})
+    finally:
+        worker.launch = launch
+    assert len(calls) >= 2
+    assert not engine.scheduler.has_work() and not engine._outputs
+    out = engine.generate("The capital of France is", PARAMS)
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_shut_down_engine_refuses_work(make_engine):
+    engine = make_engine()
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate("hi", PARAMS)
