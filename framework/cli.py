@@ -125,8 +125,16 @@ def cmd_serve(args) -> int:
     return serve(settings)
 
 
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="batchyard", description="LLM serving engine with a plugin scheduler")
+    # No abbreviations: `--server.por 8000` would set server.port, and a flag added later could
+    # change what an abbreviation in someone's script means. Subparsers are of the same class.
+    parser = _Parser(prog="batchyard", description="LLM serving engine with a plugin scheduler")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="start the HTTP server")

@@ -10,7 +10,9 @@ Precedence, highest first (in one place, `Settings.load`):
 from __future__ import annotations
 
 import contextvars
+import os
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +28,26 @@ class SettingsError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_none(cls, data: Any) -> Any:
+        """A setting that may be empty (None) can be written so where TOML, env variables and flags
+        have no null: "" (and, for a setting that is no text, "none" or "null")."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, value in data.items():
+            info = cls.model_fields.get(name)
+            if info is None or not isinstance(value, str):
+                continue
+            args = typing.get_args(info.annotation)
+            if type(None) not in args:
+                continue
+            text = value.strip().lower()
+            if text == "" or (str not in args and text in ("none", "null")):
+                out[name] = None
+        return out
 
 
 class ModelSettings(_Section):
@@ -180,6 +202,14 @@ class WorkerSettings(_Section):
         "same with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment).",
     )
     device: str = Field("cpu", description="Torch device: cpu, or cuda (each TP rank its GPU on the node).")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        kind, _, index = value.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+            raise ValueError("must be cpu, cuda or cuda:N")
+        return value
     packed_weights: bool = Field(
         True,
         description="On CPU in bfloat16, keep a copy of every linear weight in oneDNN's blocked layout "
@@ -357,11 +387,18 @@ class Settings(BaseSettings):
         if config_path is not None:
             path = Path(config_path)
             try:
-                data = tomllib.loads(path.read_text())
+                data = tomllib.loads(path.read_text(encoding="utf-8"))
             except FileNotFoundError:
                 raise SettingsError(f"config file not found: {path}") from None
+            except IsADirectoryError:
+                raise SettingsError(f"config file {path} is a directory; give a TOML file") from None
+            except UnicodeDecodeError as exc:
+                raise SettingsError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            except OSError as exc:
+                raise SettingsError(f"config file {path}: cannot read ({exc.strerror or exc})") from None
             except tomllib.TOMLDecodeError as exc:
                 raise SettingsError(f"{path}: invalid TOML: {exc}") from None
+        _check_env_sections(cls.model_fields)
         token = _TOML_DATA.set(data)
         try:
             return cls(**overrides)
@@ -401,6 +438,24 @@ class Settings(BaseSettings):
         if section is None or isinstance(section, dict):
             raise KeyError(f"plugin settings section {name!r} was not registered")
         return section
+
+
+ENV_PREFIX = "BATCHYARD_"
+
+
+def _check_env_sections(sections: dict) -> None:
+    """`BATCHYARD_<SECTION>__<FIELD>` with a section that does not exist: refused, as an unknown
+    field of a known section is (pydantic-settings alone would ignore the variable)."""
+    unknown = sorted(
+        name for name in os.environ
+        if name.upper().startswith(ENV_PREFIX) and "__" in name
+        and name[len(ENV_PREFIX):].split("__", 1)[0].lower() not in sections
+    )
+    if unknown:
+        known = ", ".join(s for s in sections if s != "plugin")
+        raise SettingsError("invalid settings:\n" + "\n".join(
+            f"{name}: no settings section {name[len(ENV_PREFIX):].split('__', 1)[0].lower()!r} (sections: {known})"
+            for name in unknown))
 
 
 def format_validation_error(exc: ValidationError, prefix: str = "") -> str:

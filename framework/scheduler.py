@@ -14,7 +14,7 @@ from typing import Any, Callable
 from framework.batch import ScheduleBatch
 from framework.clock import clock_of
 from framework.budget import AdderView, NewTokenRatio, PrefillAdder
-from framework.config import Settings
+from framework.config import Settings, SettingsError
 from framework.model.cpu import HeapTrimmer
 from framework.model.lora import parse_lora_paths
 from framework.messages import BatchTokenOut
@@ -75,7 +75,12 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin, PluginFailureMixin):
         self.is_mixed_chunk = self.chunked_prefill_size is not None and sched.enable_mixed_chunk
         self.max_req_len = min(self.worker.context_len - 1, self.max_total_num_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
-        assert self.max_req_input_len > 0, "context or KV pool too small"
+        if self.max_req_input_len <= 0:
+            raise SettingsError(
+                f"invalid settings:\ncache.max_total_tokens / model.context_length: too small to hold a request "
+                f"(KV pool {self.max_total_num_tokens} tokens, context {self.worker.context_len}: a request needs "
+                "at least 7 tokens of both)"
+            )
         self.force_retract = sched.force_retract
         self.lora_names = list(parse_lora_paths(settings.model.lora_paths))
         self.max_loras_per_batch = settings.model.max_loras_per_batch

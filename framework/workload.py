@@ -1,7 +1,7 @@
 """Timed workloads: requests with arrival times, and what a run of them recorded.
 
 A workload is a list of `TimedRequest` (token ids, output length, arrival time in seconds from the
-start of the run, optional client id and priority). The same list drives the `sim` worker on a
+start of the run, optional client id, priority and first-token deadline). The same list drives the `sim` worker on a
 virtual clock or the real Engine on the wall clock (`framework.sim.driver.run_workload`), which
 returns a `RunResult` of one `RequestRecord` per request.
 
@@ -14,7 +14,8 @@ Where the requests come from:
 * `gamma_arrivals(n, rate, cv, seed)`: gamma gaps with the same mean and coefficient of variation
   `cv` (burstiness: 1 is Poisson, above 1 bursty, below 1 smoother);
 * or a trace file (`load_trace`): JSON lines with ``arrival_s``, ``prompt`` (text) or
-  ``prompt_len`` (random token ids), ``output_len``, optional ``client_id`` and ``priority``.
+  ``prompt_len`` (random token ids), ``output_len``, optional ``client_id``, ``priority`` and
+  ``slo_ttft_ms``; any other field is an error.
 
 `assign_clients` labels requests with client ids drawn by weight (a client mix for fairness work).
 """
@@ -47,6 +48,7 @@ class TimedRequest:
     output_len: int  # tokens to generate (the run ignores EOS)
     client_id: str | None = None
     priority: int | None = None
+    slo_ttft_ms: float | None = None  # a first-token deadline after arrival (the edf policy's)
 
 
 @dataclass
@@ -139,7 +141,7 @@ def assign_clients(n: int, weights: dict[str, float], seed: int = 1) -> list[str
 
 
 class _TraceLine(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # a misspelt optional field would silently do nothing
 
     arrival_s: float = Field(ge=0)
     prompt: str | None = None
@@ -147,6 +149,7 @@ class _TraceLine(BaseModel):
     output_len: int = Field(gt=0)
     client_id: str | None = None
     priority: int | None = None
+    slo_ttft_ms: float | None = Field(None, ge=0)
 
 
 def _synthetic_ids(length: int, plain_ids: np.ndarray, rng: np.random.Generator) -> list[int]:
@@ -197,7 +200,7 @@ def load_trace(path: str | Path, tokenizer, seed: int = 1) -> list[TimedRequest]
             ids = _synthetic_ids(entry.prompt_len, plain, rng)
         out.append(TimedRequest(
             rid=f"trace-{lineno}", arrival_s=entry.arrival_s, input_ids=ids, output_len=entry.output_len,
-            client_id=entry.client_id, priority=entry.priority,
+            client_id=entry.client_id, priority=entry.priority, slo_ttft_ms=entry.slo_ttft_ms,
         ))
     if not out:
         raise WorkloadError(f"trace {path}: no requests")

@@ -105,6 +105,49 @@ def test_missing_and_broken_files(tmp_path):
         Settings.load(tmp_path / "nope.toml")
     with pytest.raises(SettingsError, match="invalid TOML"):
         Settings.load(write(tmp_path, "[server\n"))
+    with pytest.raises(SettingsError, match="is a directory; give a TOML file"):
+        Settings.load(tmp_path)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes("[model]\nserved_model_name = 'caf\u00e9'\n".encode("latin-1"))
+    with pytest.raises(SettingsError, match="not UTF-8 text"):
+        Settings.load(latin1)
+
+
+@pytest.mark.parametrize("written", ["", "none", "NULL", " "])
+def test_an_empty_setting_can_be_written_in_toml_env_and_flags(tmp_path, monkeypatch, written):
+    """docs: `server.request_timeout` "empty for none": TOML, env variables and flags have no null,
+    so "" (and "none"/"null" for a setting that is no text) mean empty."""
+    path = write(tmp_path, f'[server]\nrequest_timeout = "{written}"\n[cache]\nmax_total_tokens = "{written}"\n')
+    loaded = Settings.load(path)
+    assert loaded.server.request_timeout is None and loaded.cache.max_total_tokens is None
+    monkeypatch.setenv("BATCHYARD_SERVER__REQUEST_TIMEOUT", written)
+    assert Settings.load(write(tmp_path, "[server]\nrequest_timeout = 5\n")).server.request_timeout is None
+    monkeypatch.delenv("BATCHYARD_SERVER__REQUEST_TIMEOUT")
+    args = build_parser().parse_args(["config", "--server.request-timeout", written])
+    assert settings_from_args(args).server.request_timeout is None
+    # A text setting keeps "none" as text; "" is empty there too.
+    assert Settings.load(None, model={"served_model_name": "none"}).model.served_model_name == "none"
+    assert Settings.load(None, model={"path": ""}).model.path is None
+
+
+def test_a_misspelt_env_section_is_refused(monkeypatch):
+    monkeypatch.setenv("BATCHYARD_SCHEDULAR__MAX_PREFILL_TOKENS", "1")
+    with pytest.raises(SettingsError, match="BATCHYARD_SCHEDULAR__MAX_PREFILL_TOKENS: no settings section 'schedular'"):
+        Settings.load(None)
+
+
+def test_a_worker_device_of_no_known_kind_is_refused():
+    with pytest.raises(SettingsError, match="worker.device: Value error, must be cpu, cuda or cuda:N"):
+        Settings.load(None, worker={"device": "tpu"})
+    assert Settings.load(None, worker={"device": "cuda:1"}).worker.device == "cuda:1"
+
+
+def test_a_kv_pool_too_small_for_any_request_is_a_settings_error(tiny_model_folder):
+    from framework.engine import Engine
+    from tests.conftest import tiny_settings
+
+    with pytest.raises(SettingsError, match="cache.max_total_tokens / model.context_length: too small"):
+        Engine(tiny_settings(tiny_model_folder, cache={"max_total_tokens": 4}))
 
 
 def test_every_field_has_a_description():
@@ -142,6 +185,9 @@ def test_a_cuda_device_without_cuda_is_a_clear_error(tiny_model_folder):
     (["serve", "--max-running-requests=4"], "did you mean --scheduler.max-running-requests?"),
     (["generate", "hi", "--modle.dtype", "float32"], "--modle.dtype: did you mean --model.dtype?"),
     (["bench", "offline", "--cpu-kernel", "off"], "did you mean --worker.cpu-kernels?"),
+    # No abbreviations: a prefix of a flag is no flag.
+    (["config", "--server.por", "8000"], "--server.por: did you mean --server.port"),
+    (["generate", "hi", "--max-new-token", "4"], "--max-new-token: did you mean --max-new-tokens?"),
 ])
 def test_unknown_flag_names_the_flag_it_probably_meant(argv, hint, capsys):
     from framework.cli import main

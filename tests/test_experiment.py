@@ -174,6 +174,12 @@ BAD_EXPERIMENTS = [
         "", '[[workload]]\ndataset = "trace"\ntrace = "none.jsonl"\nname = "t"\n',
         "workload t: trace {dir}/none.jsonl: cannot read", id="trace-missing-file"),
     pytest.param(
+        "", '[[workload]]\ndataset = "trace"\ntrace = "trace.jsonl"\nname = "t"\nrates = [10, 1000]\n',
+        "workload t: rates: a trace's requests arrive at the trace's own arrival_s times", id="trace-with-rates"),
+    pytest.param(
+        "", '[[workload]]\ndataset = "trace"\ntrace = "trace.jsonl"\nname = "t"\narrival = "gamma"\ncv = 4.0\n',
+        "workload t: arrival, cv: a trace's requests arrive", id="trace-with-arrivals"),
+    pytest.param(
         "", '[[workload]]\ndataset = "gsp"\n', "workload[1].dataset: Input should be", id="unknown-dataset"),
     pytest.param(
         "", '[[workload]]\nname = "r"\nrates = [0]\n', "workload r: rates: every rate must be > 0",
@@ -262,6 +268,22 @@ def test_trace_workload_runs_in_process(tmp_path):
     assert rec["metrics"]["total_output_tokens"] == sum(x["output_len"] for x in lines)
     assert {c: v["num_requests"] for c, v in rec["clients"].items()} == {"a": 7, "b": 6}
     assert 0 < rec["metrics"]["jain_fairness"] <= 1
+    assert "| replay | trace |" in (out / "table.md").read_text()  # no rate: the trace's own times
+
+
+def test_a_report_of_merged_results_labels_each_rows_backend_and_slo():
+    from framework.experiment.report import render_table
+
+    def record(cell, backend, ttft):
+        return {"cell": cell, "label": f"c{cell}", "grid": {"plugins.policy": "fcfs"}, "seed": 1, "rate": 10.0,
+                "backend": backend, "slo": {"ttft_ms": ttft}, "workload": {"name": "w", "dataset": "random"},
+                "metrics": {"completed": 5}}
+
+    one = render_table([record(0, "sim", 200), record(1, "sim", 200)])
+    assert "SLO TTFT ≤ 200 ms); backend sim." in one and "| backend |" not in one
+    merged = render_table([record(0, "sim", 200), record(1, "real", 50)])
+    assert "(each row's SLO); backend per row." in merged
+    assert "| w | 10 | sim | TTFT ≤ 200 ms | fcfs |" in merged and "| w | 10 | real | TTFT ≤ 50 ms | fcfs |" in merged
 
 
 @pytest.mark.e2e

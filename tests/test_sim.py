@@ -159,6 +159,20 @@ def test_exact_output_lengths_and_prefix_hits_on_a_busy_run(tiny_model_folder):
     assert sum(r.cached_tokens for r in result.records) > 0.8 * 200 * 300
 
 
+def test_the_hit_rate_counts_prompt_tokens_served_from_the_cache_only(tiny_model_folder):
+    """Prompts that share nothing, prefilled in chunks: a request's own earlier chunks are no
+    cache hits (the prefill log's counters took them for hits: 0.88 for one 2,048-token prompt in
+    chunks of 128)."""
+    from framework.sim.driver import run_workload
+
+    rng = np.random.default_rng(1)
+    requests = [TimedRequest(f"r{i}", 0.0, list(map(int, rng.integers(100, 20000, size=400))), 2) for i in range(4)]
+    overrides = {"model": {"path": tiny_model_folder}, "scheduler": {"chunked_prefill_size": 128}}
+    result = run_workload(overrides, requests)
+    assert sum(r.cached_tokens for r in result.records) == 0
+    assert result.cache_hit_rate == 0.0
+
+
 def test_driver_runs_the_real_engine_on_the_wall_clock(tiny_model_folder):
     from framework.sim.driver import run_workload
 

@@ -89,6 +89,15 @@ def test_trace_replay(tmp_path):
     assert text.rid == "trace-1" and synthetic.rid == "trace-3"  # named after their lines
 
 
+def test_a_trace_line_may_carry_a_first_token_deadline(tmp_path):
+    path = write_trace(tmp_path, [{"arrival_s": 0, "prompt_len": 4, "output_len": 2, "slo_ttft_ms": 250}])
+    (req,) = load_trace(path, WordTokenizer())
+    assert req.slo_ttft_ms == 250
+    from framework.sim.driver import make_message
+
+    assert make_message(req).slo_ttft_ms == 250
+
+
 @pytest.mark.parametrize("bad_line, message", [
     ({"prompt_len": 4, "output_len": 2}, "line 2: arrival_s: missing field"),
     ({"arrival_s": 1, "prompt_len": 4}, "line 2: output_len: missing field"),
@@ -97,6 +106,8 @@ def test_trace_replay(tmp_path):
     ({"arrival_s": -1, "prompt_len": 4, "output_len": 2}, "line 2: arrival_s: Input should be greater"),
     ({"arrival_s": 1, "prompt_len": 4, "output_len": "many"}, "line 2: output_len: Input should be a valid integer"),
     ({"arrival_s": 1, "prompt": "", "output_len": 2}, "line 2: prompt: encodes to no tokens"),
+    ({"arrival_s": 1, "prompt_len": 4, "output_len": 2, "priorty": 1}, "line 2: priorty: Extra inputs are not permitted"),
+    ({"arrival_s": 1, "prompt_len": 4, "output_len": 2, "slo_ttft_ms": -1}, "line 2: slo_ttft_ms: Input should be"),
     ("{not json", "line 2: not JSON"),
     ("[1, 2]", "line 2: expected a JSON object, got list"),
 ])

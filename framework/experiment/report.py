@@ -71,6 +71,14 @@ def _rate(record: dict) -> float:
     return float(record["rate"])  # "inf" is stored as a string and reads back as inf
 
 
+def _rate_text(record: dict) -> str:
+    """The rate column: a trace's requests arrive at the trace's own times, not at a rate."""
+    if record["workload"].get("dataset") == "trace":
+        return "trace"
+    rate = _rate(record)
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
 def _cell_text(value: Any, fmt: str) -> str:
     if value is None:
         return "–"
@@ -92,11 +100,16 @@ def render_table(records: list[dict]) -> str:
     show_seed = len({r["seed"] for r in records}) > 1
     has_clients = any("jain_fairness" in r["metrics"] for r in records)
     columns = [c for c in COLUMNS if not c[1].startswith("jain_fairness") or has_clients]
-    headers = ["workload", "rate"] + (["seed"] if show_seed else [])
+    # Merged result files may mix backends and SLOs: then each row says its own.
+    per_row_backend = len({r["backend"] for r in records}) > 1
+    per_row_slo = len({_slo_text(r.get("slo") or {}) for r in records}) > 1
+    headers = ["workload", "rate"] + (["seed"] if show_seed else []) + (["backend"] if per_row_backend else [])
+    headers += (["SLO"] if per_row_slo else [])
     headers += [k.rsplit(".", 1)[-1] for k in grid_keys] + [c[0] for c in columns]
+    slo = "each row's SLO" if per_row_slo else _slo_text(records[0].get("slo") or {})
+    backend = "backend per row" if per_row_backend else f"backend {records[0]['backend']}"
     lines = [
-        f"Latencies in ms; goodput in good requests/s ({_slo_text(records[0].get('slo') or {})}); "
-        f"backend {records[0]['backend']}.",
+        f"Latencies in ms; goodput in good requests/s ({slo}); {backend}.",
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",
@@ -104,10 +117,13 @@ def render_table(records: list[dict]) -> str:
     ordered = sorted(records, key=lambda r: (r["workload"]["name"] or r["workload"]["dataset"], _rate(r),
                                              r["seed"], r["cell"]))
     for rec in ordered:
-        rate = _rate(rec)
-        row = [rec["workload"]["name"] or rec["workload"]["dataset"], "inf" if math.isinf(rate) else f"{rate:g}"]
+        row = [rec["workload"]["name"] or rec["workload"]["dataset"], _rate_text(rec)]
         if show_seed:
             row.append(str(rec["seed"]))
+        if per_row_backend:
+            row.append(rec["backend"])
+        if per_row_slo:
+            row.append(_slo_text(rec.get("slo") or {}).removeprefix("SLO "))
         row += [str(rec["grid"].get(k)) for k in grid_keys]
         row += [_cell_text(rec["metrics"].get(key), fmt) for _, key, fmt in columns]
         lines.append("| " + " | ".join(row) + " |")
@@ -125,9 +141,8 @@ def _client_table(ordered: list[dict], show_seed: bool) -> list[str]:
              "| " + " | ".join(headers) + " |",
              "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|"]
     for rec in ordered:
-        rate = _rate(rec)
         for client, c in (rec.get("clients") or {}).items():
-            row = [rec["workload"]["name"] or rec["workload"]["dataset"], "inf" if math.isinf(rate) else f"{rate:g}"]
+            row = [rec["workload"]["name"] or rec["workload"]["dataset"], _rate_text(rec)]
             if show_seed:
                 row.append(str(rec["seed"]))
             row += [rec["label"], client, str(c["num_requests"]), str(c["served_tokens"]),

@@ -68,6 +68,11 @@ class WorkloadEntry(WorkloadSpec):
     seeds: list[int] | None = Field(None, min_length=1, description="Seeds to sweep.")
 
     def expand(self) -> list[WorkloadSpec]:
+        if self.dataset == "trace":
+            given = sorted({"rates", "rate", "arrival", "cv"} & self.model_fields_set)
+            if given:
+                raise ExperimentError(f"workload {self.label}: {', '.join(given)}: a trace's requests arrive at "
+                                      "the trace's own arrival_s times; leave them out")
         base = self.model_dump(exclude={"rates", "seeds"})
         for rate in self.rates or []:
             if not rate > 0:

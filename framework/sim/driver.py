@@ -102,7 +102,7 @@ def make_message(req: TimedRequest) -> GenerateReqInput:
     params = SamplingParams.from_dict({"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0})
     params.verify()
     return GenerateReqInput(rid=req.rid, input_ids=list(req.input_ids), sampling_params=params,
-                            priority=req.priority, client_id=req.client_id)
+                            priority=req.priority, client_id=req.client_id, slo_ttft_ms=req.slo_ttft_ms)
 
 
 def warm_up(engine, num: int = 4) -> None:
@@ -155,7 +155,7 @@ def _drive(engine, recorder: RunRecorder, requests: list[TimedRequest], messages
     clock = sched.clock
     pbar = tqdm(total=len(requests), disable=not progress, desc=f"run ({sched.settings.plugins.worker})", unit="req")
     recorder.start(clock, {r.rid for r in requests}, pbar)
-    hits0, total0, retractions0 = sched.cache_hit_tokens, sched.cache_total_tokens, sched.num_retractions
+    retractions0 = sched.num_retractions
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     queue_samples: list[tuple[float, int, int]] = []
     wall0 = time.perf_counter()
@@ -192,13 +192,15 @@ def _drive(engine, recorder: RunRecorder, requests: list[TimedRequest], messages
             first_token_s=times[0] if times else None, finish_s=finish_s, token_times=times,
             input_len=len(msg.input_ids), output_len=len(times), cached_tokens=cached, finish_reason=reason,
         ))
-    total = sched.cache_total_tokens - total0
+    # The requests' own counts: the prefill log's counters (hit / (hit + new) per prefill batch)
+    # also count a chunked prompt's earlier chunks and a retracted request's re-prefill as hits.
+    prompt_tokens = sum(r.input_len for r in records)
     return RunResult(
         records=records,
         duration_s=max((r.finish_s for r in records if r.finish_s is not None), default=0.0),
         wall_s=wall_s,
         num_retractions=sched.num_retractions - retractions0,
-        cache_hit_rate=(sched.cache_hit_tokens - hits0) / total if total else 0.0,
+        cache_hit_rate=sum(r.cached_tokens for r in records) / prompt_tokens if prompt_tokens else 0.0,
         queue_samples=queue_samples,
     )
 
