@@ -159,6 +159,20 @@ def test_exact_output_lengths_and_prefix_hits_on_a_busy_run(tiny_model_folder):
     assert sum(r.cached_tokens for r in result.records) > 0.8 * 200 * 300
 
 
+def test_a_request_whose_output_would_be_cut_short_is_refused_before_the_run(tiny_model_folder):
+    """400 prompt tokens and 300 to generate do not fit in a 512-token pool: the scheduler would
+    clip the output to 110 tokens, and the run would not be the one asked for."""
+    from framework.sim.driver import run_workload
+
+    requests = [TimedRequest("r0", 0.0, list(range(100, 500)), 300)]
+    overrides = {"model": {"path": tiny_model_folder}, "cache": {"max_total_tokens": 512}}
+    with pytest.raises(ValueError, match=r"request r0: its prompt \(400 tokens\) and output_len \(300\) exceed the "
+                                         r"510 tokens a request may hold here"):
+        run_workload(overrides, requests)
+    requests[0].output_len = 100
+    assert run_workload(overrides, requests).records[0].output_len == 100
+
+
 def test_the_hit_rate_counts_prompt_tokens_served_from_the_cache_only(tiny_model_folder):
     """Prompts that share nothing, prefilled in chunks: a request's own earlier chunks are no
     cache hits (the prefill log's counters took them for hits: 0.88 for one 2,048-token prompt in

@@ -127,7 +127,8 @@ def run_workload(
     `settings_overrides` are nested by section (``{"plugins": {"policy": "fcfs"}, "plugin":
     {"sim": {...}}}``); backend "sim" sets ``plugins.worker = "sim"``, backend "real" keeps the
     named model worker (default overlap). Raises ValueError naming the problem for bad settings,
-    a duplicate rid or a request the model cannot take, before anything runs.
+    a duplicate rid or a request the model cannot take (its prompt and output_len do not fit in
+    a request's room), before anything runs.
     """
     from framework.engine import Engine
 
@@ -139,8 +140,16 @@ def run_workload(
     engine = Engine(settings, extra_plugins=(recorder,))
     try:
         messages = [make_message(r) for r in requests]
-        for msg in messages:
+        room = engine.scheduler.max_req_len - 1  # the most tokens a request may hold, prompt and output
+        for req, msg in zip(requests, messages):
             engine._check(msg)
+            if len(msg.input_ids) + req.output_len > room:
+                # The scheduler would clip its output silently: the run would not be the one asked for.
+                raise ValueError(
+                    f"request {req.rid}: its prompt ({len(msg.input_ids)} tokens) and output_len "
+                    f"({req.output_len}) exceed the {room} tokens a request may hold here "
+                    "(model.context_length and cache.max_total_tokens): its output would be cut short"
+                )
         if backend == "real":
             warm_up(engine)
         return _drive(engine, recorder, requests, messages, progress)
