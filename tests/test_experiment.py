@@ -271,6 +271,30 @@ def test_trace_workload_runs_in_process(tmp_path):
     assert "| replay | trace |" in (out / "table.md").read_text()  # no rate: the trace's own times
 
 
+def test_an_output_folder_that_cannot_be_made_fails_before_any_cell(tmp_path, capsys, monkeypatch):
+    import framework.sim.driver
+
+    monkeypatch.setattr(framework.sim.driver, "run_workload", lambda *a, **k: pytest.fail("a cell ran"))
+    path = write_experiment(tmp_path, grid='"plugins.policy" = ["lpm"]')
+    (tmp_path / "a-file").write_text("")
+    assert run_experiment(path, tmp_path / "a-file") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "output folder" in err[-1] and "cannot be made" in err[-1]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "line 1: not JSON"),
+    ('{"bad": 1}', "line 1: not an experiment record (no cell, label, grid"),
+])
+def test_report_on_a_broken_results_file_is_one_line(tmp_path, capsys, line, message):
+    from framework.cli import main
+
+    (tmp_path / "results.jsonl").write_text(line + "\n")
+    assert main(["experiment", "report", str(tmp_path), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "results.jsonl" in err[0]
+
+
 def test_a_report_of_merged_results_labels_each_rows_backend_and_slo():
     from framework.experiment.report import render_table
 

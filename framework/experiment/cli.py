@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,9 @@ def cmd_run(args) -> int:
             print(f"{cell.index:4d}  {w.label} @ {w.rate:g} req/s seed {w.seed}  {cell.label}")
         return 0
 
+    problem = _unwritable(out_dir)  # before any cell runs, not after the sweep
+    if problem:
+        return _fail(f"output folder {out_dir}: cannot be made ({problem})")
     shared = report.experiment_fields(exp)
     partial = out_dir / report.RESULTS_FILE
     num_kept = 0
@@ -91,6 +95,8 @@ def cmd_run(args) -> int:
     except ValueError as exc:  # a cell's run refused its input, or --ray could not connect
         kept = f" ({num_kept} finished cells kept in {partial})" if num_kept else ""
         return _fail(f"{exc}{kept}")
+    except OSError as exc:  # the output folder could not be written after all
+        return _fail(f"output folder {out_dir}: cannot be written ({exc.strerror or exc})")
     wall = time.perf_counter() - start
     report.write_results(records, out_dir)
     table = report.write_table(records, out_dir)
@@ -104,6 +110,20 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _unwritable(out_dir: Path) -> str | None:
+    """Why `out_dir` cannot be made or written into, or None (nothing is created here)."""
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            return "a file of that name exists"
+        return None if os.access(out_dir, os.W_OK) else "not writable"
+    parent = out_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file"
+    return None if os.access(parent, os.W_OK) else f"{parent} is not writable"
+
+
 def cmd_report(args) -> int:
     from framework.experiment import report
     from framework.experiment.plots import plot_experiment
@@ -113,6 +133,8 @@ def cmd_report(args) -> int:
         records = report.read_results(out_dir)
     except OSError as exc:
         return _fail(f"{out_dir}: cannot read {report.RESULTS_FILE} ({exc.strerror or exc})")
+    except ValueError as exc:
+        return _fail(str(exc))
     report.write_table(records, out_dir)
     paths = [] if args.no_plots else plot_experiment(records, out_dir)
     print(report.render_table(records))

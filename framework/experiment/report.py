@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from framework.bench.results import _jsonable, cpu_model, read_jsonl
+from framework.bench.results import _jsonable, cpu_model
 
 RESULTS_FILE = "results.jsonl"
 TABLE_FILE = "table.md"
@@ -63,8 +63,28 @@ def append_result(path: Path, record: dict) -> None:
         f.write(json.dumps(_jsonable(record)) + "\n")
 
 
+# What every record of results.jsonl has (run_cells writes them; the table and plots read them).
+RECORD_KEYS = ("cell", "label", "grid", "seed", "rate", "backend", "workload", "metrics")
+
+
 def read_results(out_dir: Path) -> list[dict]:
-    return read_jsonl(str(Path(out_dir) / RESULTS_FILE))
+    """The records of `out_dir`'s results.jsonl; ValueError naming the file and line of the first
+    one that is not JSON or not a record of an experiment (OSError where it cannot be read)."""
+    path = Path(out_dir) / RESULTS_FILE
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {lineno}: not JSON ({exc.msg})") from None
+            missing = [k for k in RECORD_KEYS if not isinstance(record, dict) or k not in record]
+            if missing:
+                raise ValueError(f"{path} line {lineno}: not an experiment record (no {', '.join(missing)})")
+            records.append(record)
+    return records
 
 
 def _rate(record: dict) -> float:

@@ -265,8 +265,11 @@ def parse_experiment(path: str | Path) -> tuple[Experiment, dict[str, Any], list
             entry = WorkloadEntry(**raw)
         except ValidationError as exc:
             raise ExperimentError(_one_line(exc, f"workload[{i}]")) from None
+        # Files named in an experiment travel with it: relative paths are the file's.
         if entry.trace and not Path(entry.trace).is_absolute():
-            entry.trace = str(path.parent / entry.trace)  # a trace travels with its experiment file
+            entry.trace = str(path.parent / entry.trace)
+        if entry.dataset_path and not Path(entry.dataset_path).is_absolute():
+            entry.dataset_path = str(path.parent / entry.dataset_path)
         workloads.append(entry)
     labels = [w.label for w in workloads]
     if len(set(labels)) != len(labels):
@@ -292,6 +295,10 @@ def load_experiment(path: str | Path, build_workloads: bool = True) -> Experimen
         overrides = copy.deepcopy(base)
         for key, value in point.items():
             _set_path(overrides, key, value)
+        sim = overrides.get("plugin", {}).get("sim")
+        if isinstance(sim, dict) and isinstance(sim.get("profile"), str) and sim["profile"] \
+                and not Path(sim["profile"]).is_absolute():
+            sim["profile"] = str(exp.path.parent / sim["profile"])  # (relative to the experiment file too)
         where = "grid " + ", ".join(f"{k}={v!r}" for k, v in point.items()) + ": " if point else ""
         _check_plugin_options(overrides, sections)
         settings = check_settings(overrides, exp.options.backend, where)
