@@ -132,6 +132,14 @@ def test_dry_run_lists_cells(tmp_path, capsys):
     assert main(["experiment", "run", path, "--dry-run"]) == 0
     cells = capsys.readouterr().out.splitlines()
     assert len(cells) == 3 * (1 + 2 * 2)
+
+
+def test_dry_run_builds_the_workloads(tmp_path, capsys):
+    """A missing trace fails the dry run as it fails a run, before anything."""
+    path = write_experiment(tmp_path, extra='[[workload]]\nname = "t"\ndataset = "trace"\ntrace = "gone.jsonl"\n')
+    assert main(["experiment", "run", path, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "workload t: trace" in err and "gone.jsonl: cannot read" in err
     assert not (tmp_path / "prefix-test-results").exists()
 
 
@@ -190,6 +198,9 @@ BAD_EXPERIMENTS = [
         id="model-worker-on-sim"),
     pytest.param("", "[experiment.x]\n", "experiment.x: Extra inputs are not permitted", id="bad-experiment-key"),
     pytest.param("", "[slo]\nttft_ms = -5\n", "slo.ttft_ms: Input should be greater than 0", id="bad-slo"),
+    pytest.param('"plugin.sim.hardware" = ["a100", "a1000"]', "",
+                 "grid plugin.sim.hardware='a1000': plugin.sim.hardware: unknown hardware 'a1000'",
+                 id="unknown-hardware-in-the-grid"),
 ]
 
 

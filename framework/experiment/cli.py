@@ -60,7 +60,7 @@ def cmd_run(args) -> int:
     try:
         if args.ray is not None:
             import_ray()
-        exp = load_experiment(args.file, build_workloads=not args.dry_run)
+        exp = load_experiment(args.file)  # (--dry-run too: every workload is built, so a bad trace shows)
     except (ExperimentError, ValueError) as exc:
         return _fail(str(exc))
     out_dir = exp.out_dir(args.out)

@@ -213,6 +213,12 @@ def check_settings(overrides: dict[str, Any], backend: str, where: str) -> Setti
     try:
         settings = driver_settings(overrides, backend)
         PluginManager(settings)
+        if backend == "sim":  # the sim worker's cost model, as it starts (CostModelError is a ValueError)
+            from framework.sim.costmodel import resolve_hardware
+
+            sim = settings.plugin_section("sim")
+            if sim.cost_model != "profile":
+                resolve_hardware(sim.hardware, sim.profile)
     except SettingsError as exc:
         lines = str(exc).splitlines()
         problem = "; ".join(lines[1:] if lines[0].endswith(":") else lines)
