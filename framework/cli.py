@@ -95,7 +95,11 @@ def cmd_config(args) -> int:
     if args.defaults:
         sys.stdout.write(render_default_toml())
     else:
-        print(settings_from_args(args).model_dump_json(indent=2))
+        from framework.plugins import PluginManager
+
+        settings = settings_from_args(args)
+        PluginManager(settings)  # the plugin selection and [plugin.*] sections, checked as at start-up
+        print(settings.model_dump_json(indent=2))
     return 0
 
 

@@ -305,6 +305,9 @@ class PluginManager:
     def _activate(self, extra_plugins: tuple[Any, ...]) -> None:
         selection = self.settings.plugins
         disabled = set(selection.disable)
+        for name in sorted(disabled - set(self.installed)):
+            logger.warning("plugins.disable: no installed plugin is named %r (installed: %s)", name,
+                           ", ".join(sorted(self.installed)))
         chosen = {"policy": selection.policy, "cache": selection.cache, "worker": selection.worker}
         # An extra plugin object of a selected kind (framework.testing) takes the named one's place.
         replaced = {getattr(p, "PLUGIN_KIND", None) for p in extra_plugins} & set(SELECTED_KINDS)

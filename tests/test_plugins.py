@@ -235,3 +235,17 @@ def test_an_installed_stacked_plugin_may_be_passed_to_the_harness_too():
     harness.run()
     assert len(harness.outputs[rid]) == 2
     assert harness.scheduler.plugins.pm.is_registered(faults)
+
+
+def test_an_unknown_name_in_plugins_disable_is_warned_about(caplog):
+    PluginManager(Settings.load(None, plugins={"disable": ["clientz"]}))
+    assert "plugins.disable: no installed plugin is named 'clientz'" in caplog.text
+
+
+def test_cli_config_checks_the_plugin_sections(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text("[plugin.lpm]\nin_batch_prefix_cachin = false\n")
+    proc = subprocess.run([sys.executable, "-m", "framework.cli", "config", "--config", str(path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "plugin.lpm.in_batch_prefix_cachin: Extra inputs are not permitted" in proc.stderr
