@@ -234,15 +234,17 @@ class WorkloadSpec(BaseModel):
     trace: str | None = Field(None, description="JSONL trace file (dataset = trace).")
     dataset_path: str | None = None
     sharegpt_output_len: int | None = None
-    random_input_len: int = 1024
-    random_output_len: int = 1024
+    # (bounds: a request has a prompt token and an output token at least; an empty system prompt is
+    # allowed, a group without prompts is not)
+    random_input_len: int = Field(1024, gt=0)
+    random_output_len: int = Field(1024, gt=0)
     random_range_ratio: float = 0.0
     random_source: Literal["sharegpt", "ids"] = "sharegpt"
-    gsp_num_groups: int = 64
-    gsp_prompts_per_group: int = 16
-    gsp_system_prompt_len: int = 2048
-    gsp_question_len: int = 128
-    gsp_output_len: int = 256
+    gsp_num_groups: int = Field(64, gt=0)
+    gsp_prompts_per_group: int = Field(16, gt=0)
+    gsp_system_prompt_len: int = Field(2048, ge=0)
+    gsp_question_len: int = Field(128, gt=0)
+    gsp_output_len: int = Field(256, gt=0)
     max_output_len: int | None = Field(None, gt=0, description="Cap on every request's output length.")
 
     @property
