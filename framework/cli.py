@@ -82,6 +82,10 @@ def cmd_plugins(args) -> int:
         root = write_skeleton(args.name, args.kind or "policy", args.dir)
         print(f"wrote {root}; next: pip install -e {root} && pytest {root}")
         return 0
+    from framework.plugins import ALL_KINDS
+
+    if args.kind is not None and args.kind not in ALL_KINDS:
+        raise ValueError(f"plugins --kind: one of {', '.join(ALL_KINDS)}, got {args.kind!r}")
     settings = settings_from_args(args)
     manager = PluginManager(settings)
     print(f"{'kind':<10}{'name':<16}{'active':<8}source")
@@ -99,7 +103,7 @@ def cmd_config(args) -> int:
 
         settings = settings_from_args(args)
         PluginManager(settings)  # the plugin selection and [plugin.*] sections, checked as at start-up
-        print(settings.model_dump_json(indent=2))
+        print(settings.model_dump_json(indent=2, warnings=False))  # (plugin sections are models now)
     return 0
 
 

@@ -77,28 +77,62 @@ def _is_ids(value: Any) -> bool:
 _DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGALRM") if hasattr(signal, name))
 
 
-@contextlib.contextmanager
-def _signals_deferred():
-    """Hold the signals whose handlers are Python code until the block is over, then hand each one
-    to its handler (which may raise: KeyboardInterrupt, a timeout). Handlers can be swapped in
-    the main thread only, where Python runs them; elsewhere the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[tuple[int, Any]] = []
-    saved = {}
-    for sig in _DEFERRED_SIGNALS:
-        handler = signal.getsignal(sig)
-        if callable(handler):
-            saved[sig] = handler
-            signal.signal(sig, lambda signum, frame: caught.append((signum, frame)))
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+class _SignalGuard:
+    """While an Engine call runs, the signals whose handlers are Python code (Ctrl-C's
+    KeyboardInterrupt, a timeout's alarm) go through `handle`: inside a scheduler iteration the
+    first of each kind waits for the iteration's end (`after_iteration` hands it to its handler,
+    which may raise), so the iteration is never left half done; outside one, or a second time
+    inside one (Ctrl-C pressed again: the caller insists), the handler runs at once. Handlers are
+    swapped once per call, in the main thread only (where Python runs them)."""
+
+    def __init__(self):
+        self.saved: dict[int, Any] = {}
+        self.busy = False
+        self.caught: list[tuple[int, Any]] = []
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.busy and all(s != signum for s, _ in self.caught):
+            self.caught.append((signum, frame))
+            return
+        self.saved[signum](signum, frame)
+
+    def after_iteration(self) -> None:
+        self.busy = False
+        caught, self.caught = self.caught, []
         for signum, frame in caught:
-            saved[signum](signum, frame)
+            self.saved[signum](signum, frame)
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        try:
+            for sig in _DEFERRED_SIGNALS:
+                handler = signal.getsignal(sig)
+                if callable(handler) and sig not in self.saved:
+                    self.saved[sig] = handler
+                    signal.signal(sig, self.handle)
+            yield
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        """Put every saved handler back, even if a signal's handler raises meanwhile (the first
+        such exception is raised once all are back)."""
+        error: BaseException | None = None
+        pending = list(self.saved.items())
+        while pending:
+            try:
+                while pending:
+                    sig, handler = pending[0]
+                    signal.signal(sig, handler)
+                    pending.pop(0)
+            except BaseException as exc:  # (a handler ran between two of these steps)
+                error = error or exc
+        self.saved.clear()
+        if error is not None:
+            raise error
 
 
 class Engine:
@@ -127,6 +161,7 @@ class Engine:
         self.tokenizer = self.scheduler.tokenizer
         self._rid_counter = itertools.count()
         self._closed = False
+        self._signals = _SignalGuard()
         self._image_processor: ImageProcessor | None = None
 
     def _collect(self, batch_out: BatchTokenOut) -> None:
@@ -175,7 +210,7 @@ class Engine:
         param_dicts = _one_per_prompt("sampling_params", sampling_params, len(id_lists))
         if any(pd is not None and not isinstance(pd, dict) for pd in param_dicts):
             raise ValueError("sampling_params: must be a dict (or one dict per prompt)")
-        max_top = min(self.settings.server.max_top_logprobs_num, self.scheduler.worker.vocab_size)
+        max_top = self.scheduler.worker.vocab_size  # (server.max_top_logprobs_num is the HTTP API's cap)
         for ids in id_lists:
             check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num, max_top,
                                None if embeds[0] is not None else len(ids))
@@ -289,6 +324,12 @@ class Engine:
         for msg in messages:
             self.scheduler.send(msg)
         rids = [m.rid for m in messages]
+        with self._signals.installed():
+            self._run_requests(rids)
+        results = [self._to_dict(self._outputs.pop(rid)) for rid in rids]
+        return results[0] if single else results
+
+    def _run_requests(self, rids: list[str]) -> None:
         try:
             self._run_until_done(rids)
         except BaseException:
@@ -304,8 +345,6 @@ class Engine:
             for rid in rids:
                 self._outputs.pop(rid, None)
             raise
-        results = [self._to_dict(self._outputs.pop(rid)) for rid in rids]
-        return results[0] if single else results
 
     def _image_inputs(self, per_prompt: list[list | None]) -> list[ImageInputs | None]:
         if all(images is None for images in per_prompt):
@@ -335,9 +374,13 @@ class Engine:
     def _run_once(self) -> None:
         """One scheduler iteration, whole: a signal whose handler raises (Ctrl-C's
         KeyboardInterrupt, an alarm's timeout) raises after it, not in the middle, where it would
-        leave the iteration half done (a request's KV slots allocated but not yet its own)."""
-        with _signals_deferred():
+        leave the iteration half done (a request's KV slots allocated but not yet its own); a
+        second one of the same kind meanwhile raises at once (_SignalGuard)."""
+        self._signals.busy = True
+        try:
             self.scheduler.run_once()
+        finally:
+            self._signals.after_iteration()
 
     def _to_dict(self, out: ReqOutput) -> dict:
         if out.embedding is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import numbers
 import reprlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -96,7 +97,8 @@ def _shown(value: Any) -> str:
 
 
 def _is_ratio(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (numpy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _plugin_name(impl) -> str:
@@ -230,10 +232,11 @@ class Hooks:
             return [], None
         ratio = None
         # A pair: a number second, or a sequence (the victims) first, as no request is a sequence.
+        # (victims, None) leaves the ratio to the core, as victims alone do.
         if (isinstance(decision, (tuple, list)) and len(decision) == 2
                 and (_is_ratio(decision[1]) or isinstance(decision[0], (tuple, list)))):
             decision, ratio = decision
-            if not (_is_ratio(ratio) and math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
+            if ratio is not None and not (_is_ratio(ratio) and math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
                 raise PluginReturnError("on_decode_oom", self._decider("on_decode_oom"),
                                         f"the new token ratio {_shown(ratio)} of (victims, new_token_ratio) "
                                         "is not a number in [0, 1]")

@@ -199,7 +199,8 @@ class SamplingParams:
         if self.regex is not None and self.json_schema is not None:
             raise ValueError("sampling_params: regex and json_schema cannot both be set")
         if self.stop is not None and not (
-            isinstance(self.stop, str) or (isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop))
+            isinstance(self.stop, str)
+            or (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop))
         ):
             raise ValueError(f"sampling_params.stop: must be a string or a list of strings, got {self.stop!r}")
         for flag in ("no_stop_trim", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
@@ -312,8 +313,7 @@ def check_logprob_args(return_logprob: Any, logprob_start_len: Any, top_logprobs
     if prompt_len is not None and logprob_start_len > 0 and logprob_start_len >= prompt_len:
         raise ValueError(f"logprob_start_len: must be < the prompt length ({prompt_len}), got {logprob_start_len}")
     if top_logprobs_num > max_top:
-        raise ValueError(f"top_logprobs_num: must be <= {max_top} (server.max_top_logprobs_num and the vocabulary "
-                         f"size), got {top_logprobs_num}")
+        raise ValueError(f"top_logprobs_num: must be <= {max_top}, got {top_logprobs_num}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ BAD_CALLS = {
                                       top_logprobs_num=2.5), "top_logprobs_num: must be an integer"),
     "top_logprobs_num negative": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
                                        top_logprobs_num=-3), "top_logprobs_num: must be >= 0"),
-    "top_logprobs_num above the limit": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
-                                              top_logprobs_num=1000), "top_logprobs_num: must be <= 20"),
+    "top_logprobs_num above the vocabulary": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
+                                                   top_logprobs_num=10**6), "top_logprobs_num: must be <= "),
     "logprob_start_len a string": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
                                         logprob_start_len="a"), "logprob_start_len: must be an integer"),
     "logprob_start_len past the prompt": (dict(input_ids=[1, 2, 3], sampling_params=PARAMS, return_logprob=True,
@@ -75,8 +75,35 @@ def test_an_interrupt_inside_an_iteration_waits_for_its_end_and_leaves_the_engin
         worker.launch = launch
     assert len(calls) >= 2
     assert not engine.scheduler.has_work() and not engine._outputs
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     out = engine.generate("The capital of France is", PARAMS)
     assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_second_interrupt_inside_an_iteration_raises_at_once(tiny_model_folder):
+    """Ctrl-C pressed again while an iteration runs (a hung plugin, a long prefill) is not held
+    back: the caller insists. The Engine's handlers are the caller's again after the call."""
+    from framework.engine import Engine
+    from tests.conftest import tiny_settings
+
+    before = signal.getsignal(signal.SIGINT)
+    engine = Engine(tiny_settings(tiny_model_folder))
+    reached = []
+
+    def launch_interrupted_twice(batch):
+        signal.raise_signal(signal.SIGINT)
+        reached.append("after the first")
+        signal.raise_signal(signal.SIGINT)
+        reached.append("after the second")
+
+    engine.scheduler.worker.launch = launch_interrupted_twice
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate("hi", PARAMS)
+        assert reached == ["after the first"]
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        engine.shutdown()
 
 
 def test_a_shut_down_engine_refuses_work(make_engine):

@@ -185,6 +185,11 @@ def test_the_hit_rate_counts_prompt_tokens_served_from_the_cache_only(tiny_model
     result = run_workload(overrides, requests)
     assert sum(r.cached_tokens for r in result.records) == 0
     assert result.cache_hit_rate == 0.0
+    # Nor are a retracted request's own prompt and outputs, matched again at its re-prefill.
+    requests = [TimedRequest(f"q{i}", 0.0, list(map(int, rng.integers(100, 20000, size=40))), 6) for i in range(12)]
+    result = run_workload({**overrides, "scheduler": {"force_retract": True}}, requests)
+    assert result.num_retractions > 0
+    assert sum(r.cached_tokens for r in result.records) == 0 and result.cache_hit_rate == 0.0
 
 
 def test_driver_runs_the_real_engine_on_the_wall_clock(tiny_model_folder):

@@ -172,12 +172,15 @@ def check_setting_path(key: str, sections: dict[str, type[BaseModel]]) -> None:
 
 
 def _check_plugin_options(overrides: dict[str, Any], sections: dict[str, type[BaseModel]]) -> None:
-    """Every [plugin.<name>] option exists and validates (plugins ignore unknown keys themselves)."""
+    """Every [plugin.<name>] option exists and validates, as at start-up (where a section's model
+    that sets `extra` itself decides about unknown keys)."""
     for name, options in (overrides.get("plugin") or {}).items():
         if not isinstance(options, dict):
             raise ExperimentError(f"plugin.{name}: expected a table of options")
-        for option in options:
-            check_setting_path(f"plugin.{name}.{option}", sections)
+        model = sections.get(name)
+        if model is None or model.model_config.get("extra") is None:
+            for option in options:
+                check_setting_path(f"plugin.{name}.{option}", sections)
         try:
             sections[name](**options)
         except ValidationError as exc:
@@ -219,6 +222,11 @@ def check_settings(overrides: dict[str, Any], backend: str, where: str) -> Setti
             sim = settings.plugin_section("sim")
             if sim.cost_model != "profile":
                 resolve_hardware(sim.hardware, sim.profile)
+            elif not sim.profile:
+                from framework.sim.costmodel import CostModelError
+
+                raise CostModelError('plugin.sim.profile: cost_model = "profile" needs a profile file '
+                                     "(make one with `batchyard sim calibrate`)")
     except SettingsError as exc:
         lines = str(exc).splitlines()
         problem = "; ".join(lines[1:] if lines[0].endswith(":") else lines)

@@ -142,7 +142,10 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
                                  identity)
         specs = await tm.expand_parallel(batch, request)
         rid, created = f"cmpl-{batch.specs[0].rid}", int(time.time())
-        echo_texts = [(p[1] if p[1] is not None else tm.tokenizer.decode(p[0])) if req.echo else ""
+        # (a token-id prompt's text as the output's is made: special tokens left out unless asked for,
+        # as the logprobs' text_offset counts them)
+        echo_texts = [(p[1] if p[1] is not None
+                       else tm.tokenizer.decode(p[0], skip_special_tokens=req.skip_special_tokens)) if req.echo else ""
                       for p in prompts for _ in range(batch.n)]
         # max_tokens 0 scores the prompt (with echo and logprobs, as lm-eval-harness asks): the
         # engine still samples one token (max_new_tokens 0, as the reference), which is left out.

@@ -301,7 +301,10 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
             check_logprob_args(return_logprob[i], start_lens[i], top_nums[i], limits.max_top_logprobs_num,
                                len(id_lists[i]) if session_id is None else None)
         except ValueError as exc:
-            raise ApiError(str(exc)) from None
+            message = str(exc)
+            if message.startswith("top_logprobs_num: must be <="):
+                message = message.replace(", got", " (server.max_top_logprobs_num and the vocabulary size), got")
+            raise ApiError(message) from None
         specs.append(
             ReqSpec(
                 rid=rids[i], input_ids=id_lists[i], sampling_params=params, input_text=texts[i],

@@ -6,6 +6,7 @@ server."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from framework import hookimpl
@@ -127,11 +128,14 @@ def test_on_decode_oom_may_return_a_tuple_of_requests(make_engine, count):
     assert engine.scheduler.num_retractions >= 1
 
 
-def test_on_decode_oom_pair_of_victims_and_ratio_sets_the_ratio(make_engine):
+@pytest.mark.parametrize("ratio", [0.25, np.float32(0.25), None], ids=["float", "numpy", "none"])
+def test_on_decode_oom_pair_of_victims_and_ratio_sets_the_ratio(make_engine, ratio):
+    """(victims, ratio) sets the ratio (a numpy number too); (victims, None) leaves it to the core."""
+
     class WithRatio:
         @hookimpl(tryfirst=True)
         def on_decode_oom(self, batch):
-            return list(batch.reqs), 0.25
+            return list(batch.reqs), ratio
 
     engine = make_engine(extra_plugins=(WithRatio(),), scheduler={"force_retract": True})
     ratios = []
@@ -144,7 +148,7 @@ def test_on_decode_oom_pair_of_victims_and_ratio_sets_the_ratio(make_engine):
     engine.scheduler.retract_decode = recording
     outs = engine.generate([f"prompt {i}" for i in range(12)], [PARAMS] * 12)
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
-    assert ratios and ratios[0] == 0.25
+    assert ratios and (ratios[0] == 0.25 if ratio is not None else 0.0 < ratios[0] <= 1.0 and ratios[0] != 0.25)
 
 
 def test_a_policy_without_select_prefill_is_refused_at_start_up():
