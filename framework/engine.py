@@ -27,6 +27,7 @@ from framework.messages import AbortReq, BatchTokenOut, GenerateReqInput, ReqOut
 from framework.model.loader import resolve_model
 from framework.multimodal import ImageInputs
 from framework.request import (
+    MAX_PARAM_INT,
     FinishMatchedStr,
     FinishMatchedToken,
     SamplingParams,
@@ -210,7 +211,9 @@ class Engine:
         param_dicts = _one_per_prompt("sampling_params", sampling_params, len(id_lists))
         if any(pd is not None and not isinstance(pd, dict) for pd in param_dicts):
             raise ValueError("sampling_params: must be a dict (or one dict per prompt)")
-        max_top = self.scheduler.worker.vocab_size  # (server.max_top_logprobs_num is the HTTP API's cap)
+        # No cap offline (server.max_top_logprobs_num is the HTTP API's): more than the vocabulary
+        # is the whole vocabulary.
+        max_top = MAX_PARAM_INT
         for ids in id_lists:
             check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num, max_top,
                                None if embeds[0] is not None else len(ids))

@@ -32,8 +32,6 @@ BAD_CALLS = {
                                       top_logprobs_num=2.5), "top_logprobs_num: must be an integer"),
     "top_logprobs_num negative": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
                                        top_logprobs_num=-3), "top_logprobs_num: must be >= 0"),
-    "top_logprobs_num above the vocabulary": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
-                                                   top_logprobs_num=10**6), "top_logprobs_num: must be <= "),
     "logprob_start_len a string": (dict(prompt="hi", sampling_params=PARAMS, return_logprob=True,
                                         logprob_start_len="a"), "logprob_start_len: must be an integer"),
     "logprob_start_len past the prompt": (dict(input_ids=[1, 2, 3], sampling_params=PARAMS, return_logprob=True,
