@@ -146,29 +146,29 @@ def plugin_sections() -> dict[str, type[BaseModel]]:
     return sections
 
 
-def check_setting_path(key: str, sections: dict[str, type[BaseModel]]) -> None:
+def check_setting_path(key: str, sections: dict[str, type[BaseModel]], what: str = "grid key") -> None:
     """Raise ExperimentError unless `key` names a setting: "section.field" or "plugin.<name>.<option>"."""
     parts = key.split(".")
     if parts[0] == "plugin":
         if len(parts) != 3:
-            raise ExperimentError(f"grid key {key!r} is no setting: plugin options are plugin.<name>.<option>")
+            raise ExperimentError(f"{what} {key!r} is no setting: plugin options are plugin.<name>.<option>")
         name, option = parts[1], parts[2]
         if name not in sections:
             raise ExperimentError(
-                f"grid key {key!r} is no setting: no installed plugin declares [plugin.{name}] "
+                f"{what} {key!r} is no setting: no installed plugin declares [plugin.{name}] "
                 f"(declared: {', '.join(sorted(sections)) or 'none'})"
             )
         fields = sections[name].model_fields
         if option not in fields:
             raise ExperimentError(
-                f"grid key {key!r} is no setting: [plugin.{name}] has {', '.join(fields) or 'no options'}"
+                f"{what} {key!r} is no setting: [plugin.{name}] has {', '.join(fields) or 'no options'}"
             )
         return
     known = _setting_paths()
     if key not in known:
         close = difflib.get_close_matches(key, known, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ExperimentError(f"grid key {key!r} is no setting{hint}")
+        raise ExperimentError(f"{what} {key!r} is no setting{hint}")
 
 
 def _check_plugin_options(overrides: dict[str, Any], sections: dict[str, type[BaseModel]]) -> None:
@@ -180,7 +180,7 @@ def _check_plugin_options(overrides: dict[str, Any], sections: dict[str, type[Ba
         model = sections.get(name)
         if model is None or model.model_config.get("extra") is None:
             for option in options:
-                check_setting_path(f"plugin.{name}.{option}", sections)
+                check_setting_path(f"plugin.{name}.{option}", sections, "option")
         try:
             sections[name](**options)
         except ValidationError as exc:
