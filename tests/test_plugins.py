@@ -115,21 +115,27 @@ def test_installed_plugins_implement_only_their_kinds_hooks():
         assert implemented <= set(KIND_HOOKS[info.kind]), name
 
 
+def registering(section: str, model: type) -> object:
+    """An observer plugin object that registers the settings section `section` with `model`."""
+
+    class Registering:
+        PLUGIN_KIND = "observer"
+
+        @hookimpl
+        def register_settings(self, register):
+            register(section, model)
+
+    return Registering()
+
+
 def test_a_duplicate_settings_section_is_refused(tmp_path):
     from pydantic import BaseModel
 
     class Other(BaseModel):
         x: int = 0
 
-    class SecondLifo:
-        PLUGIN_KIND = "observer"
-
-        @hookimpl
-        def register_settings(self, register):
-            register("lifo", Other)
-
     with pytest.raises(PluginError, match=r"\[plugin.lifo\] is registered by two plugins: .*'lifo'"):
-        PluginManager(Settings.load(None, plugins={"policy": "lifo"}), extra_plugins=(SecondLifo(),))
+        PluginManager(Settings.load(None, plugins={"policy": "lifo"}), extra_plugins=(registering("lifo", Other),))
 
 
 def test_plugin_names_come_from_entry_points():
@@ -204,15 +210,8 @@ def test_a_plugin_model_that_sets_extra_decides_for_its_section():
         model_config = ConfigDict(extra="allow")
         known: int = 0
 
-    class FreeForm:
-        PLUGIN_KIND = "observer"
-
-        @hookimpl
-        def register_settings(self, register):
-            register("free-form", Free)
-
     settings = Settings.load(None, plugin={"free-form": {"known": 1, "anything": "goes"}})
-    PluginManager(settings, extra_plugins=(FreeForm(),))
+    PluginManager(settings, extra_plugins=(registering("free-form", Free),))
     section = settings.plugin_section("free-form")
     assert section.known == 1 and section.anything == "goes"
 
