@@ -142,7 +142,7 @@ def on_decode_oom(batch: "BatchView", view: "SchedulerView") -> "list[Req] | tup
     :return: the victims in retraction order, optionally with a new token ratio:
         ``victims`` (distinct requests of ``batch.reqs``, any sequence: ``batch.reqs`` itself is
         a tuple of victims) or ``(victims, new_token_ratio)`` (a pair whose second item is a number
-        in [0, 1], or whose first is a list or tuple). Anything else is refused like an exception
+        in [0, 1] or None, or whose first is a list or tuple). Anything else is refused like an exception
         (`framework.plugins.PluginReturnError`): the batch's requests fail. The core retracts from the front of the
         list while the free KV does not cover ``retract_decode_steps`` more decode steps of the
         rest of the batch (at least one victim, never the batch's last request), evicting cache
