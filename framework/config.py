@@ -22,6 +22,9 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 _TOML_DATA: contextvars.ContextVar[dict] = contextvars.ContextVar("batchyard_toml", default={})
 
 
+ENV_PREFIX = "BATCHYARD_"
+
+
 class SettingsError(ValueError):
     """Invalid settings; the message has one ``field: problem`` line per error."""
 
@@ -357,7 +360,7 @@ class Settings(BaseSettings):
     """The whole configuration tree."""
 
     model_config = SettingsConfigDict(
-        env_prefix="BATCHYARD_", env_nested_delimiter="__", extra="forbid", validate_assignment=True
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True
     )
 
     model: ModelSettings = Field(default_factory=ModelSettings, description="Which model and how to load it.")
@@ -438,9 +441,6 @@ class Settings(BaseSettings):
         if section is None or isinstance(section, dict):
             raise KeyError(f"plugin settings section {name!r} was not registered")
         return section
-
-
-ENV_PREFIX = "BATCHYARD_"
 
 
 def _check_env_sections(sections: dict) -> None:

@@ -308,7 +308,7 @@ class Engine:
 
     def _check(self, msg: GenerateReqInput) -> None:
         ids = msg.input_ids
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+        if not _is_ids(ids):
             raise ValueError("input_ids must be lists of integers")
         vocab = self.scheduler.worker.vocab_size
         if any(t < 0 or t >= vocab for t in ids):

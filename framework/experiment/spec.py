@@ -293,7 +293,7 @@ def parse_experiment(path: str | Path) -> tuple[Experiment, dict[str, Any], list
     return Experiment(path, options, slo, grid, []), base, workloads
 
 
-def load_experiment(path: str | Path, build_workloads: bool = True) -> Experiment:
+def load_experiment(path: str | Path) -> Experiment:
     """Parse, check and expand an experiment file (module docstring). Raises ExperimentError."""
     exp, base, workloads = parse_experiment(path)
     sections = plugin_sections()
@@ -325,15 +325,14 @@ def load_experiment(path: str | Path, build_workloads: bool = True) -> Experimen
             key = (spec.label, spec.rate, spec.seed)
             for point, overrides in settings_per_point:
                 exp.cells.append(Cell(next(index), point, overrides, spec, key, exp.options.backend))
-    if build_workloads:
-        tokenizer = _tokenizer(tokenizer_settings)
-        samples: dict = {}  # rates share one dataset sample
-        for cell in exp.cells:
-            if cell.workload_key not in exp.workloads:
-                try:
-                    exp.workloads[cell.workload_key] = build_workload(cell.workload, tokenizer, samples)
-                except WorkloadError as exc:
-                    raise ExperimentError(f"workload {cell.workload.label}: {exc}") from None
+    tokenizer = _tokenizer(tokenizer_settings)
+    samples: dict = {}  # rates share one dataset sample
+    for cell in exp.cells:
+        if cell.workload_key not in exp.workloads:
+            try:
+                exp.workloads[cell.workload_key] = build_workload(cell.workload, tokenizer, samples)
+            except WorkloadError as exc:
+                raise ExperimentError(f"workload {cell.workload.label}: {exc}") from None
     return exp
 
 

@@ -71,11 +71,12 @@ class Sampler:
             ids = _multinomial(probs, info.seeds)
         elif bool(filtered.all()):
             ids = _sample_filtered(probs, top_ks, info.top_ps, info.min_ps, info.seeds)
-        else:
-            ids = _multinomial(probs, info.seeds)
-            rows = filtered.nonzero().squeeze(1)
+        else:  # each group drawn over its own rows only
+            ids = torch.empty(bs, dtype=torch.int64, device=probs.device)
+            plain, rows = (~filtered).nonzero().squeeze(1), filtered.nonzero().squeeze(1)
+            ids[plain] = _multinomial(probs[plain], _seeds_of(info.seeds, plain))
             ids[rows] = _sample_filtered(probs[rows], top_ks[rows], info.top_ps[rows], info.min_ps[rows],
-                                         [info.seeds[r] for r in rows.tolist()] if info.seeds else None)
+                                         _seeds_of(info.seeds, rows))
         return torch.where(info.top_ks <= 1, greedy_ids, ids)
 
     def check_greedy(self, logits: torch.Tensor, info: SamplingBatchInfo, expected: torch.Tensor) -> torch.Tensor:
@@ -89,6 +90,11 @@ class Sampler:
         if miss.numel() and info.vocab_mask is not None:
             ids[miss] = self.masked_argmax(logits[miss], info.vocab_mask[miss])
         return ids
+
+
+def _seeds_of(seeds: list[int | None] | None, rows: torch.Tensor) -> list[int | None] | None:
+    """The seed keys of some rows (None: no row has one)."""
+    return [seeds[r] for r in rows.tolist()] if seeds else None
 
 
 def _sample_filtered(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from framework.images import ImageError, images_per_prompt
 from framework.messages import GenerateReqInput
-from framework.request import SamplingParams, check_logprob_args, input_embeds_tensor, split_input_embeds
+from framework.request import (
+    MAX_PARAM_INT,
+    SamplingParams,
+    check_logprob_args,
+    input_embeds_tensor,
+    split_input_embeds,
+)
 
 if TYPE_CHECKING:
     from framework.messages import StrOutput
@@ -296,15 +302,13 @@ def parse_generate(body: Any, tokenize: Callable[[str], list[int]], tokenizer: A
     for i in range(count):
         name = f"sampling_params[{i}]" if is_batch and isinstance(body.get("sampling_params"), list) else "sampling_params"
         params = sampling_params_from(params_in[i], tokenizer, name)
+        limits.check_top_logprobs_num(top_nums[i])  # (with the server's cap)
         try:
             # A session request's input also holds its history, known only to the scheduler.
-            check_logprob_args(return_logprob[i], start_lens[i], top_nums[i], limits.max_top_logprobs_num,
+            check_logprob_args(return_logprob[i], start_lens[i], top_nums[i], MAX_PARAM_INT,
                                len(id_lists[i]) if session_id is None else None)
         except ValueError as exc:
-            message = str(exc)
-            if message.startswith("top_logprobs_num: must be <="):
-                message = message.replace(", got", " (server.max_top_logprobs_num and the vocabulary size), got")
-            raise ApiError(message) from None
+            raise ApiError(str(exc)) from None
         specs.append(
             ReqSpec(
                 rid=rids[i], input_ids=id_lists[i], sampling_params=params, input_text=texts[i],
