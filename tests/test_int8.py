@@ -341,10 +341,13 @@ def test_own_int8_gemm_gives_int_mm_and_the_ends_bits(packing_ops, rows, width, 
 
 
 @needs_exact_int_mm
-@pytest.mark.parametrize("rows", [1, 7, 37, 200])
+@pytest.mark.parametrize("rows", [1, 7, 37, 200, 256, 601])
 @pytest.mark.parametrize("d", [256, 48])
 def test_own_int8_gemm_gate_up_gives_int_mm_and_the_ends_bits(packing_ops, rows, d):
+    """The packed gate-up GEMM's int8 rows are torch._int_mm's then silu_mul_quantize's, at every
+    row count: blocks of gate_up_block rows (256) and their rest included."""
     ops = packing_ops
+    assert ops.gate_up_block == 256
     x = ops.quantize(_rows(rows, 576, 6))
     w = (torch.randn(2 * d, 576, generator=torch.Generator().manual_seed(7)) * 0.05).bfloat16()
     w8 = quantize_weight(w)
@@ -353,6 +356,28 @@ def test_own_int8_gemm_gate_up_gives_int_mm_and_the_ends_bits(packing_ops, rows,
     mul = _mul(d)
     got, want = ops.gate_up(x, packed, mul=mul), ops.gate_up(x, w8, mul=mul)
     assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
+
+
+@needs_exact_int_mm
+@pytest.mark.parametrize("rows", [7, 300])
+def test_own_int8_gemm_gate_up_may_write_over_its_input(packing_ops, rows):
+    """The decode path writes the gate-up GEMM's int8 rows over its input rows (a larger buffer:
+    rows x d over rows x 576): then all rows go at once, into a scratch of every row, and the bits
+    are those of separate buffers, past a block's rows too."""
+    ops, d = packing_ops, 768
+    x = ops.quantize(_rows(rows, 576, 8))
+    w8 = quantize_weight((torch.randn(2 * d, 576, generator=torch.Generator().manual_seed(9)) * 0.05).bfloat16())
+    packed = ops.pack(dataclasses.replace(w8), gate_up=True)
+    mul = _mul(d)
+    want = ops.gate_up(x, packed, mul=mul)
+    buf = torch.zeros(rows * d, dtype=torch.int8)  # x's rows at its start, then room for the output's
+    buf[: rows * 576].copy_(x.q.flatten())
+    scale = x.scale.clone()
+    h = torch.empty((rows, d), dtype=torch.float32)
+    rc = ops._gemm_gate_up(buf.data_ptr(), scale.data_ptr(), packed.packed.data_ptr(), packed.scale.data_ptr(), rows,
+                           576, d, mul.data_ptr(), h.data_ptr(), buf.data_ptr(), scale.data_ptr(), 1)
+    assert rc == 0
+    assert torch.equal(buf.view(rows, d), want.q) and torch.equal(scale, want.scale)
 
 
 @needs_exact_int_mm

@@ -189,6 +189,7 @@ class Int8Ops:
     along their rows; int8 rows come with their fp32 scales (QuantizedRows)."""
 
     packs = False  # whether `pack` gives weights their packed copy (see own_gemm_wanted)
+    gate_up_block = 0  # rows the packed gate-up GEMM takes at a time (the rows of its fp32 scratch)
 
     def __init__(self, lib: ctypes.CDLL | None):
         self.lib = lib
@@ -214,6 +215,8 @@ class Int8Ops:
         self._gemm_gate_up.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT]
         for fn in (self._pack, self._gemm, self._gemm_gate_up):
             fn.restype = _INT
+        lib.int8_gemm_gate_up_block.restype = _I64
+        self.gate_up_block = lib.int8_gemm_gate_up_block()
         self.packs = own_gemm_wanted() and lib.int8_gemm_packed_bytes(4, 16, 0) > 0
 
     def pack(self, w: Int8Weight, gate_up: bool = False) -> Int8Weight:
@@ -306,7 +309,7 @@ class Int8Ops:
         m, d = q.shape[0], w.out_features // 2
         if w.packed is not None and w.gate_up and q.is_contiguous():
             aq, a_s = self._empty_rows(m, d)
-            h = torch.empty((m, d), dtype=torch.float32)
+            h = torch.empty((min(m, self.gate_up_block), d), dtype=torch.float32)  # (aq is not q's memory)
             self._check(self._gemm_gate_up(q.data_ptr(), s.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), m,
                                            q.shape[1], d, _ptr(mul), h.data_ptr(), aq.data_ptr(), a_s.data_ptr(),
                                            torch.get_num_threads()), "gate-up GEMM")
