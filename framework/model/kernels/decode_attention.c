@@ -632,24 +632,31 @@ static void values_i16_group(const int16_t *p16, const float *p_scale, int group
     BY_GROUP(group, values_i16(p16, p_scale, G, v, row_bytes, slots, t0, t1, len, acc, pf));
 }
 
-/* Each query head's probabilities (times the V rows' scales) of the chunks of CHUNK tokens as
- * int16 for values_i16: p16[r * len + t] = round(p / s), p_scale[chunk * heads + r] = s, s = the
- * chunk's largest / 32767 (0 for a chunk of zeros). */
-static void probs_to_i16(const float *probs, int heads, int64_t len, int16_t *p16, float *p_scale) {
+/* Each query head's probabilities times the V rows' scales (`v_scale`: [kv_heads][len], query
+ * head r's KV head r / group) of the chunks of CHUNK tokens as int16 for values_i16: p16[r * len +
+ * t] = round(p v_scale / s), p_scale[chunk * heads + r] = s, s = the chunk's largest / 32767 (0
+ * for a chunk of zeros). The products are made in both of a chunk's passes (the same bits each
+ * time) instead of being stored first: one pass over the probabilities fewer (30 requests' KV in
+ * the caches, 2-core AMD EPYC Zen 4: 0.229 -> 0.222 ms a layer; from DRAM within the noise). */
+static void probs_to_i16(const float *probs, const float *v_scale, int heads, int group, int64_t len, int16_t *p16,
+                         float *p_scale) {
     for (int r = 0; r < heads; r++) {
-        const float *p = probs + (size_t)r * len;
+        const float *p = probs + (size_t)r * len, *vs = v_scale + (size_t)(r / group) * len;
         int16_t *q = p16 + (size_t)r * len;
         for (int64_t t0 = 0, chunk = 0; t0 < len; t0 += CHUNK, chunk++) {
             const int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
             __m512 m = _mm512_setzero_ps();
-            for (int64_t t = t0; t < t1; t += 16)
-                m = _mm512_max_ps(m, _mm512_maskz_loadu_ps(first_lanes(t1 - t), p + t));
+            for (int64_t t = t0; t < t1; t += 16) {
+                const __mmask16 keep = first_lanes(t1 - t);
+                m = _mm512_max_ps(m, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + t), _mm512_maskz_loadu_ps(keep, vs + t)));
+            }
             const float top = _mm512_reduce_max_ps(m);
             p_scale[chunk * heads + r] = top / 32767.0f;
             const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
             for (int64_t t = t0; t < t1; t += 16) {
                 const __mmask16 keep = first_lanes(t1 - t);
-                const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + t), inv));
+                const __m512 pv = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + t), _mm512_maskz_loadu_ps(keep, vs + t));
+                const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(pv, inv));
                 _mm256_mask_storeu_epi16(q + t, keep, _mm512_cvtsepi32_epi16(x));
             }
         }
@@ -1206,7 +1213,8 @@ static void *run_span(void *arg) {
         for (int r = 0; r < heads; r++)
             inv_sum[r] = 1.0f / softmax_numerators(scores + (size_t)r * len, len, a->scale,
                                                    tok_scale ? tok_scale + (size_t)(r / group) * len : NULL);
-        if (tok_scale) /* P times the V rows' scales (the sums above are P's own) */
+        if (tok_scale && !probs_i16) /* P times the V rows' scales (the sums above are P's own; probs_to_i16
+                                         * multiplies them as it goes) */
             for (int r = 0; r < heads; r++) {
                 float *p = scores + (size_t)r * len;
                 const float *vs = tok_scale + (size_t)(a->kv_heads + r / group) * len;
@@ -1221,7 +1229,7 @@ static void *run_span(void *arg) {
         }
 #endif
 #if HAVE_I8_SCORES
-        if (probs_i16) probs_to_i16(scores, heads, len, probs_i16, p_scale);
+        if (probs_i16) probs_to_i16(scores, tok_scale + (size_t)a->kv_heads * len, heads, group, len, probs_i16, p_scale);
 #endif
         memset(acc, 0, (size_t)heads * d * sizeof(float));
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
