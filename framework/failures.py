@@ -29,10 +29,21 @@ class PluginFailureMixin:
             logger.error("Request %s fails: %s", req.rid, exc)
             req.finished_reason = FinishAbort(str(exc))
 
+    # The last failure of prepare_batch with no batch to run: an idle loop asks every round, so the
+    # same failure is logged once (then at DEBUG) until another message or a batch comes.
+    _idle_plugin_error: str | None = None
+
     def mark_batch_failed(self, batch: ScheduleBatch | None, message: str) -> None:
         """prepare_batch failed: the batch's requests fail with `message` once its result is in."""
+        if batch is None:
+            repeated = message == self._idle_plugin_error
+            self._idle_plugin_error = message
+            logger.log(logging.DEBUG if repeated else logging.ERROR,
+                       "%s (with no batch to run; while it repeats it is logged at DEBUG only)", message)
+            return
+        self._idle_plugin_error = None
         logger.error("%s; the batch's requests fail", message)
-        for req in batch.reqs if batch is not None else []:
+        for req in batch.reqs:
             req.stash[PLUGIN_ERROR_KEY] = message
 
     def fail_batch_reqs(self, batch: ScheduleBatch, message: str | None = None) -> None:

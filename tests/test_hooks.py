@@ -324,9 +324,13 @@ def test_prepare_batch_may_only_add_an_idle_batch_where_there_was_none(make_engi
     engine = make_engine(extra_plugins=(NotABatch(),), plugins={"worker": "tp"})
     out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
     assert out["meta_info"]["finish_reason"]["type"] == "length"  # the request's batches were fine
-    engine.scheduler.run_once()  # an idle round: the wrapper's answer is refused and logged, nothing runs
+    for _ in range(3):  # idle rounds: the wrapper's answer is refused, nothing runs
+        engine.scheduler.run_once()
     assert not engine.scheduler.has_work()
     assert "returned an invalid value from prepare_batch: got str 'a batch' where there was no batch" in caplog.text
+    # logged once as an error however many idle rounds refuse it
+    refused = [r.levelname for r in caplog.records if "where there was no batch" in r.getMessage()]
+    assert [level for level in refused if level != "DEBUG"] == ["ERROR"], refused
 
 
 def test_on_decode_oom_can_be_replaced_by_a_policy(make_engine):
