@@ -30,7 +30,8 @@ class PluginFailureMixin:
             req.finished_reason = FinishAbort(str(exc))
 
     # The last failure of prepare_batch with no batch to run: an idle loop asks every round, so the
-    # same failure is logged once (then at DEBUG) until another message or a batch comes.
+    # same failure is logged once (then at DEBUG) until another message, a batch, or a round
+    # prepare_batch answers (Scheduler.prepare_batch resets it).
     _idle_plugin_error: str | None = None
 
     def mark_batch_failed(self, batch: ScheduleBatch | None, message: str) -> None:

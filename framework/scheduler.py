@@ -357,6 +357,7 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin, PluginFailureMixin):
         except PluginHookError as exc:  # (a returned value the facade refused included)
             self.mark_batch_failed(batch, str(exc))
             return batch
+        self._idle_plugin_error = None  # (a failure after this one is logged again)
         return prepared
 
     def new_idle_batch(self) -> ScheduleBatch:
