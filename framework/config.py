@@ -159,7 +159,7 @@ class SchedulerSettings(_Section):
         True,
         description="Structured output: append the text a grammar forces without a forward pass per "
         "token, as drafts the next decode step checks against the model (outputs stay those of plain "
-        "decoding). Only with a non-pipelined worker (tp): the overlap default cannot jump.",
+        "decoding). Only with a non-pipelined worker (tp, the default): the overlap worker cannot jump.",
     )
     grammar_compile_threads: int = Field(
         1, gt=0, description="Threads compiling json_schema/regex grammars off the scheduler loop."

@@ -42,12 +42,29 @@ def grammar_key(params: SamplingParams) -> GrammarKey | None:
     return None
 
 
-def check_grammar_params(params: SamplingParams) -> None:
-    """Raise ValueError naming the field when its schema or regex cannot be parsed.
+# Bounds on what a request may ask of the grammar engine, checked before it is queued: parsing a
+# schema nested N levels deep takes ~N^3 time (600 levels: 16 s, on the tokenizer's one thread),
+# and a counted repetition's forced text (`g{10000000}`) is what jump-forward searches each step.
+MAX_SCHEMA_DEPTH = 64  # levels of JSON objects and arrays in a schema
+MAX_REPEAT = 1000  # the largest count of a regex's {n}, {n,} or {n,m}
+# A forced string longer than this (in characters) is jumped once; the request then decodes
+# plainly (the same output), so that its grammar is not searched for it at every step.
+MAX_JUMP_CHARS = 4096
+# Characters of the forced string encoded per draft token wanted (no token of a vocabulary is
+# longer), so that encoding it costs no more than the drafts taken.
+MAX_CHARS_PER_DRAFT = 64
 
-    Parsing without a tokenizer takes well under a millisecond, so bad input is rejected before it
-    is queued (the reference compiles it, fails, and runs the request unconstrained).
+
+def check_grammar_params(params: SamplingParams) -> None:
+    """Raise ValueError naming the field when its schema or regex cannot be parsed, or asks for
+    what xgrammar would silently ignore or what would stall the server (the bounds above).
+
+    Parsing without a tokenizer takes well under a millisecond within those bounds, so bad input
+    is rejected before it is queued (the reference compiles it, fails, and runs the request
+    unconstrained).
     """
+    import json
+
     import xgrammar as xgr
 
     for name in ("json_schema", "regex"):
@@ -56,6 +73,18 @@ def check_grammar_params(params: SamplingParams) -> None:
             continue
         if not isinstance(value, str):
             raise ValueError(f"sampling_params.{name}: must be a string, got {type(value).__name__}")
+        if name == "json_schema":
+            try:
+                schema = json.loads(value)
+            except RecursionError:
+                raise ValueError(f"sampling_params.json_schema: nested more than {MAX_SCHEMA_DEPTH} levels deep") from None
+            except ValueError as exc:
+                raise ValueError(f"sampling_params.json_schema: invalid: not JSON ({_clip(str(exc))})") from None
+            problem = _schema_problem(schema)
+        else:
+            problem = _regex_problem(value)
+        if problem is not None:
+            raise ValueError(f"sampling_params.{name}: {problem}")
         try:
             if name == "json_schema":
                 xgr.Grammar.from_json_schema(value)
@@ -65,10 +94,105 @@ def check_grammar_params(params: SamplingParams) -> None:
             raise ValueError(f"sampling_params.{name}: invalid: {_short_message(exc)}") from None
 
 
+def _regex_problem(regex: str) -> str | None:
+    """Why `regex` is refused before xgrammar parses it (a repetition count above MAX_REPEAT), or
+    None. Escaped characters and character classes are skipped; xgrammar reports the rest."""
+    i, n, in_class = 0, len(regex), False
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if regex.startswith("]", i + 1) or regex.startswith("^]", i + 1):
+                i += 1 + (regex[i + 1] == "^")  # a leading ] is a literal
+        elif c == "{":
+            end = regex.find("}", i)
+            counts = regex[i + 1 : end].split(",") if end > 0 else []
+            if 1 <= len(counts) <= 2 and all(part.isdigit() or part == "" for part in counts) and counts[0]:
+                largest = max(int(part) for part in counts if part)
+                if largest > MAX_REPEAT:
+                    return f"a repetition count of {largest} is above {MAX_REPEAT} (`{_clip(regex[i : end + 1])}`)"
+        i += 1
+    return None
+
+
+# Keywords whose value is a schema, a list of schemas, or a name -> schema mapping.
+_SUBSCHEMA = ("items", "additionalProperties", "contains", "propertyNames", "additionalItems",
+              "unevaluatedItems", "unevaluatedProperties", "if", "then", "else")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _schema_problem(schema: Any) -> str | None:
+    """Why a JSON schema is refused before xgrammar parses it, or None: nested deeper than
+    MAX_SCHEMA_DEPTH; `not` or a `$ref` to another document, which xgrammar ignores (with a warning
+    on stderr only), so the output would not follow the schema; a `pattern` that is not a regex
+    xgrammar takes (a lookahead is ignored there but refused as `regex`)."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"nested more than {MAX_SCHEMA_DEPTH} levels deep"
+        if isinstance(node, list):
+            stack.extend((item, depth + 1) for item in node)
+        elif isinstance(node, dict):
+            stack.extend((value, depth + 1) for value in node.values())  # (for the depth)
+    return _keyword_problem(schema)
+
+
+def _keyword_problem(schema: Any) -> str | None:
+    import xgrammar as xgr
+
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if "not" in node:
+            return "the keyword `not` is not supported (the output would not follow it)"
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            return f"`$ref` to another document ({_clip(ref)}) is not supported; only `#...` references"
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            problem = _regex_problem(pattern)
+            if problem is None:
+                try:
+                    xgr.Grammar.from_regex(pattern)
+                except RuntimeError as exc:
+                    problem = f"invalid: {_short_message(exc)}"
+            if problem is not None:
+                return f"`pattern` {_clip(pattern)!r}: {problem}"
+        for key in _SUBSCHEMA:
+            if isinstance(node.get(key), dict):
+                stack.append(node[key])
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+    return None
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
+
+
 def _short_message(exc: Exception) -> str:
-    """xgrammar's messages start with a timestamp and a C++ source location; keep the rest."""
+    """xgrammar's message without its timestamps, C++ source locations and check expressions,
+    and without the input it echoes (a schema can be megabytes), at most ~200 characters."""
+    import re
+
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+    text = re.sub(r"\[[0-9:.]+\] \S+:\d+: ", "", text)  # "[17:19:33] /project/cpp/x.cc:36: "
+    text = re.sub(r"Check failed: \(.*?\) is false: ", "", text)
+    text = text.split(" The JSON string is:", 1)[0]
+    return _clip(text.strip())
 
 
 class Grammar:
@@ -183,6 +307,8 @@ class GrammarBackend:
 
 GRAMMAR_KEY: StashKey[Grammar] = StashKey("grammar")
 GRAMMAR_FUTURE_KEY: StashKey[Future] = StashKey("grammar_future")
+# Set on a request whose forced string was longer than MAX_JUMP_CHARS: it jumps no more.
+LONG_JUMP_KEY: StashKey[bool] = StashKey("grammar_long_jump")
 
 
 def grammar_of(req: Req) -> Grammar | None:
@@ -243,14 +369,16 @@ def jump_forward_drafts(
     plain constrained decoding.
     """
     grammar = grammar_of(req)
-    if grammar is None or grammar.is_terminated():
+    # Room for the drafts and the token sampled after them.
+    room = min(limit, MAX_DRAFT_TOKENS, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
+    if grammar is None or grammar.is_terminated() or room <= 0 or req.stash.get(LONG_JUMP_KEY):
         return None
     jump = grammar.jump_forward_string()
     if not jump:
         return None
-    # Room for the drafts and the token sampled after them.
-    room = min(limit, MAX_DRAFT_TOKENS, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
-    tokens = tokenizer.encode(jump, add_special_tokens=False)[: max(room, 0)]
+    if len(jump) > MAX_JUMP_CHARS:
+        req.stash[LONG_JUMP_KEY] = True  # this one jump, then plain decoding (MAX_JUMP_CHARS)
+    tokens = tokenizer.encode(jump[: room * MAX_CHARS_PER_DRAFT], add_special_tokens=False)[:room]
     if not tokens:
         return None
     masks = grammar.accept_drafts(tokens, vocab_size)

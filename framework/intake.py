@@ -145,7 +145,7 @@ class IntakeMixin:
             self.reject(req, error)
             return
         if msg.session_id is not None:
-            self.sessions.record(msg.session_id, req)
+            self.sessions.record(msg.session_id, msg.session_rid, req)
         params = req.sampling_params
         if params.has_output_penalties() and not self.worker.supports_output_penalties:
             # Reference W4: under the overlap scheduler these penalties are ignored with a warning.

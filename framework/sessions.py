@@ -10,7 +10,9 @@ Semantics follow the reference:
   * a request without ``session_rid`` starts a fresh history;
   * the capacity (``capacity_of_str_len``) is stored, not enforced; sessions never expire;
   * closing a session does not abort its in-flight requests.
-Deviation: an unknown rid leaves the history as it was (the reference pops it empty first).
+Deviations: an unknown rid leaves the history as it was (the reference pops it empty first), and
+so does a request refused for any other reason (too long, an unknown adapter): the history is cut
+only when a request is admitted.
 """
 
 from __future__ import annotations
@@ -30,23 +32,34 @@ class Session:
     capacity_of_str_len: int = 0
     reqs: list[Req] = field(default_factory=list)
 
-    def history_for(self, session_rid: str | None) -> list[int]:
-        """Token ids to put before a new request's input, truncating the history after the rid."""
-        if session_rid is None:
-            self.reqs = []
-            return []
+    def _position(self, session_rid: str) -> int:
         for i in range(len(self.reqs) - 1, -1, -1):
             if self.reqs[i].rid == session_rid:
-                del self.reqs[i + 1 :]
-                last = self.reqs[i]
-                max_new = last.sampling_params.max_new_tokens
-                # A finished request never holds more than max_new_tokens outputs; the slice is
-                # the reference's guard for one still running.
-                outputs = last.output_ids if max_new is None else last.output_ids[:max_new]
-                return list(last.origin_input_ids) + list(outputs)
+                return i
         raise SessionError(
             f"Invalid request: requested session rid {session_rid} does not exist in the session history"
         )
+
+    def history_for(self, session_rid: str | None) -> list[int]:
+        """Token ids to put before a new request's input. The history itself is cut after the rid
+        only when the request is admitted (`append`): a refused request leaves it as it was."""
+        if session_rid is None:
+            return []
+        last = self.reqs[self._position(session_rid)]
+        max_new = last.sampling_params.max_new_tokens
+        # A finished request never holds more than max_new_tokens outputs; the slice is the
+        # reference's guard for one still running.
+        outputs = last.output_ids if max_new is None else last.output_ids[:max_new]
+        return list(last.origin_input_ids) + list(outputs)
+
+    def append(self, session_rid: str | None, req: Req) -> None:
+        """An admitted request: the history after its rid is dropped (all of it without a rid:
+        a fresh history), then the request is appended."""
+        if session_rid is None:
+            self.reqs = []
+        else:  # (history_for found the rid for this same request)
+            del self.reqs[self._position(session_rid) + 1 :]
+        self.reqs.append(req)
 
 
 class SessionController:
@@ -76,8 +89,9 @@ class SessionController:
             raise SessionError(f"Invalid request: session id {session_id} does not exist")
         return session.history_for(session_rid) + list(input_ids)
 
-    def record(self, session_id: str, req: Req) -> None:
-        """Append an admitted request to its session's history (it may be continued from)."""
+    def record(self, session_id: str, session_rid: str | None, req: Req) -> None:
+        """Append an admitted request to its session's history (it may be continued from),
+        dropping the history after the rid it continues from."""
         session = self.sessions.get(session_id)
         if session is not None:
-            session.reqs.append(req)
+            session.append(session_rid, req)

@@ -148,8 +148,11 @@ class StructuredOutput:
             if budget <= 0:
                 break
             # Logprobs of jumped tokens would need the reference's re-derivation (J2 step 5); a
-            # stop string completed inside kept drafts would be found only after them.
-            if grammar_of(req) is None or req.return_logprob or req.sampling_params.stop_strs:
+            # stop string completed, or a stop token kept, inside the drafts would be found only
+            # after them.
+            params = req.sampling_params
+            if (grammar_of(req) is None or req.return_logprob or params.stop_strs
+                    or (params.stop_token_ids and not params.ignore_eos)):
                 continue
             limit = min(budget, req.stash.get(DRAFT_LIMIT_KEY, MAX_DRAFT_TOKENS))
             drafts = jump_forward_drafts(req, self.worker.tokenizer, self.vocab_size, limit=limit)

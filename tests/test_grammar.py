@@ -3,6 +3,7 @@ random llama, jump-forward, bad schemas and regexes."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -163,6 +164,60 @@ def test_bad_grammar_is_a_value_error(params, field):
     """Checked when the parameters are verified, before anything is queued (Engine and HTTP)."""
     with pytest.raises(ValueError, match=re.escape(field)):
         SamplingParams.from_dict(params).verify()
+
+
+def _nested_arrays(depth: int) -> str:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return json.dumps(schema)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        # parsing takes ~depth^3 (600 levels: 16 s on the tokenizer's one thread)
+        ({"json_schema": _nested_arrays(600)}, "nested more than 64 levels deep"),
+        ({"json_schema": "[" * 100000 + "]" * 100000}, "nested more than 64 levels deep"),
+        # a forced text of ten million characters, searched at every step by jump-forward
+        ({"regex": "g{10000000}"}, "a repetition count of 10000000 is above 1000"),
+        ({"regex": "x{2,2000}y"}, "a repetition count of 2000 is above 1000"),
+        ({"json_schema": '{"type": "string", "pattern": "g{5000}"}'}, "`pattern` 'g{5000}': a repetition count"),
+        # what xgrammar ignores (a warning on stderr only), so the output would not follow it
+        ({"json_schema": '{"not": {}}'}, "the keyword `not` is not supported"),
+        ({"json_schema": '{"$ref": "http://example.com/s.json"}'}, "`$ref` to another document"),
+        ({"json_schema": '{"type": "string", "pattern": "(?=a)b"}'}, "Lookahead is not supported"),
+    ],
+    ids=["deep-schema", "deep-json", "huge-repeat", "repeat-range", "pattern-repeat", "not", "remote-ref",
+         "pattern-lookahead"],
+)
+def test_grammar_input_beyond_the_bounds_is_refused(params, message):
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams.from_dict(params).verify()
+    assert time.perf_counter() - started < 5  # refused before xgrammar parses it
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"json_schema": _nested_arrays(60)},
+        {"regex": r"\d{4}-\d{2}-\d{2}, [a-z]{1,1000}\{5000\}[{5000}]"},
+        {"json_schema": '{"type": "object", "properties": {"not": {"type": "string", "pattern": "[0-9]{1,3}"}},'
+                        ' "$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a"}'},
+    ],
+    ids=["60-deep", "escaped-and-class-braces", "property-named-not"],
+)
+def test_grammar_input_within_the_bounds_is_taken(params):
+    SamplingParams.from_dict(params).verify()
+
+
+def test_a_bad_schemas_message_is_short():
+    """xgrammar echoes the whole input and its C++ check; the 400's message keeps the reason."""
+    with pytest.raises(ValueError) as caught:
+        SamplingParams.from_dict({"json_schema": '{"type": "objectx", "description": "' + "x" * 100000 + '"}'}).verify()
+    message = str(caught.value)
+    assert len(message) < 400 and "Check failed" not in message and ".cc:" not in message, message
 
 
 JUMP_REGEXES = [
@@ -365,3 +420,58 @@ def test_grammar_cache_keeps_the_most_recently_used():
         assert backend.submit(("regex", "a")).result() == "a"
     finally:
         backend.shutdown()
+
+
+def test_min_new_tokens_yields_to_a_complete_grammar(make_engine):
+    """Once the grammar allows only its end, min_new_tokens (which masks the end) yields: the
+    output follows the grammar and ends there, rather than a token no mask allowed."""
+    engine = make_engine()
+    regex = r"(yes|no)\."
+    params = [{"temperature": t, "seed": 5, "max_new_tokens": 12, "min_new_tokens": 10, "regex": regex}
+              for t in (0.0, 1.0)]
+    for out in engine.generate(["Is it raining?"] * 2, sampling_params=params):
+        assert re.fullmatch(regex, out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+
+
+def test_jump_forward_keeps_stop_token_ids(make_engine):
+    """A stop token inside the forced text ends the request where plain decoding ends it: requests
+    with stop_token_ids are not jumped (a kept draft would carry the stop token past its check)."""
+    regex = JUMP_REGEXES[0]
+    plain = make_engine(plugins={"worker": "tp"}, scheduler={"enable_jump_forward": False})
+    jumped = make_engine(plugins={"worker": "tp"})
+    base = {"temperature": 0, "max_new_tokens": 32, "regex": regex}
+    # Each token of the output (drafts kept by jump-forward among them) as a stop token in turn.
+    tokens = sorted(set(plain.generate("Reply:", sampling_params=base)["output_ids"][:-1]))
+    params = [{**base, "stop_token_ids": [token]} for token in tokens]
+    want = plain.generate(["Reply:"] * len(params), sampling_params=params)
+    got = jumped.generate(["Reply:"] * len(params), sampling_params=params)
+    assert all(o["meta_info"]["finish_reason"].get("matched") == p["stop_token_ids"][0] for o, p in zip(want, params))
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+
+
+def test_a_long_forced_string_is_jumped_once(default_tokenizer):
+    """A forced string over MAX_JUMP_CHARS is encoded only as far as the drafts go, and the
+    request then decodes plainly: its grammar is not searched for the string at every step."""
+    from framework.grammar import (GRAMMAR_KEY, LONG_JUMP_KEY, MAX_JUMP_CHARS, GrammarBackend,
+                                   jump_forward_drafts)
+    from framework.request import Req
+
+    vocab_size = len(default_tokenizer)
+    backend = GrammarBackend(default_tokenizer, vocab_size)
+    try:
+        grammar = backend.make_grammar(backend.submit(("regex", "(ab{1000}){5}c")))
+    finally:
+        backend.shutdown()
+    assert len(grammar.jump_forward_string()) > MAX_JUMP_CHARS
+    req = Req("r", [1], _params(max_new_tokens=100))
+    req.stash[GRAMMAR_KEY] = grammar
+    encoded = []
+    real_encode = default_tokenizer.encode
+    try:
+        default_tokenizer.encode = lambda text, **kw: encoded.append(len(text)) or real_encode(text, **kw)
+        tokens, _ = jump_forward_drafts(req, default_tokenizer, vocab_size, limit=8)
+    finally:
+        default_tokenizer.encode = real_encode
+    assert len(tokens) == 8 and encoded == [8 * 64]
+    assert req.stash.get(LONG_JUMP_KEY) and jump_forward_drafts(req, default_tokenizer, vocab_size) is None

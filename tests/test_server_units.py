@@ -161,12 +161,19 @@ def test_session_controller_history_and_branching():
     ctl = SessionController()
     assert ctl.open("s") and not ctl.open("s")
     assert ctl.input_ids_for("s", None, [1, 2]) == [1, 2]
-    ctl.record("s", _Req("a", [1, 2], [3, 4]))
+    ctl.record("s", None, _Req("a", [1, 2], [3, 4]))
     assert ctl.input_ids_for("s", "a", [5]) == [1, 2, 3, 4, 5]
-    ctl.record("s", _Req("b", [1, 2, 3, 4, 5], [6], max_new=1))
-    assert ctl.input_ids_for("s", "a", [7]) == [1, 2, 3, 4, 7]  # branch: "b" is dropped
+    ctl.record("s", "a", _Req("b", [1, 2, 3, 4, 5], [6], max_new=1))
+    assert ctl.input_ids_for("s", "a", [7]) == [1, 2, 3, 4, 7]  # a branch from "a"...
+    assert ctl.input_ids_for("s", "b", [8]) == [1, 2, 3, 4, 5, 6, 8]  # ...refused (never recorded): "b" stays
+    assert ctl.input_ids_for("s", None, [9]) == [9]  # a fresh history, refused: the old one stays
+    ctl.record("s", "a", _Req("c", [1, 2, 3, 4, 7], [8]))  # the branch admitted: "b" is dropped
     with pytest.raises(SessionError, match="rid b does not exist"):
         ctl.input_ids_for("s", "b", [8])
+    assert ctl.input_ids_for("s", "c", [9]) == [1, 2, 3, 4, 7, 8, 9]
+    ctl.record("s", None, _Req("d", [9], [10]))  # a fresh history admitted
+    with pytest.raises(SessionError, match="rid c does not exist"):
+        ctl.input_ids_for("s", "c", [1])
     with pytest.raises(SessionError, match="session id t does not exist"):
         ctl.input_ids_for("t", None, [1])
     assert ctl.close("s") and not ctl.close("s")
@@ -212,6 +219,41 @@ def test_scheduler_control_messages_and_session_intake(tiny_model_folder):
     # A flush only happens with nothing running or waiting (reference R2).
     assert not by_id["busy"].success and by_id["f"].success
     assert t0.output_ids and len(t1.output_ids) == 4
+    sched.shutdown()
+
+
+def test_a_refused_session_request_leaves_the_history(tiny_model_folder):
+    """A session request refused at intake (an unknown adapter, a fresh history of a too-long
+    input) cuts nothing: the request it would have branched away from can still be continued."""
+    from framework.scheduler import Scheduler
+
+    outputs = []
+    sched = Scheduler(tiny_settings(tiny_model_folder), output_sink=outputs.append, reply_sink=lambda r: None)
+
+    def run(*msgs):
+        for m in msgs:
+            sched.send(m)
+        sched.run_once()
+        while sched.has_work():
+            sched.run_once()
+
+    def params():
+        p = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        p.normalize(sched.tokenizer)
+        return p
+
+    too_long = [5] * (sched.max_req_len + 1)
+    run(OpenSessionReq("s", 10, request_id="o"),
+        GenerateReqInput(rid="a", input_ids=[5, 6], sampling_params=params(), session_id="s"))
+    run(GenerateReqInput(rid="b", input_ids=[7], sampling_params=params(), session_id="s", session_rid="a"))
+    run(GenerateReqInput(rid="x", input_ids=[8], sampling_params=params(), session_id="s", session_rid="a",
+                         lora_path="no-such-adapter"),
+        GenerateReqInput(rid="y", input_ids=too_long, sampling_params=params(), session_id="s"),
+        GenerateReqInput(rid="c", input_ids=[9], sampling_params=params(), session_id="s", session_rid="b"))
+    last = {o.rid: o for batch in outputs for o in batch.outputs}
+    assert last["x"].finished_reason.is_error and last["y"].finished_reason.is_error
+    assert not last["c"].finished_reason.is_error, last["c"].finished_reason
+    assert last["c"].meta_info["prompt_tokens"] == 2 + 2 + 1 + 2 + 1
     sched.shutdown()
 
 

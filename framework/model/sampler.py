@@ -53,7 +53,13 @@ class Sampler:
         logits = apply_vocab_mask(logits, info.vocab_mask)  # an fp32 copy when there is a mask
         if info.penalties is not None:
             # A copy: the caller keeps the raw logits for logprobs.
-            logits = info.penalties.apply(to_float32(logits))
+            masked, logits = logits, info.penalties.apply(to_float32(logits))
+            if info.vocab_mask is not None:
+                # The grammar wins: a row whose grammar allows only tokens the penalties mask (its
+                # end, under min_new_tokens) keeps the grammar's choice, not a token of no logit.
+                dead = ~torch.isfinite(logits).any(dim=-1)
+                if bool(dead.any()):
+                    logits[dead] = to_float32(masked[dead])
         greedy_ids = self.argmax(logits)
         if info.is_all_greedy:
             return greedy_ids
