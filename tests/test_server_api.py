@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from unittest.mock import ANY
@@ -399,6 +400,12 @@ BAD_REQUESTS = {
     "chat response_format without schema": (_chat(response_format={"type": "json_schema"}), 400),
     "chat response_format and regex": (_chat(response_format={"type": "json_object"}, regex="a"), 400),
     "close unknown session": (("/close_session", b'{"session_id": "nope"}'), 400),
+    "close_session without a body": (("/close_session", b""), 400),
+    "chat response_format schema not an object": (_chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": "notadict"}}), 400),
+    "json_schema nested too deep": (_gen(sampling_params={"json_schema": json.dumps(
+        functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(600), {"type": "integer"}))}), 400),
+    "regex repetition too large": (_gen(sampling_params={"regex": "g{10000000}"}), 400),
     "open_session wrong type": (("/open_session", b'{"capacity_of_str_len": "big"}'), 400),
 }
 # input_embeds (the tiny model's hidden size is 64), and the embedding endpoints on a generation model.

@@ -197,8 +197,10 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
 
     @app.api_route("/close_session", methods=["GET", "POST"])
     async def close_session(request: Request):
-        body = _object_with(await read_json(request, tm.limits), {"session_id"})
+        body = _object_with(await read_json(request, tm.limits, allow_empty=True), {"session_id"})
         session_id = body.get("session_id")
+        if session_id is None:
+            raise ApiError('session_id: required (a JSON body {"session_id": "..."}, as /open_session answered it)')
         if not isinstance(session_id, str):
             raise ApiError("session_id: must be a string")
         await tm.close_session(session_id)

@@ -83,8 +83,11 @@ class _SamplingExtras(_Strict):
         if fmt.type == "json_object":
             return json.dumps({"type": "object"})
         spec = fmt.json_schema
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        if not isinstance(spec, dict) or "schema" not in spec:
             raise ApiError("response_format.json_schema.schema: required, a JSON schema object")
+        if not isinstance(spec["schema"], dict):
+            raise ApiError(f"response_format.json_schema.schema: must be a JSON schema object, got "
+                           f"{type(spec['schema']).__name__}")
         return json.dumps(spec["schema"])
 
 
