@@ -103,7 +103,11 @@ def cmd_config(args) -> int:
 
         settings = settings_from_args(args)
         PluginManager(settings)  # the plugin selection and [plugin.*] sections, checked as at start-up
-        print(settings.model_dump_json(indent=2, warnings=False))  # (plugin sections are models now)
+        dumped = json.loads(settings.model_dump_json(warnings=False))  # (plugin sections are models now)
+        for section, name in (("server", "api_key"), ("parallel", "dist_secret")):
+            if dumped[section].get(name):
+                dumped[section][name] = "<redacted>"  # (as /get_server_info shows them)
+        print(json.dumps(dumped, indent=2))
     return 0
 
 

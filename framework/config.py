@@ -183,7 +183,7 @@ class CacheSettings(_Section):
     kv_cache_memory_mb: int = Field(
         2048, gt=0, description="Memory for the KV pool when max_total_tokens is empty (CPU has no memory profiler)."
     )
-    eviction: str = Field("lru", description="Radix cache eviction order: lru, lfu or priority.")
+    eviction: Literal["lru", "lfu", "priority"] = Field("lru", description="Radix cache eviction order: lru, lfu or priority.")
     kv_huge_pages: bool | Literal["auto"] = Field(
         "auto",
         description="CPU KV pool on transparent huge pages, faulted in at start-up: decode attention 3-10 % "
@@ -282,7 +282,8 @@ class ParallelSettings(_Section):
 
 
 class ServerSettings(_Section):
-    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    host: str = Field("127.0.0.1", min_length=1, description="Address the HTTP server binds (0.0.0.0: every "
+                      "interface; there is no empty value).")
     port: int = Field(30000, gt=0, lt=65536, description="HTTP port.")
     api_key: str | None = Field(
         None, description="Bearer token required on every path but /health (401 without it); empty: no key."
@@ -323,7 +324,13 @@ class ServerSettings(_Section):
     )
     enable_metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
     log_requests: bool = Field(False, description="Log every finished request.")
-    log_level: str = Field("info", description="Log level.")
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "info", description="Log level (trace: uvicorn's, the engine's own logs as debug).")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
     profile_dir: str | None = Field(
         None, description="Directory for the torch profiler traces of /start_profile and /stop_profile; "
         "empty: <tempdir>/batchyard-profiles.",
@@ -445,17 +452,41 @@ class Settings(BaseSettings):
 
 def _check_env_sections(sections: dict) -> None:
     """`BATCHYARD_<SECTION>__<FIELD>` with a section that does not exist: refused, as an unknown
-    field of a known section is (pydantic-settings alone would ignore the variable)."""
-    unknown = sorted(
-        name for name in os.environ
-        if name.upper().startswith(ENV_PREFIX) and "__" in name
-        and name[len(ENV_PREFIX):].split("__", 1)[0].lower() not in sections
-    )
-    if unknown:
-        known = ", ".join(s for s in sections if s != "plugin")
-        raise SettingsError("invalid settings:\n" + "\n".join(
-            f"{name}: no settings section {name[len(ENV_PREFIX):].split('__', 1)[0].lower()!r} (sections: {known})"
-            for name in unknown))
+    field of a known section is (pydantic-settings alone would ignore the variable). So is a
+    setting's name written with single underscores (`BATCHYARD_SERVER_PORT`, `BATCHYARD_PORT`),
+    which would be ignored too; other `BATCHYARD_*` variables (`BATCHYARD_CACHE_DIR`, ...) are
+    not settings and stay as they are."""
+    problems = []
+    for name in sorted(os.environ):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        if "__" in rest:
+            section = rest.split("__", 1)[0]
+            if section not in sections:
+                known = ", ".join(s for s in sections if s != "plugin")
+                problems.append(f"{name}: no settings section {section!r} (sections: {known})")
+            continue
+        meant = _setting_meant(rest, sections)
+        if meant is not None:
+            problems.append(f"{name}: not a setting's variable; did you mean {ENV_PREFIX}{meant.upper()}? "
+                            "(a section and its field are joined by two underscores)")
+    if problems:
+        raise SettingsError("invalid settings:\n" + "\n".join(problems))
+
+
+def _setting_meant(rest: str, sections: dict) -> str | None:
+    """`<section>__<field>` that `rest` (a variable's name past the prefix, lower case, without
+    "__") spells with single underscores, or that its field alone names; None if none."""
+    for section, info in sections.items():
+        fields = getattr(info.annotation, "model_fields", None)
+        if not fields:
+            continue
+        if rest.startswith(section + "_") and rest[len(section) + 1:] in fields:
+            return f"{section}__{rest[len(section) + 1:]}"
+    owners = [section for section, info in sections.items()
+              if rest in (getattr(info.annotation, "model_fields", None) or {})]
+    return f"{owners[0]}__{rest}" if len(owners) == 1 else None
 
 
 def format_validation_error(exc: ValidationError, prefix: str = "") -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -134,6 +136,50 @@ def test_a_misspelt_env_section_is_refused(monkeypatch):
     monkeypatch.setenv("BATCHYARD_SCHEDULAR__MAX_PREFILL_TOKENS", "1")
     with pytest.raises(SettingsError, match="BATCHYARD_SCHEDULAR__MAX_PREFILL_TOKENS: no settings section 'schedular'"):
         Settings.load(None)
+
+
+@pytest.mark.parametrize("name, meant", [
+    ("BATCHYARD_SERVER_PORT", "BATCHYARD_SERVER__PORT"),
+    ("BATCHYARD_PORT", "BATCHYARD_SERVER__PORT"),
+    ("BATCHYARD_scheduler_max_prefill_tokens", "BATCHYARD_SCHEDULER__MAX_PREFILL_TOKENS"),
+])
+def test_a_setting_written_with_single_underscores_is_refused(monkeypatch, name, meant):
+    """pydantic-settings would ignore it, and the setting keep its default."""
+    monkeypatch.setenv(name, "8000")
+    with pytest.raises(SettingsError, match=f"{name}: not a setting's variable; did you mean {meant}\\?"):
+        Settings.load(None)
+
+
+def test_other_batchyard_variables_are_not_settings(monkeypatch):
+    for name in ("BATCHYARD_CACHE_DIR", "BATCHYARD_KERNEL_CACHE", "BATCHYARD_INT8_GEMM", "BATCHYARD_MALLOC"):
+        monkeypatch.setenv(name, "x")
+    assert Settings.load(None).server.port == 30000
+
+
+@pytest.mark.parametrize("section, values, message", [
+    ("server", {"host": ""}, "server.host: String should have at least 1 character"),
+    ("server", {"log_level": "verbose"}, "server.log_level: Input should be 'critical', 'error', 'warning', 'info', "
+                                         "'debug' or 'trace'"),
+    ("cache", {"eviction": "lfuu"}, "cache.eviction: Input should be 'lru', 'lfu' or 'priority'"),
+])
+def test_free_text_settings_are_checked_before_start_up(section, values, message):
+    """An empty host bound every interface; a log level uvicorn does not know, or an unknown
+    eviction order, failed with a traceback after the model had loaded."""
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        Settings.load(None, **{section: values})
+
+
+def test_a_log_level_is_taken_in_any_case(monkeypatch):
+    monkeypatch.setenv("BATCHYARD_SERVER__LOG_LEVEL", "WARNING")
+    assert Settings.load(None).server.log_level == "warning"
+
+
+def test_config_command_redacts_the_secrets(monkeypatch, capsys):
+    monkeypatch.setenv("BATCHYARD_SERVER__API_KEY", "topsecret")
+    args = build_parser().parse_args(["config"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "topsecret" not in out and json.loads(out)["server"]["api_key"] == "<redacted>"
 
 
 def test_a_worker_device_of_no_known_kind_is_refused():

@@ -257,7 +257,9 @@ def test_offline_top_logprobs_over_the_vocabulary_are_clamped(make_engine):
     assert len(tops) == 2 and all(len(t) == VOCAB for t in tops)
 
 
-def test_sigterm_ends_streams_and_every_process_exits_0(tiny_model_folder, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_ends_streams_and_every_process_exits_0(tiny_model_folder, tmp_path, sig):
+    """SIGHUP (a closed terminal) is taken as SIGTERM; it had killed the main process at once."""
     server = ServerProcess(tiny_server_args(tiny_model_folder), tmp_path / "server.log")
     try:
         server.wait_ready()
@@ -286,7 +288,7 @@ def test_sigterm_ends_streams_and_every_process_exits_0(tiny_model_folder, tmp_p
             thread.start()
         for event in started:
             assert event.wait(30)
-        server.proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(sig)
         start = time.monotonic()
         server.proc.wait(15)
         stopped_s = time.monotonic() - start

@@ -75,9 +75,11 @@ def recv_waiting(sock: zmq.Socket) -> list:
 
 
 def configure_logging(level: str) -> None:
-    """One readable line per record: time, process, level, logger."""
+    """One readable line per record: time, process, level, logger ("trace", uvicorn's finest level,
+    is DEBUG here)."""
     logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT,
+        level=logging.DEBUG if level.lower() == "trace" else getattr(logging, level.upper(), logging.INFO),
+        format=LOG_FORMAT,
         datefmt=LOG_DATE_FORMAT, force=True,
     )
 
@@ -85,8 +87,8 @@ def configure_logging(level: str) -> None:
 def setup_child_process(name: str, log_level: str) -> None:
     """Common start of a spawned child: logging, signals, and dying with the parent.
 
-    Ctrl-C reaches the whole process group; children ignore SIGINT and let the main process end
-    them in order (SIGTERM). If the main process dies without doing so (SIGKILL), the kernel's
+    Ctrl-C (and a terminal's hangup) reaches the whole process group; children ignore SIGINT and
+    SIGHUP and let the main process end them in order (SIGTERM). If the main process dies without doing so (SIGKILL), the kernel's
     parent-death signal, or failing that a watcher thread, ends the child: no orphans.
     """
     import multiprocessing
@@ -95,6 +97,7 @@ def setup_child_process(name: str, log_level: str) -> None:
     configure_logging(log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (a terminal's hangup: the main process stops them)
     signal.signal(signal.SIGTERM, _exit_now)
     parent = os.getppid()
     if not _set_parent_death_signal():

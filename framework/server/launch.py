@@ -19,8 +19,8 @@ on them: no HTTP, tokenizer or detokenizer (reference A1).
 Start-up: every scheduler reports `SchedulerReady` over a pipe once the model and the pools are
 ready; only then does the HTTP server bind. While serving, a supervisor task checks the children
 a few times a second: if one dies, every request answers 503 and the server exits with status 1
-within about a second. SIGINT or SIGTERM stop the server with status 0; the children are always
-terminated and the IPC directory removed, whatever the way out.
+within about a second. SIGINT, SIGTERM or SIGHUP stop the server with status 0; the children are
+always terminated and the IPC directory removed, whatever the way out.
 """
 
 from __future__ import annotations
@@ -114,8 +114,16 @@ class Launcher:
         if self.raise_on_signal:
             raise Shutdown(signal.Signals(signum).name)
 
+    @staticmethod
+    def _hangup_as_sigterm(signum, frame) -> None:
+        """SIGHUP (a closed terminal or ssh session) stops the server as SIGTERM does, through
+        whichever handler has SIGTERM then (this launcher's during start-up, uvicorn's while it
+        serves); by default it killed the main process at once, leaving the IPC directory."""
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._hangup_as_sigterm)
         try:
             code = self._run()
             self.raise_on_signal = False
