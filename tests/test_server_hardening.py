@@ -306,3 +306,26 @@ def test_sigterm_ends_streams_and_every_process_exits_0(tiny_model_folder, tmp_p
         assert "Stopped by SIGTERM" in log
     finally:
         server.stop()
+
+
+def test_a_port_in_use_is_found_before_the_model_loads(tiny_model_folder, caplog):
+    """uvicorn binds only once the model is loaded; the launcher tries the address first, so a
+    port in use (or a host that does not resolve) ends the start in a moment, with the address."""
+    import socket
+
+    from framework.server.launch import Launcher, check_bind
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} \\(server.host, server.port\\)"):
+            check_bind("127.0.0.1", port)
+        launcher = Launcher(tiny_settings(tiny_model_folder, server={"port": port}))
+        started = time.monotonic()
+        assert launcher.run() == 1
+        assert time.monotonic() - started < 5 and not launcher.processes
+        assert f"Cannot start the server: cannot listen on 127.0.0.1:{port}" in caplog.text
+    with pytest.raises(OSError, match="server.host 'no-such-host.invalid' does not resolve"):
+        check_bind("no-such-host.invalid", 30000)
+    check_bind("127.0.0.1", port)  # free again: nothing is left bound

@@ -100,6 +100,24 @@ def served_model_name(settings: Settings) -> str:
     return os.path.basename(os.path.normpath(settings.model.path)) or settings.model.path
 
 
+def check_bind(host: str, port: int) -> None:
+    """OSError naming the address when the HTTP server could not bind it (a port in use, a host
+    that does not resolve or is not this machine's), found before the model is loaded rather than
+    after (uvicorn binds only then). The socket is closed again at once, with SO_REUSEADDR as
+    uvicorn's, so the address stays free for it."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"server.host {host!r} does not resolve: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host}:{port} (server.host, server.port): {exc.strerror}") from None
+
+
 class Launcher:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -165,6 +183,8 @@ class Launcher:
         env_rank = dp_rank_from_env()
         if env_rank is not None and env_rank >= par.dp_size:
             raise ValueError(f"DP_RANK={env_rank} names no replica: parallel.dp_size is {par.dp_size}")
+        if par.node_rank == 0:
+            check_bind(settings.server.host, settings.server.port)  # before the model loads
         # Resolved here first so a first-time GGUF conversion happens once, not in every process.
         model_folder = resolve_model(settings.model.path)
         if not self._check_parallel(model_folder, one_replica=env_rank is not None):
