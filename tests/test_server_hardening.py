@@ -204,8 +204,12 @@ def test_limits_units(default_tokenizer):
     limits = RequestLimits.from_settings(ServerSettings(), vocab_size=10, max_req_input_len=100, token_bytes=bound)
     assert limits.max_prompt_bytes == 100 * bound and limits.max_top_logprobs_num == 10
     limits.check_prompt_bytes("x" * (100 * bound))
-    with pytest.raises(ApiError, match="max_prompt_bytes"):
+    with pytest.raises(ApiError, match="more than the longest input this server takes could be"):
         limits.check_prompt_bytes("x" * (100 * bound + 1))
+    set_bytes = RequestLimits.from_settings(ServerSettings(max_prompt_bytes=100), vocab_size=10, max_req_input_len=100,
+                                            token_bytes=bound)
+    with pytest.raises(ApiError, match=r"101 bytes, more than server.max_prompt_bytes allows \(100 bytes\)"):
+        set_bytes.check_prompt_bytes("x" * 101)
     with pytest.raises(ApiError, match="top_logprobs_num: must be <= 10"):
         limits.check_top_logprobs_num(11)
     assert limits.parse_json(b'{"a": [1, 2.5, "\\u00e9"]}') == {"a": [1, 2.5, "\u00e9"]}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -320,3 +321,27 @@ def test_freeze_startup_objects_collects_startup_garbage_then_freezes_the_rest()
         assert any(obj is later for obj in gc.get_objects()), "objects made afterwards are walked as usual"
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("context_len, pool, binding", [
+    (100, 4096, "the model's context length allows (context_len 100)"),
+    (8192, 100, "the KV pool allows (max_total_num_tokens 100: cache.max_total_tokens"),
+])
+def test_a_too_long_input_names_the_limit_that_binds(tmp_path, context_len, pool, binding):
+    """A KV pool smaller than the context (cache.max_total_tokens) was reported as the context."""
+    from framework.messages import SchedulerReady
+    from framework.metrics import ServerMetrics
+    from framework.server.ipc import IpcNames
+    from framework.server.protocol import ApiError
+    from framework.server.tokenizer_manager import TokenizerManager
+
+    ipc = IpcNames(*(f"ipc://{tmp_path}/{n}" for n in ("t", "s", "d")))
+    ready = SchedulerReady(max_total_num_tokens=pool, max_req_input_len=94, context_len=context_len, vocab_size=10,
+                           pid=0)
+    tm = TokenizerManager(ipc, ready, tokenizer=None, metrics=ServerMetrics("m"))
+    try:
+        tm.check_input_ids([1] * 94, is_session=False)
+        with pytest.raises(ApiError, match=re.escape(f"The input (95 tokens) is longer than {binding}")):
+            tm.check_input_ids([1] * 95, is_session=False)
+    finally:
+        tm.close()

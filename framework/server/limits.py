@@ -28,6 +28,8 @@ class RequestLimits:
     max_n: int
     max_batch_requests: int
     max_client_id_chars: int = 256
+    # Whether max_prompt_bytes is the setting's (else derived from the longest input).
+    prompt_bytes_set: bool = False
 
     @classmethod
     def from_settings(cls, server: ServerSettings, vocab_size: int, max_req_input_len: int,
@@ -39,6 +41,7 @@ class RequestLimits:
             max_json_number_digits=server.max_json_number_digits, max_prompt_bytes=prompt_bytes,
             max_top_logprobs_num=min(server.max_top_logprobs_num, vocab_size), max_n=server.max_n,
             max_batch_requests=server.max_batch_requests, max_client_id_chars=server.max_client_id_chars,
+            prompt_bytes_set=server.max_prompt_bytes is not None,
         )
 
     # -- JSON ------------------------------------------------------------------------------------
@@ -77,8 +80,12 @@ class RequestLimits:
         """Before tokenizing: a prompt of more bytes than `max_prompt_bytes` cannot fit the context."""
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > self.max_prompt_bytes:
-            raise ApiError(f"{name}: the prompt is {size} bytes, more than the context length allows "
-                           f"({self.max_prompt_bytes} bytes; server.max_prompt_bytes)")
+            if self.prompt_bytes_set:
+                raise ApiError(f"{name}: the prompt is {size} bytes, more than server.max_prompt_bytes allows "
+                               f"({self.max_prompt_bytes} bytes)")
+            raise ApiError(f"{name}: the prompt is {size} bytes, more than the longest input this server takes "
+                           f"could be ({self.max_prompt_bytes} bytes: its tokens times the longest token's bytes; "
+                           "server.max_prompt_bytes sets another bound)")
 
     def check_top_logprobs_num(self, value: Any, name: str = "top_logprobs_num") -> int:
         check_int(name, value, minimum=0)

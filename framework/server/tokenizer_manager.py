@@ -291,9 +291,14 @@ class TokenizerManager:
         if not ids and not is_session:
             raise ApiError("The prompt is empty: give at least one token.")
         if len(ids) > self.ready.max_req_input_len:
+            ready = self.ready
+            # Whichever is smaller binds: the model's context or the KV pool (cache.max_total_tokens).
+            limit = (f"the model's context length allows (context_len {ready.context_len})"
+                     if ready.context_len <= ready.max_total_num_tokens else
+                     f"the KV pool allows (max_total_num_tokens {ready.max_total_num_tokens}: "
+                     "cache.max_total_tokens / cache.kv_cache_memory_mb)")
             raise ApiError(
-                f"The input ({len(ids)} tokens) is longer than the model's context length allows "
-                f"({self.ready.max_req_input_len} tokens)."
+                f"The input ({len(ids)} tokens) is longer than {limit}: at most {ready.max_req_input_len} tokens."
             )
 
     def submit(self, spec: ReqSpec, is_warmup: bool = False) -> None:
