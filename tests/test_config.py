@@ -243,6 +243,8 @@ def test_unknown_flag_names_the_flag_it_probably_meant(argv, hint, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments" in err and hint in err
+    # the error and where the options are, not ~80 lines of usage above it
+    assert len(err.splitlines()) == 2 and "usage:" not in err and "--help` lists the options" in err, err
 
 
 def test_unknown_argument_without_a_likely_flag_is_refused_plainly(capsys):
