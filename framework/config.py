@@ -10,12 +10,14 @@ Precedence, highest first (in one place, `Settings.load`):
 from __future__ import annotations
 
 import contextvars
+import json
 import os
 import tomllib
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
+import pydantic_settings
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -36,13 +38,18 @@ class _Section(BaseModel):
     @classmethod
     def _empty_is_none(cls, data: Any) -> Any:
         """A setting that may be empty (None) can be written so where TOML, env variables and flags
-        have no null: "" (and, for a setting that is no text, "none" or "null")."""
+        have no null: "" (and, for a setting that is no text, "none" or "null"); a list or mapping
+        setting is emptied by "" too."""
         if not isinstance(data, dict):
             return data
         out = dict(data)
         for name, value in data.items():
             info = cls.model_fields.get(name)
             if info is None or not isinstance(value, str):
+                continue
+            container = typing.get_origin(info.annotation)
+            if container in (list, tuple, dict) and value.strip() == "":
+                out[name] = container()
                 continue
             args = typing.get_args(info.annotation)
             if type(None) not in args:
@@ -412,6 +419,8 @@ class Settings(BaseSettings):
         token = _TOML_DATA.set(data)
         try:
             return cls(**overrides)
+        except pydantic_settings.SettingsError as exc:  # an env variable of a list or mapping setting
+            raise SettingsError(_env_json_problems(cls.model_fields) or f"invalid settings: {exc}") from None
         except ValidationError as exc:
             raise SettingsError(format_validation_error(exc)) from None
         finally:
@@ -473,6 +482,27 @@ def _check_env_sections(sections: dict) -> None:
                             "(a section and its field are joined by two underscores)")
     if problems:
         raise SettingsError("invalid settings:\n" + "\n".join(problems))
+
+
+def _env_json_problems(sections: dict) -> str | None:
+    """The env variables of list or mapping settings whose value is not JSON (pydantic-settings
+    reads them as JSON, and its own message names neither the variable nor the form), or None."""
+    problems = []
+    for name in sorted(os.environ):
+        rest = name[len(ENV_PREFIX):].lower() if name.upper().startswith(ENV_PREFIX) else ""
+        section, _, field = rest.partition("__")
+        fields = getattr(getattr(sections.get(section), "annotation", None), "model_fields", None) or {}
+        info = fields.get(field)
+        container = typing.get_origin(info.annotation) if info is not None else None
+        if container not in (list, tuple, dict) or not os.environ[name].strip():
+            continue
+        try:
+            json.loads(os.environ[name])
+        except ValueError:
+            example = '\'["a", "b"]\'' if container is not dict else '\'{"name": "value"}\''
+            problems.append(f"{name}: a {'mapping' if container is dict else 'list'} setting takes JSON, e.g. "
+                            f"{name}={example} (got {os.environ[name]!r})")
+    return "invalid settings:\n" + "\n".join(problems) if problems else None
 
 
 def _setting_meant(rest: str, sections: dict) -> str | None:

@@ -150,6 +150,19 @@ def test_a_setting_written_with_single_underscores_is_refused(monkeypatch, name,
         Settings.load(None)
 
 
+def test_a_list_settings_env_variable_takes_json(monkeypatch):
+    """pydantic-settings reads it as JSON; its message named neither the variable nor the form."""
+    monkeypatch.setenv("BATCHYARD_PLUGINS__DISABLE", "clients")
+    with pytest.raises(SettingsError, match=re.escape(
+            "BATCHYARD_PLUGINS__DISABLE: a list setting takes JSON, e.g. BATCHYARD_PLUGINS__DISABLE='[\"a\", \"b\"]' "
+            "(got 'clients')")):
+        Settings.load(None)
+    monkeypatch.setenv("BATCHYARD_PLUGINS__DISABLE", '["clients"]')
+    assert Settings.load(None).plugins.disable == ["clients"]
+    monkeypatch.setenv("BATCHYARD_PLUGINS__DISABLE", "")  # empty, as an empty variable empties other settings
+    assert Settings.load(None).plugins.disable == []
+
+
 def test_other_batchyard_variables_are_not_settings(monkeypatch):
     for name in ("BATCHYARD_CACHE_DIR", "BATCHYARD_KERNEL_CACHE", "BATCHYARD_INT8_GEMM", "BATCHYARD_MALLOC"):
         monkeypatch.setenv(name, "x")
