@@ -345,3 +345,39 @@ def test_a_too_long_input_names_the_limit_that_binds(tmp_path, context_len, pool
             tm.check_input_ids([1] * 95, is_session=False)
     finally:
         tm.close()
+
+
+def test_metrics_serve_the_last_gauges_while_the_scheduler_is_in_a_long_pass(tmp_path):
+    """The scheduler answers between passes; a scrape waits METRICS_STATS_WAIT_S at most, then the
+    last gauges serve, and scrapes meanwhile share one round trip instead of queueing more."""
+    import asyncio
+
+    from framework.messages import SchedulerReady, SchedulerStats
+    from framework.metrics import ServerMetrics
+    from framework.server.ipc import IpcNames
+    from framework.server.tokenizer_manager import TokenizerManager
+
+    ipc = IpcNames(*(f"ipc://{tmp_path}/{n}" for n in ("t", "s", "d")))
+    ready = SchedulerReady(max_total_num_tokens=10, max_req_input_len=5, context_len=10, vocab_size=10, pid=0)
+    tm = TokenizerManager(ipc, ready, tokenizer=None, metrics=ServerMetrics("m"))
+    asked, answer = [], {"delay": 0.0}
+
+    async def control(make):
+        asked.append(1)
+        await asyncio.sleep(answer["delay"])
+        return SchedulerStats("r", len(asked), 0, 0, 0.0, 0.0, 0.0, 10, 10, 0, 4, 4, 0, 0)
+
+    async def scenario():
+        tm.control = control
+        assert await tm.refresh_stats(wait_s=1.0)
+        answer["delay"] = 3.0  # a long prefill pass
+        started = time.monotonic()
+        assert not await tm.refresh_stats(wait_s=0.2)
+        assert not await tm.refresh_stats(wait_s=0.2)
+        assert time.monotonic() - started < 1.5 and len(asked) == 2  # one round trip for both
+        assert "batchyard:num_running_reqs" in tm.metrics.render().decode()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        tm.close()

@@ -242,10 +242,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
     if settings.server.enable_metrics:
         @app.get("/metrics")
         async def metrics():
-            try:
-                await tm.get_stats()  # refreshes the scheduler gauges
-            except ApiError:
-                pass  # still serve the request metrics
+            await tm.refresh_stats()  # the scheduler gauges; the last ones while a long pass runs
             tm.metrics.set_inflight_requests(len(tm.states))
             return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

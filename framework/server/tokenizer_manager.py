@@ -67,6 +67,9 @@ BYTE_OF_CHAR = _byte_level_alphabet()
 # How often a waiting non-streamed request checks whether its client is still there.
 DISCONNECT_CHECK_S = 1.0
 CONTROL_TIMEOUT_S = 60.0
+# How long a /metrics scrape waits for the scheduler's gauges: it answers between passes, and one
+# prefill pass can outlast a scraper's timeout (Prometheus: 10 s); past this the last ones serve.
+METRICS_STATS_WAIT_S = 1.0
 # How often a weight update checks whether the requests in flight have finished.
 UPDATE_POLL_S = 0.01
 
@@ -143,6 +146,7 @@ class TokenizerManager:
         self.metrics = metrics
         self.states: dict[str, ReqState] = {}
         self.pending: dict[str, asyncio.Future] = {}
+        self._stats_refresh: asyncio.Task | None = None  # refresh_stats' round trip in flight
         self.open_sessions: set[str] = set()
         self.dead_reason: str | None = None
         self.model_update_lock = asyncio.Lock()
@@ -471,6 +475,22 @@ class TokenizerManager:
         stats.clients = bound_clients(stats.clients, self.max_client_labels)
         self.metrics.set_scheduler_stats(stats)
         return stats
+
+    async def refresh_stats(self, wait_s: float = METRICS_STATS_WAIT_S) -> bool:
+        """Refresh the scheduler gauges, waiting at most `wait_s`; False when the scheduler did not
+        answer by then (the gauges keep their last values and the round trip goes on, shared with
+        the next caller, so scrapes of a busy server do not pile requests onto its queue)."""
+        if self._stats_refresh is None or self._stats_refresh.done():
+            self._stats_refresh = asyncio.ensure_future(self.get_stats())
+            # (its error is read here even when no caller waits for it any more)
+            self._stats_refresh.add_done_callback(lambda task: task.cancelled() or task.exception())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._stats_refresh), wait_s)
+        except asyncio.TimeoutError:
+            return False
+        except ApiError:
+            return False
+        return True
 
     async def flush_cache(self):
         return await self.control(lambda rid: FlushCacheReq(request_id=rid))
