@@ -449,7 +449,7 @@ class Settings(BaseSettings):
         try:
             instance = model(**raw)
         except ValidationError as exc:
-            raise SettingsError(format_validation_error(exc, prefix=f"plugin.{name}.")) from None
+            raise SettingsError(format_validation_error(exc, prefix=f"plugin.{name}.", model=model)) from None
         self.plugin[name] = instance  # type: ignore[assignment]
 
     def plugin_section(self, name: str) -> Any:
@@ -519,14 +519,31 @@ def _setting_meant(rest: str, sections: dict) -> str | None:
     return f"{owners[0]}__{rest}" if len(owners) == 1 else None
 
 
-def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+def format_validation_error(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    """One `field: problem` line per error; an unknown field of `model` (Settings by default)
+    with the field it probably meant, as a misspelt flag gets."""
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"{prefix}{loc}: {err['msg']}{shown}")
+        hint = _meant_field(model or Settings, err["loc"]) if err["type"] == "extra_forbidden" else None
+        lines.append(f"{prefix}{loc}: {err['msg']}{shown}" + (f" (did you mean {prefix}{hint}?)" if hint else ""))
     return "invalid settings:\n" + "\n".join(lines)
+
+
+def _meant_field(model: type[BaseModel], loc: tuple) -> str | None:
+    """The dotted path of the field `loc`'s last part probably meant, or None."""
+    import difflib
+
+    for part in loc[:-1]:
+        info = model.model_fields.get(str(part))
+        inner = getattr(info, "annotation", None) if info is not None else None
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return None
+        model = inner
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return ".".join([*(str(p) for p in loc[:-1]), close[0]]) if close else None
 
 
 def iter_fields(model: type[BaseModel] = Settings, prefix: str = ""):

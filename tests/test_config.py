@@ -182,6 +182,15 @@ def test_free_text_settings_are_checked_before_start_up(section, values, message
         Settings.load(None, **{section: values})
 
 
+def test_a_misspelt_toml_setting_names_the_one_it_probably_meant(tmp_path):
+    path = write(tmp_path, "[server]\nprot = 8000\n[scheduler]\nno_such_option = 1\n")
+    with pytest.raises(SettingsError) as caught:
+        Settings.load(path)
+    lines = str(caught.value).splitlines()
+    assert "server.prot: Extra inputs are not permitted (got 8000) (did you mean server.port?)" in lines
+    assert "scheduler.no_such_option: Extra inputs are not permitted (got 1)" in lines
+
+
 def test_a_log_level_is_taken_in_any_case(monkeypatch):
     monkeypatch.setenv("BATCHYARD_SERVER__LOG_LEVEL", "WARNING")
     assert Settings.load(None).server.log_level == "warning"

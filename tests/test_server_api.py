@@ -56,6 +56,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24}
 
 def test_info_endpoints(http):
     assert http.get("/health").status_code == 200
+    assert http.head("/health").status_code == 200  # (what some load balancers probe with)
     assert http.get("/health_generate").status_code == 200
     info = http.get("/get_model_info").json()
     assert info["is_generation"] is True and info["model_path"]

@@ -109,7 +109,7 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
         err = ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500, err_type="server_error")
         return JSONResponse(err.to_json(), status_code=500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: what some load balancers probe with)
     async def health():
         return Response(status_code=200)
 
