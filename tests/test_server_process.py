@@ -69,13 +69,31 @@ def test_sigterm_stops_cleanly(tiny_model_folder, tmp_path):
 
 
 def test_bad_model_path_fails_with_a_clear_message(tmp_path):
+    import socket
+
     missing = str(tmp_path / "no-such-model")
+    with socket.socket() as probe:  # a free port (the launcher tries the address first)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "framework.cli", "serve", "--model.path", missing, "--server.port", "1"],
+        [sys.executable, "-m", "framework.cli", "serve", "--model.path", missing, "--server.port", str(port)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0
     assert "does not exist" in proc.stderr
+
+
+def test_a_settings_error_in_the_scheduler_is_one_line(tiny_model_folder, tmp_path):
+    """A KV pool too small for any request is the settings' fault: the scheduler says so without
+    a traceback, and the server exits."""
+    server = ServerProcess(tiny_server_args(tiny_model_folder) + ["--cache.max-total-tokens", "4"],
+                           tmp_path / "server.log")
+    try:
+        assert server.proc.wait(120) != 0
+        log = server.log()
+        assert "Scheduler start-up failed: " in log and "too small" in log and "Traceback" not in log, log
+    finally:
+        server.stop()
 
 
 @pytest.mark.e2e

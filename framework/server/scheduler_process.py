@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import zmq
 
-from framework.config import Settings
+from framework.config import Settings, SettingsError
 from framework.distributed import ParallelContext, init_parallel
 from framework.messages import SchedulerFailed, SchedulerReady
 from framework.server.dp_controller import reporting_finished
@@ -78,7 +78,10 @@ def run_scheduler_process(
         if dp_attention and "dp-attention" not in scheduler.plugins.active:
             raise ValueError("parallel.enable_dp_attention needs the dp-attention plugin (it is disabled)")
     except Exception as exc:
-        logger.exception("Scheduler start-up failed")
+        if isinstance(exc, SettingsError):  # the settings' fault, said in full: no traceback
+            logger.error("Scheduler start-up failed: %s", exc)
+        else:
+            logger.exception("Scheduler start-up failed")
         ready_writer.send(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
         sys.exit(1)
     ready_writer.send(
