@@ -25,7 +25,7 @@ from framework.config import Settings
 from framework.images import ImageProcessor, images_per_prompt
 from framework.messages import AbortReq, BatchTokenOut, GenerateReqInput, ReqOutput
 from framework.model.loader import resolve_model
-from framework.multimodal import ImageInputs
+from framework.multimodal import ImageInputs, image_count_problem
 from framework.request import (
     MAX_PARAM_INT,
     FinishMatchedStr,
@@ -221,6 +221,12 @@ class Engine:
         identities = self._identities(client_id, priority, slo_ttft_ms, len(id_lists))
 
         images = self._image_inputs(images_per_prompt(image_data, len(id_lists), not single))
+        info = self.scheduler.worker.image_info
+        if info is not None:  # (the scheduler would refuse them too, but as a finish, not a ValueError)
+            for ids, image_inputs in zip(id_lists, images):
+                problem = image_count_problem(ids, 0 if image_inputs is None else image_inputs.num_images, info)
+                if problem is not None:
+                    raise ValueError(problem)
         messages = []
         for ids, text, vectors, pd, image_inputs, lora, (client, prio, slo) in zip(
             id_lists, texts, embeds, param_dicts, images, lora_paths, identities
@@ -250,7 +256,7 @@ class Engine:
         The identity fields are those of `generate`. Raises ValueError for bad input or a
         generation model."""
         self._check_open()
-        single, id_lists, texts, _ = self._prompts(prompt, input_ids)
+        single, id_lists, texts, _ = self._prompts(prompt, input_ids, embeds_taken=False)
         identities = self._identities(client_id, priority, slo_ttft_ms, len(id_lists))
         messages = [
             GenerateReqInput(
@@ -261,10 +267,11 @@ class Engine:
         ]
         return self._run(messages, single)
 
-    def _prompts(self, prompt: Any, input_ids: Any, input_embeds: Any = None):
+    def _prompts(self, prompt: Any, input_ids: Any, input_embeds: Any = None, embeds_taken: bool = True):
         """(single, ids per prompt, text or None per prompt, input_embeds or None per prompt)."""
         if sum(x is not None for x in (prompt, input_ids, input_embeds)) != 1:
-            raise ValueError("give exactly one of prompt, input_ids or input_embeds")
+            raise ValueError("give exactly one of prompt, input_ids or input_embeds"
+                             if embeds_taken else "give exactly one of prompt or input_ids")
         if input_embeds is not None:
             single, values = split_input_embeds(input_embeds)
             hidden_size = self.scheduler.worker.hidden_size
@@ -395,20 +402,24 @@ class Engine:
         }
 
     def flush_cache(self) -> bool:
+        self._check_open()
         return self.scheduler.flush_cache()
 
     def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
         """Load the weights of `model_path` (same architecture) without a restart; the prefix
         cache is flushed. On failure the old weights keep serving. Returns (success, message)."""
+        self._check_open()
         return self.scheduler.update_weights(model_path)
 
     def start_profile(self) -> str:
         """Start the torch profiler (traces go to `server.profile_dir`); raises ValueError if
         it is already running."""
+        self._check_open()
         return self._checked(self.scheduler.profile("start"))
 
     def stop_profile(self) -> str:
         """Stop the profiler and write its trace; returns the trace file's path."""
+        self._check_open()
         return self._checked(self.scheduler.profile("stop"))
 
     @staticmethod

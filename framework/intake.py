@@ -23,7 +23,7 @@ from framework.messages import (
     UpdateWeightsReq,
     UpdateWeightsReqOutput,
 )
-from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens
+from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens, image_count_problem
 from framework.plugins import PluginHookError
 from framework.request import FinishAbort, Req, request_kind_error
 from framework.sessions import SessionError
@@ -131,7 +131,9 @@ class IntakeMixin:
         )
         req.tokenizer = self.tokenizer
         req.arrival_time = self.clock.now()
-        image_error = self.attach_images(req, msg.image_inputs) if msg.image_inputs is not None else None
+        info = getattr(self.worker, "image_info", None)
+        image_error = (self.attach_images(req, msg.image_inputs) if msg.image_inputs is not None
+                       else None if info is None else image_count_problem(req.origin_input_ids, 0, info))
         if req.logprob_start_len == -1:
             # Over the whole input, session history included (the reference counts only the new
             # segment, which limits a continued request's prefix hit when it asks for logprobs).

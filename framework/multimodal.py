@@ -55,6 +55,16 @@ def combined_hash(image_hashes: list[int]) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:16], "little")
 
 
+def image_count_problem(input_ids: list[int], num_images: int, info: ImageTokenInfo) -> str | None:
+    """Why a prompt's image tokens and its images do not pair up one to one (a prompt with image
+    tokens and no images included: its image token would reach the model as text), or None."""
+    found = sum(1 for t in input_ids if t == info.image_token_id)
+    if found == num_images:
+        return None
+    return (f"image_data: the prompt has {found} image token(s) (id {info.image_token_id}) "
+            f"for {num_images} image(s); put one image token where each image goes")
+
+
 def expand_image_tokens(
     input_ids: list[int], images: ImageInputs, info: ImageTokenInfo, vocab_size: int
 ) -> list[int]:
@@ -63,12 +73,10 @@ def expand_image_tokens(
     Fills `images.pad_values`, `image_offsets` and `num_image_tokens`. Raises ValueError when the
     prompt's image tokens and the images do not pair up one to one.
     """
+    problem = image_count_problem(input_ids, images.num_images, info)
+    if problem is not None:
+        raise ValueError(problem)
     positions = [i for i, t in enumerate(input_ids) if t == info.image_token_id]
-    if len(positions) != images.num_images:
-        raise ValueError(
-            f"image_data: the prompt has {len(positions)} image token(s) (id {info.image_token_id}) "
-            f"for {images.num_images} image(s); put one image token where each image goes"
-        )
     images.num_image_tokens = info.num_image_tokens
     h = combined_hash(images.image_hashes)
     # The reference's four slices of the hash (AA3).

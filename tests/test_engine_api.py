@@ -110,3 +110,12 @@ def test_a_shut_down_engine_refuses_work(make_engine):
     engine.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate("hi", PARAMS)
+    for call in (engine.flush_cache, engine.start_profile, engine.stop_profile,
+                 lambda: engine.update_weights_from_disk("x"), lambda: engine.encode("hi")):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
+
+
+def test_encode_names_the_inputs_it_takes(make_engine):
+    with pytest.raises(ValueError, match=r"^give exactly one of prompt or input_ids$"):
+        make_engine().encode()

@@ -137,6 +137,11 @@ def test_bad_lora_input(make_engine, adapter_folders, default_tokenizer, tiny_mo
         engine.generate(input_ids=[ids, ids], sampling_params=GREEDY, lora_path=["a"])
     with pytest.raises(SettingsError, match="given twice"):
         tiny_settings(tiny_model_folder, model={"lora_paths": ["x=/a", "x=/b"]})
+    # The adapters wrap the loaded layers: new weights are refused plainly (it was "parameter
+    # shapes differ", and passing that check would have served the base model for adapter requests).
+    ok, message = engine.update_weights_from_disk(tiny_model_folder)
+    assert not ok and "while LoRA adapters are loaded (model.lora_paths)" in message
+    assert engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path="a")["output_ids"]
 
     from framework.engine import Engine
 

@@ -187,17 +187,14 @@ def test_image_request_longer_than_the_pool_is_aborted(make_llava_engine):
         (image_prompt(1), "not base64 !!", "neither an existing file nor valid base64"),
         (image_prompt(1), base64.b64encode(b"not an image").decode(), "not a readable image"),
         (image_prompt(1), 42, "must be a non-empty string"),
+        (image_prompt(1), None, "for 0 image(s)"),  # the token would go in as text
     ],
 )
 def test_bad_image_input(llava_engine, prompt, image_data, error):
-    engine = llava_engine
-    try:
-        out = engine.generate(prompt, GREEDY, image_data=image_data)
-    except ValueError as exc:
-        assert error in str(exc)
-    else:
-        assert out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert error in out["meta_info"]["finish_reason"]["message"]
+    """Raised as ValueError (the docstring's promise), not answered as an aborted result."""
+    with pytest.raises(ValueError) as caught:
+        llava_engine.generate(prompt, GREEDY, image_data=image_data)
+    assert error in str(caught.value)
 
 
 def test_text_model_refuses_images(make_engine):
@@ -270,6 +267,7 @@ def test_http_image_request_longer_than_the_pool(http):
         ({"text": image_prompt(), "image_data": [png_data_url(1)] * 2}, "1 image token"),
         ({"text": [image_prompt()] * 2, "image_data": [png_data_url(1)]}, "one entry per prompt"),
         ({"text": image_prompt(), "image_data": 7}, "must be a non-empty string"),
+        ({"text": image_prompt()}, "for 0 image(s)"),
     ],
 )
 def test_http_bad_image_input(http, body, error):

@@ -244,6 +244,10 @@ class ModelRunner:
         The new model is built and loaded aside and swapped in only when everything fits, so on
         any error the old weights keep serving. Returns (success, message).
         """
+        if self.lora is not None:
+            # The adapters wrap the loaded model's layers; a new model would come without them.
+            return False, ("Cannot update weights while LoRA adapters are loaded (model.lora_paths); "
+                           "restart with the new weights instead")
         try:
             folder = resolve_model(model_path)
             hf_config = load_hf_config(folder)
