@@ -11,6 +11,16 @@ import pytest
 
 PARAMS = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
+
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test, whatever the run inherited: a test suite started
+    in the background by a non-interactive shell ignores SIGINT, and then no Ctrl-C reaches the
+    Engine (as it should not)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
 BAD_CALLS = {
     "stop a number": (dict(prompt="hi", sampling_params={**PARAMS, "stop": 5}), "sampling_params.stop: must be"),
     "stop ids": (dict(prompt="hi", sampling_params={**PARAMS, "stop": [1, 2]}), "sampling_params.stop: must be"),
@@ -49,7 +59,8 @@ def test_a_bad_argument_is_a_value_error_naming_it_and_nothing_is_queued(make_en
     assert engine.generate("fine", PARAMS)["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_an_interrupt_inside_an_iteration_waits_for_its_end_and_leaves_the_engine_whole(make_engine):
+def test_an_interrupt_inside_an_iteration_waits_for_its_end_and_leaves_the_engine_whole(make_engine,
+                                                                                           default_sigint):
     """The signal arrives in the middle of an iteration (here: as the worker starts a batch), as a
     Ctrl-C or an alarm would. Its KeyboardInterrupt is raised once the iteration is over, the
     interrupted requests are aborted and released, and the next call runs on a clean Engine (the
@@ -78,7 +89,7 @@ def test_an_interrupt_inside_an_iteration_waits_for_its_end_and_leaves_the_engin
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_a_second_interrupt_inside_an_iteration_raises_at_once(tiny_model_folder):
+def test_a_second_interrupt_inside_an_iteration_raises_at_once(tiny_model_folder, default_sigint):
     """Ctrl-C pressed again while an iteration runs (a hung plugin, a long prefill) is not held
     back: the caller insists. The Engine's handlers are the caller's again after the call."""
     from framework.engine import Engine
