@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, ValueError) as exc:
         print(f"batchyard: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was running has stopped (and cleaned up on its way out)
+        print("batchyard: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

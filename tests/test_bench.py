@@ -652,3 +652,77 @@ def test_perplexity_score_definitions():
     assert m["perplexity"] == pytest.approx(math.sqrt(8)) and m["mean_nll"] == pytest.approx(1.5 * math.log(2))
     with pytest.raises(ValueError, match="no tokens"):
         score([], [])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["offline", "--num-prompts", "-3"], "--num-prompts"),  # it ran all of ShareGPT
+    (["offline", "--random-input-len", "0"], "--random-input-len"),
+    (["serving", "--request-rate", "0"], "--request-rate"),  # ZeroDivisionError after the warm-up
+    (["serving", "--request-rate", "-1"], "--request-rate"),
+    (["serving", "--max-concurrency", "0"], "--max-concurrency"),
+    (["one-batch", "--input-len", "0"], "--input-len"),
+    (["one-batch", "--batch-size", "-1"], "--batch-size"),
+    (["soak", "--window", "0"], "--window"),
+    (["perplexity", "--num-prompts", "0"], "--num-prompts"),
+])
+def test_bench_counts_rates_and_lengths_are_checked_before_the_run(argv, flag, capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli_main(["bench", *argv])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and ("must be at least" in err or "must be greater than 0" in err), err
+
+
+def test_a_bad_output_file_is_refused_before_the_run(tmp_path, capsys):
+    """It was found when the results were written, after the whole run."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli_main(["bench", "one-batch", "--output-file", str(blocker / "sub.jsonl")]) == 2
+    assert f"--output-file {blocker / 'sub.jsonl'}: cannot be created" in capsys.readouterr().err
+    assert cli_main(["bench", "one-batch", "--output-file", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_one_batch_without_decode_steps_reports_none_and_refuses_what_it_cannot_run(bench_model, tmp_path, capsys):
+    """output_len 1 has no decode step: its decode metrics are None ("n/a"), not bs / 1e-9; an
+    input over the context is skipped as one over the KV pool is."""
+    out = tmp_path / "one.jsonl"
+    argv = ["bench", "one-batch", "--model.path", bench_model, *TINY_ENGINE, "--batch-size", "1",
+            "--input-len", "8", "100000", "--output-len", "1", "--no-warmup", "--output-file", str(out)]
+    assert cli_main(argv) == 0
+    [record] = read_lines(out)
+    m = record["metrics"]
+    assert m["decode_steps"] == 0 and m["output_tokens"] == 1
+    assert m["median_decode_throughput"] is None and m["median_decode_latency_s"] is None
+    assert "n/a" in capsys.readouterr().out
+
+
+def test_bench_plot_reads_bad_files_as_usage_errors(tmp_path, capsys):
+    missing, bad, array = tmp_path / "missing.jsonl", tmp_path / "bad.jsonl", tmp_path / "array.jsonl"
+    bad.write_text('{"tool": "offline"}\n{"tool": \n')
+    array.write_text("[1, 2]\n")
+    for path, message in ((missing, "cannot read it"), (bad, "line 2: not JSON"),
+                          (array, "line 1: not a results record")):
+        assert cli_main(["bench", "plot", str(path), "-o", str(tmp_path / "p.png")]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_sharegpt_skips_malformed_conversations(tmp_path, caplog):
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps([{"conversations": ["a", "b"]}, {"conversations": [{"value": 5}, {"value": "x"}]},
+                                conversation(20, 20)]))
+    pairs = datasets.load_sharegpt_pairs(str(path))
+    assert len(pairs) == 1
+    with pytest.raises(ValueError, match="cannot read it"):
+        datasets.load_sharegpt_pairs(str(tmp_path / "nope.json"))
+
+
+def test_soak_rates_are_over_each_windows_own_length():
+    """A run shorter than its window: 120 tokens over the 8 s it lasted, not over --window 30."""
+    from types import SimpleNamespace
+
+    from framework.bench.soak import Window, summarize
+
+    soak = SimpleNamespace(windows=[Window(100.0, end=108.0, output_tokens=120)], errors=[])
+    summary = summarize(soak, [], SimpleNamespace(window=30.0, duration=8.0, request_rate=2.0))
+    assert summary["throughput_tok_s_by_window"] == [15.0] and summary["throughput_tok_s_mean"] == 15.0

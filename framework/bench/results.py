@@ -185,10 +185,45 @@ def append_jsonl(path: str | None, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def check_output_file(path: str | None) -> None:
+    """ValueError, before a run, when `--output-file` could not be appended to (its results were
+    lost after the whole run)."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"--output-file {path}: is a folder")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"--output-file {path}: not writable")
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise ValueError(f"--output-file {path}: cannot be created ({existing} is not a writable folder)")
+
+
 def read_jsonl(path: str) -> list[dict]:
-    """Every record of a results file; blank lines are skipped."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every record of a results file; blank lines are skipped. ValueError naming the file and
+    the line for what is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}, line {number}: not JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}, line {number}: not a results record (a JSON object)")
+        records.append(record)
+    return records
 
 
 def format_report(title: str, metrics: dict[str, Any]) -> str:
@@ -196,7 +231,9 @@ def format_report(title: str, metrics: dict[str, Any]) -> str:
     width = 50
     lines = [f"{' ' + title + ' ':=^{width}}"]
     for key, value in metrics.items():
-        if isinstance(value, float):
+        if value is None:
+            shown = "n/a"
+        elif isinstance(value, float):
             # Latencies in seconds need more digits than throughputs.
             shown = f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"
         else:

@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import time
-import traceback
 from typing import AsyncIterator
 
 import numpy as np
@@ -158,8 +157,8 @@ async def send_request(session, backend: str, base_url: str, req: BenchRequest, 
         result.success = clock.last is not None
         if not result.success:
             result.error = "the stream carried no tokens"
-    except Exception:  # a client benchmark reports failures, it does not stop on them
-        result.error = traceback.format_exc(limit=2)[-500:]
+    except Exception as exc:  # a client benchmark reports failures, it does not stop on them
+        result.error = f"{type(exc).__name__}: {exc}"[:500]
     return result
 
 
@@ -239,7 +238,7 @@ async def run_serving(
             outs = await asyncio.gather(*(send_request(session, backend, base_url, r, **kwargs) for r in warm))
             bad = [o for o in outs if not o.success]
             if bad:
-                raise RuntimeError(f"warm-up request failed: {bad[0].error}")
+                raise ValueError(f"the warm-up request to {base_url} failed (is the server running?): {bad[0].error}")
         if flush_cache:
             await _post_quietly(session, base_url + "/flush_cache")
 

@@ -41,6 +41,7 @@ IDLE_TIMEOUT_S = 30.0
 @dataclass
 class Window:
     start: float
+    end: float | None = None  # (the next window's start; the last one's, the run's end after its drain)
     completed: int = 0
     aborted: int = 0
     failed: int = 0
@@ -133,6 +134,7 @@ class Soak:
                 now = time.monotonic()
                 if now - self._window().start >= args.window:
                     self._window().rss_mib = self.rss()
+                    self._window().end = now
                     self.windows.append(Window(now))
                 if now >= next_arrival:
                     task = asyncio.ensure_future(self.one(client, i))
@@ -144,6 +146,7 @@ class Soak:
             if tasks:
                 await asyncio.wait(tasks)
             self._window().rss_mib = self.rss()
+            self._window().end = time.monotonic()
 
     def rss(self) -> dict[str, float]:
         return {name: round(rss_mib(pid) or 0.0, 1) for name, pid in self.pids.items()}
@@ -152,7 +155,9 @@ class Soak:
 def summarize(soak: Soak, idle: list[str], args) -> dict:
     # The last window is cut short by the end of the run; the first warms up.
     full = soak.windows[:-1] if len(soak.windows) > 2 else soak.windows
-    rates = [w.output_tokens / args.window for w in full]
+    # Over each window's own length (a run shorter than two windows: its one, partial, window).
+    rates = [w.output_tokens / max((w.end if w.end is not None else w.start + args.window) - w.start, 1e-9)
+             for w in full]
     steady = rates[1:] if len(rates) > 2 else rates
     mean = statistics.fmean(steady) if steady else 0.0
     first, last = soak.windows[0].rss_mib, soak.windows[-1].rss_mib
