@@ -22,7 +22,6 @@ Where the requests come from:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from framework.bench import datasets
+from framework.bench.results import json_object_lines
 
 
 class WorkloadError(ValueError):
@@ -171,16 +171,12 @@ def load_trace(path: str | Path, tokenizer, seed: int = 1) -> list[TimedRequest]
     rng = np.random.default_rng(seed)
     plain: np.ndarray | None = None
     out: list[TimedRequest] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    try:
+        lines = list(json_object_lines(text.splitlines(), f"trace {path}"))
+    except ValueError as exc:
+        raise WorkloadError(str(exc)) from None
+    for lineno, raw in lines:
         where = f"trace {path} line {lineno}"
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{where}: not JSON ({exc.msg})") from None
-        if not isinstance(raw, dict):
-            raise WorkloadError(f"{where}: expected a JSON object, got {type(raw).__name__}")
         try:
             entry = _TraceLine(**raw)
         except ValidationError as exc:

@@ -707,7 +707,7 @@ def test_bench_plot_reads_bad_files_as_usage_errors(tmp_path, capsys):
     bad.write_text('{"tool": "offline"}\n{"tool": \n')
     array.write_text("[1, 2]\n")
     for path, message in ((missing, "cannot read it"), (bad, "line 2: not JSON"),
-                          (array, "line 1: not a results record")):
+                          (array, "line 1: expected a JSON object, got list")):
         assert cli_main(["bench", "plot", str(path), "-o", str(tmp_path / "p.png")]) == 2
         assert message in capsys.readouterr().err
 

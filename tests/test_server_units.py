@@ -180,32 +180,36 @@ def test_session_controller_history_and_branching():
     assert ctl.close("s") and not ctl.close("s")
 
 
+def _greedy(sched, max_new_tokens: int) -> SamplingParams:
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    params.normalize(sched.tokenizer)
+    return params
+
+
+def _run_messages(sched, *msgs) -> None:
+    """Send `msgs` to the scheduler and run it until it has nothing left, then one idle round."""
+    for m in msgs:
+        sched.send(m)
+    sched.run_once()
+    while sched.has_work():
+        sched.run_once()
+    sched.run_once()
+
+
 def test_scheduler_control_messages_and_session_intake(tiny_model_folder):
     from framework.scheduler import Scheduler
 
     outputs, replies = [], []
     sched = Scheduler(tiny_settings(tiny_model_folder), output_sink=outputs.append, reply_sink=replies.append)
 
-    def run(*msgs):
-        for m in msgs:
-            sched.send(m)
-        sched.run_once()
-        while sched.has_work():
-            sched.run_once()
-        sched.run_once()
+    def gen(rid, ids, **kw):
+        return GenerateReqInput(rid=rid, input_ids=ids, sampling_params=_greedy(sched, 4), session_id="s1", **kw)
 
-    def params():
-        p = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-        p.normalize(sched.tokenizer)
-        return p
-
-    run(OpenSessionReq("s1", 10, request_id="o"),
-        GenerateReqInput(rid="t0", input_ids=[5, 6, 7, 8], sampling_params=params(), session_id="s1"))
-    run(GenerateReqInput(rid="t1", input_ids=[9], sampling_params=params(), session_id="s1", session_rid="t0"),
-        GenerateReqInput(rid="bad", input_ids=[9], sampling_params=params(), session_id="s1", session_rid="nope"),
-        CloseSessionReq("s1", request_id="c"), CloseSessionReq("s1", request_id="c2"),
-        FlushCacheReq(request_id="busy"))
-    run(GetStatsReq(request_id="st"), FlushCacheReq(request_id="f"))
+    _run_messages(sched, OpenSessionReq("s1", 10, request_id="o"), gen("t0", [5, 6, 7, 8]))
+    _run_messages(sched, gen("t1", [9], session_rid="t0"), gen("bad", [9], session_rid="nope"),
+                  CloseSessionReq("s1", request_id="c"), CloseSessionReq("s1", request_id="c2"),
+                  FlushCacheReq(request_id="busy"))
+    _run_messages(sched, GetStatsReq(request_id="st"), FlushCacheReq(request_id="f"))
     last = {o.rid: o for batch in outputs for o in batch.outputs}
     t0, t1 = last["t0"], last["t1"]
     assert t1.meta_info["prompt_tokens"] == 4 + 4 + 1
@@ -231,26 +235,14 @@ def test_a_refused_session_request_leaves_the_history(tiny_model_folder):
     outputs = []
     sched = Scheduler(tiny_settings(tiny_model_folder), output_sink=outputs.append, reply_sink=lambda r: None)
 
-    def run(*msgs):
-        for m in msgs:
-            sched.send(m)
-        sched.run_once()
-        while sched.has_work():
-            sched.run_once()
-
-    def params():
-        p = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
-        p.normalize(sched.tokenizer)
-        return p
+    def gen(rid, ids, **kw):
+        return GenerateReqInput(rid=rid, input_ids=ids, sampling_params=_greedy(sched, 2), session_id="s", **kw)
 
     too_long = [5] * (sched.max_req_len + 1)
-    run(OpenSessionReq("s", 10, request_id="o"),
-        GenerateReqInput(rid="a", input_ids=[5, 6], sampling_params=params(), session_id="s"))
-    run(GenerateReqInput(rid="b", input_ids=[7], sampling_params=params(), session_id="s", session_rid="a"))
-    run(GenerateReqInput(rid="x", input_ids=[8], sampling_params=params(), session_id="s", session_rid="a",
-                         lora_path="no-such-adapter"),
-        GenerateReqInput(rid="y", input_ids=too_long, sampling_params=params(), session_id="s"),
-        GenerateReqInput(rid="c", input_ids=[9], sampling_params=params(), session_id="s", session_rid="b"))
+    _run_messages(sched, OpenSessionReq("s", 10, request_id="o"), gen("a", [5, 6]))
+    _run_messages(sched, gen("b", [7], session_rid="a"))
+    _run_messages(sched, gen("x", [8], session_rid="a", lora_path="no-such-adapter"), gen("y", too_long),
+                  gen("c", [9], session_rid="b"))
     last = {o.rid: o for batch in outputs for o in batch.outputs}
     assert last["x"].finished_reason.is_error and last["y"].finished_reason.is_error
     assert not last["c"].finished_reason.is_error, last["c"].finished_reason

@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from framework.preload import running_allocator
 
@@ -204,6 +204,21 @@ def check_output_file(path: str | None) -> None:
         raise ValueError(f"--output-file {path}: cannot be created ({existing} is not a writable folder)")
 
 
+def json_object_lines(lines, path: Any) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a JSONL file; ValueError naming the file
+    and the line of one that is not JSON or not a JSON object."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {number}: not JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path} line {number}: expected a JSON object, got {type(record).__name__}")
+        yield number, record
+
+
 def read_jsonl(path: str) -> list[dict]:
     """Every record of a results file; blank lines are skipped. ValueError naming the file and
     the line for what is not one."""
@@ -212,18 +227,7 @@ def read_jsonl(path: str) -> list[dict]:
             lines = f.readlines()
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}, line {number}: not JSON ({exc})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}, line {number}: not a results record (a JSON object)")
-        records.append(record)
-    return records
+    return [record for _, record in json_object_lines(lines, path)]
 
 
 def format_report(title: str, metrics: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from framework.bench.results import _jsonable, cpu_model
+from framework.bench.results import _jsonable, cpu_model, json_object_lines
 
 RESULTS_FILE = "results.jsonl"
 TABLE_FILE = "table.md"
@@ -73,14 +73,8 @@ def read_results(out_dir: Path) -> list[dict]:
     path = Path(out_dir) / RESULTS_FILE
     records = []
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {lineno}: not JSON ({exc.msg})") from None
-            missing = [k for k in RECORD_KEYS if not isinstance(record, dict) or k not in record]
+        for lineno, record in json_object_lines(f, path):
+            missing = [k for k in RECORD_KEYS if k not in record]
             if missing:
                 raise ValueError(f"{path} line {lineno}: not an experiment record (no {', '.join(missing)})")
             records.append(record)
