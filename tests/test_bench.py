@@ -712,6 +712,13 @@ def test_bench_plot_reads_bad_files_as_usage_errors(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_sharegpt_refuses_a_count_below_one_whoever_calls_it(sharegpt_file):
+    """The loop stopped at == num_prompts: a negative count took every conversation (argparse
+    refuses it on the command line; workloads and other callers get this)."""
+    with pytest.raises(ValueError, match="--num-prompts must be at least 1, got -3"):
+        datasets.sample_sharegpt(WordTokenizer(), -3, path=sharegpt_file)
+
+
 def test_sharegpt_skips_malformed_conversations(tmp_path, caplog):
     path = tmp_path / "odd.json"
     path.write_text(json.dumps([{"conversations": ["a", "b"]}, {"conversations": [{"value": 5}, {"value": "x"}]},

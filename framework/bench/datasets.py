@@ -126,6 +126,8 @@ def sample_sharegpt(
     path: str | None = None,
 ) -> list[BenchRequest]:
     """ShareGPT requests under the 0.3.6 rule (module docstring)."""
+    if num_prompts < 1:  # (the loop below stops at == num_prompts: a negative count took every conversation)
+        raise ValueError(f"--num-prompts must be at least 1, got {num_prompts}")
     if fixed_output_len is not None and fixed_output_len < 4:
         raise ValueError("--sharegpt-output-len must be at least 4")
     pairs = load_sharegpt_pairs(path)
