@@ -59,6 +59,7 @@ def create_worker(settings: "Settings", tp_rank: int) -> "Worker":
     :param settings: the validated settings tree.
     :param tp_rank: this scheduler process's tensor-parallel rank (0 when not parallel).
     :return: an object implementing `framework.worker.Worker`; the scheduler runs every batch on it.
+        Anything else (None, an object lacking one of its members) is a start-up error naming the plugin.
 
     Implemented by worker plugins only (`tp`, `overlap`, `framework.testing.FakeWorkerPlugin`).
     """
@@ -77,7 +78,8 @@ def create_cache(
     :param settings: the validated settings tree.
     :param req_to_token_pool: the worker's request-slot pool.
     :param token_to_kv_pool: the worker's KV pool.
-    :return: a `framework.cache.BasePrefixCache`; the core alone calls its mutating verbs.
+    :return: a `framework.cache.BasePrefixCache`; the core alone calls its mutating verbs. Anything
+        else (None included) is a start-up error naming the plugin.
 
     Implemented by cache plugins only (`radix`, `chunk`).
     """
@@ -148,7 +150,9 @@ def on_decode_oom(batch: "BatchView", view: "SchedulerView") -> "list[Req] | tup
         rest of the batch (at least one victim, never the batch's last request), evicting cache
         entries as it goes, then filters the batch; retracted requests go to the tail of the
         waiting queue and are re-prefilled with their output so far. Without a ratio the core
-        estimates it from the remaining requests (reference I3). An empty list retracts nothing.
+        estimates it from the remaining requests (reference I3). An empty list retracts nothing,
+        which only a ``force_retract`` call can afford: victims that leave the next decode step
+        without a KV slot per remaining request are refused as above once retracted.
 
     Implemented by policy plugins; the core's `trylast` default (`framework.defaults`) returns
     the reference's order: fewest output tokens first, longest prompt on ties.

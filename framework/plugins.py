@@ -30,6 +30,7 @@ import pluggy
 
 from framework import PROJECT_NAME, defaults, hookspecs
 from framework.hookspecs import KIND_HOOKS
+from framework.worker import WORKER_MEMBERS
 
 if TYPE_CHECKING:
     from framework.config import Settings
@@ -84,11 +85,14 @@ class PluginReturnError(PluginHookError):
     def __init__(self, hook: str, plugins: list[str], problem: str):
         self.hook = hook
         self.plugin = " or ".join(plugins)
-        # A firstresult hook's answer comes from one implementation; pluggy does not say which, so
-        # where several plugins implement the hook (in-process objects beside the policy) all are named.
-        who = (f"plugin {plugins[0]!r}" if len(plugins) == 1
-               else f"one of the plugins {', '.join(repr(p) for p in plugins)}")
-        RuntimeError.__init__(self, f"{who} returned an invalid value from {hook}: {problem}")
+        RuntimeError.__init__(self, f"{_who(plugins)} returned an invalid value from {hook}: {problem}")
+
+
+def _who(plugins: list[str]) -> str:
+    # A firstresult hook's answer comes from one implementation; pluggy does not say which, so
+    # where several plugins implement the hook (in-process objects beside the policy) all are named.
+    return (f"plugin {plugins[0]!r}" if len(plugins) == 1
+            else f"one of the plugins {', '.join(repr(p) for p in plugins)}")
 
 
 def _shown(value: Any) -> str:
@@ -176,12 +180,27 @@ class Hooks:
             raise PluginHookError(name, _raising_plugin(caller.get_hookimpls(), exc), exc) from exc
 
     def create_worker(self, settings, tp_rank: int):
-        return self._hook.create_worker(settings=settings, tp_rank=tp_rank)
+        """The worker; a `PluginError` naming the plugin when the answer is not one (start-up)."""
+        worker = self._hook.create_worker(settings=settings, tp_rank=tp_rank)
+        missing = [member for member in WORKER_MEMBERS if not hasattr(worker, member)]
+        if worker is None or missing:
+            lacks = f" (it lacks {', '.join(missing)})" if worker is not None else ""
+            raise PluginError(f"{_who(self._decider('create_worker'))} returned {_shown(worker)} from "
+                              f"create_worker; expected a framework.worker.Worker{lacks}")
+        return worker
 
     def create_cache(self, settings, req_to_token_pool, token_to_kv_pool):
-        return self._hook.create_cache(
+        """The prefix cache; a `PluginError` naming the plugin when the answer is not one (start-up:
+        the scheduler would otherwise start and stop at its first request)."""
+        from framework.cache import BasePrefixCache  # (torch: imported where a pool exists)
+
+        cache = self._hook.create_cache(
             settings=settings, req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool
         )
+        if not isinstance(cache, BasePrefixCache):
+            raise PluginError(f"{_who(self._decider('create_cache'))} returned {_shown(cache)} from "
+                              "create_cache; expected a framework.cache.BasePrefixCache")
+        return cache
 
     def on_request_received(self, req, view) -> None:
         self._call("on_request_received", req=req, view=view)
@@ -256,6 +275,11 @@ class Hooks:
                                     f"got {_shown(prepared)} where there was no batch; expected None or "
                                     "view.idle_batch()")
         return prepared
+
+    def refused(self, name: str, problem: str) -> PluginReturnError:
+        """The error for an answer of firstresult hook `name` that passed the facade's checks but
+        proved outside the contract once the core applied it (on_decode_oom's victims too few)."""
+        return PluginReturnError(name, self._decider(name), problem)
 
     def on_batch_result(self, batch, result, view) -> None:
         self._call("on_batch_result", batch=batch, result=result, view=view)
@@ -393,6 +417,8 @@ class PluginManager:
             raise PluginError(f"plugin {name or plugin!r} cannot be registered: {exc}") from exc
         kind = getattr(plugin, "PLUGIN_KIND", None)
         if kind is not None:
+            # An object registered without a name is known to pluggy by its id; its class names it better.
+            name = type(plugin).__name__ if name.isdigit() else name
             if kind not in ALL_KINDS:
                 raise PluginError(f"plugin {name!r} has PLUGIN_KIND={kind!r}; expected one of {ALL_KINDS}")
             check_kind(self.pm, plugin, name, kind)

@@ -297,13 +297,18 @@ class Scheduler(IntakeMixin, OutputMixin, ControlMixin, PluginFailureMixin):
             return None
         if not batch.check_decode_mem() or (self.force_retract and batch.batch_size() > 10):
             try:
-                decision = self.hooks.on_decode_oom(BatchView(batch), self.view)
+                self.retract_decode(batch, self.hooks.on_decode_oom(BatchView(batch), self.view))
+                if not batch.check_decode_mem():
+                    # Too few victims (an empty list on a real OOM): the decode step's allocation
+                    # would raise out of the loop.
+                    raise self.hooks.refused("on_decode_oom", (
+                        f"after its victims, the next decode step of {batch.batch_size()} requests does not "
+                        f"fit the {self.token_to_kv_pool.available_size()} free KV slots; list more victims"))
             except PluginHookError as exc:
                 self.fail_batch_reqs(batch, str(exc))
                 batch.filter_batch()
                 self.batch_is_full = False
                 return None
-            self.retract_decode(batch, decision)
         else:
             self.new_token_ratio.step()
         self.structured.jump_forward(batch, self.view.num_free_kv_tokens)

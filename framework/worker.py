@@ -94,3 +94,9 @@ class Worker(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+#: What `create_worker`'s answer must have (checked at start-up).
+WORKER_MEMBERS: tuple[str, ...] = (
+    *Worker.__annotations__, *(name for name, value in vars(Worker).items() if callable(value) and name[0] != "_"),
+)

@@ -91,6 +91,7 @@ def test_an_observer_implementing_select_prefill_is_refused_at_startup():
         PluginManager(Settings.load(None), extra_plugins=(ObserverWithPolicyHook(),))
     msg = str(info.value)
     assert "observer plugin" in msg and "'select_prefill'" in msg and "policy" in msg
+    assert msg.startswith("plugin 'ObserverWithPolicyHook' is an observer plugin"), msg  # (not its id)
 
 
 @pytest.mark.parametrize("kind, hook, args", [
@@ -248,3 +249,57 @@ def test_cli_config_checks_the_plugin_sections(tmp_path):
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2
     assert "plugin.lpm.in_batch_prefix_cachin: Extra inputs are not permitted" in proc.stderr
+
+
+class AnswersWorker:
+    """A worker plugin object (it takes the place of the one the settings name) answering `answer`."""
+
+    PLUGIN_KIND = "worker"
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    @hookimpl
+    def create_worker(self):
+        return self.answer
+
+
+class AnswersCache:
+    PLUGIN_KIND = "cache"
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    @hookimpl
+    def create_cache(self):
+        return self.answer
+
+
+class Workerish:
+    """Some of a worker: the start-up check names what is missing."""
+
+    is_pipelined = False
+
+    def launch(self, batch):
+        raise AssertionError("never launched")
+
+
+@pytest.mark.parametrize("plugin, expected", [
+    (AnswersWorker(None), "plugin 'AnswersWorker' returned NoneType None from create_worker; expected a "
+                          "framework.worker.Worker"),
+    (AnswersWorker(Workerish()), "expected a framework.worker.Worker (it lacks supports_output_penalties, "
+                                 "req_to_token_pool"),
+    (AnswersCache(None), "plugin 'AnswersCache' returned NoneType None from create_cache; expected a "
+                         "framework.cache.BasePrefixCache"),
+    (AnswersCache("radix"), "plugin 'AnswersCache' returned str 'radix' from create_cache"),
+], ids=["no worker", "part of a worker", "no cache", "a cache's name"])
+def test_a_start_up_hook_answering_no_worker_or_cache_is_a_start_up_error(plugin, expected):
+    """Before, the scheduler stopped on an AttributeError naming no plugin (a worker), or started
+    and stopped at its first request (a cache)."""
+    from framework.testing import FakeWorkerPlugin
+    from framework.scheduler import Scheduler
+
+    plugins = (plugin,) if plugin.PLUGIN_KIND == "worker" else (FakeWorkerPlugin(), plugin)
+    with pytest.raises(PluginError) as info:
+        Scheduler(Settings.load(None, plugins={"policy": "fcfs"}), extra_plugins=plugins)
+    assert expected in str(info.value)

@@ -184,3 +184,42 @@ def test_a_policy_reusing_a_bundled_select_prefill_runs():
     rids = [harness.add([1, 2, 3], max_new_tokens=2) for _ in range(3)]
     harness.run()
     assert all(len(harness.outputs[rid]) == 2 for rid in rids)
+
+
+def test_no_victims_for_a_real_decode_oom_fail_the_batch_and_serving_goes_on():
+    """On a real out-of-memory (not force_retract), victims that leave the next decode step without
+    KV (here none) are refused like any bad answer. Before, the step's allocation raised
+    OutOfMemoryError out of the scheduler loop, stopping the server with the batch's KV held."""
+    from framework.request import FinishAbort
+    from framework.testing import SchedulerHarness
+
+    class NoVictims:
+        PLUGIN_KIND = "policy"
+        calls = 0
+
+        @hookimpl
+        def select_prefill(self, view):
+            return list(view.waiting_queue)
+
+        @hookimpl
+        def on_decode_oom(self):
+            self.calls += 1
+            return []
+
+    policy = NoVictims()
+    with SchedulerHarness(policy, cache={"max_total_tokens": 160}) as harness:
+        ratio = harness.scheduler.new_token_ratio
+        ratio.init = ratio.value = ratio.min = 0.0  # admission reserves nothing for future tokens
+        rids = []
+        for i in range(8):  # arriving one by one, each is admitted beside the running ones
+            rids.append(harness.add([i + 1] * 8, max_new_tokens=40))
+            harness.step()
+        harness.run()
+        assert policy.calls >= 1 and sorted(harness.finished) == sorted(rids)
+        failed = [reason for reason in harness.finished.values() if isinstance(reason, FinishAbort)]
+        assert failed and all("plugin 'NoVictims' returned an invalid value from on_decode_oom: after its "
+                              "victims, the next decode step" in reason.message for reason in failed)
+        harness.check_no_leak()
+        fine = [harness.add([9, 9], max_new_tokens=3) for _ in range(2)]
+        harness.run()
+        assert all(len(harness.outputs[r]) == 3 for r in fine)
