@@ -298,7 +298,8 @@ def no_bf16_libs(tmp_path_factory):
     Lake) take for every dtype, bf16 pools included. Runs only where the CPU has AVX-512F."""
     if "avx512f" not in cpu_kernels._cpu_id().split():
         pytest.skip("the CPU has no AVX-512F to run an AVX-512 build on")
-    return _kernel_builds(tmp_path_factory, ["-mno-avx512bf16"], "for AVX-512 without BF16", ("decode_attention",))
+    return _kernel_builds(tmp_path_factory, ["-mno-avx512bf16"], "for AVX-512 without BF16",
+                          ("decode_attention", "fused_ops"))
 
 
 def _decode_matches_reference(lib, q_dtype, kv_dtype, atol, lens):
@@ -352,6 +353,42 @@ def test_portable_rms_norm_gives_the_vector_codes_bits(portable_libs, rows, d):
     assert torch.equal(portable.rms_norm(x, weight, 1e-5), KERNELS.fused.rms_norm(x, weight, 1e-5))
     ours = portable.add_rms_norm(x, residual, weight, 1e-5)
     assert all(torch.equal(a, b) for a, b in zip(ours, KERNELS.fused.add_rms_norm(x, residual, weight, 1e-5)))
+
+
+@pytest.mark.parametrize("build", ["pytorch", "native", "portable", "no_bf16"])
+def test_rescore_head_top_recomputes_the_columns_near_each_rows_top(build, request):
+    """int8.rescore_head_top (model.int8_lm_head): in each row exactly the columns within the margin
+    of the row's largest value get hidden . weight (the exact products' fp32 sum, rounded to bf16)
+    and the others keep their values; a row with a NaN is left as it is. The kernel's builds (with
+    and without AVX-512, without AVX512_BF16) and PyTorch agree."""
+    from framework.model.cpu_kernels import FusedOps
+    from framework.model.int8 import rescore_head_top
+
+    fused = None
+    if build == "native":
+        if KERNELS is None:
+            pytest.skip("the C kernels do not build here")
+        fused = KERNELS.fused
+    elif build != "pytorch":
+        fused = FusedOps(request.getfixturevalue(f"{build}_libs")["fused_ops"])
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab, width = 9, 1000, 100  # (a vocabulary and a width off the kernel's 16 and 32 lanes)
+    weight = torch.randn(vocab, width, generator=gen).bfloat16()
+    hidden = torch.randn(rows, width, generator=gen).bfloat16()
+    exact = hidden.double() @ weight.double().t()
+    noisy = torch.cat([exact + torch.randn(rows, vocab, generator=gen, dtype=torch.float64),
+                       torch.zeros(rows, 24, dtype=torch.float64)], dim=1).bfloat16()
+    noisy[3, 17] = float("nan")
+    logits = noisy[:, :vocab]  # rows with a stride past their length
+    before = logits.clone()
+    counts = rescore_head_top(logits, hidden, weight, fused, margin=1.5)
+    top = before.float().max(dim=1, keepdim=True).values
+    near = before.float() >= top - 1.5
+    assert torch.equal(counts, near.sum(dim=1)) and counts[3] == 0 and (counts[torch.arange(rows) != 3] > 0).all()
+    assert torch.equal(logits.view(torch.int16)[~near], before.view(torch.int16)[~near])  # (bits: NaN included)
+    within = dict(rtol=2 ** -8, atol=1e-6)  # bf16's rounding
+    assert torch.allclose(logits[near].double(), exact[near], **within)
+    assert not torch.allclose(before[near].double(), exact[near], **within)
 
 
 @needs_kernel

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from framework.batch import ForwardMode
 from framework.model import int8 as int8_mod
-from framework.model.int8 import Int8Ops, QuantizedRows, quantize_weight
+from framework.model.int8 import Int8Ops, QuantizedRows, quantize_weight, rescore_head_top
 from framework.model.runner import ModelRunner
 from tests.conftest import count_int_mm_rows, needs_exact_int_mm
 from tests.test_model import _batch, _new_reqs, _runner, _tiny_config, _tiny_hf
@@ -272,14 +272,22 @@ def test_int8_lm_head_takes_the_logits(tied_model, monkeypatch, gemm):
     assert own == ops.packs
     rows = int8_mod.min_rows(own)
     hidden = torch.randn(rows, width, generator=torch.Generator().manual_seed(2)).bfloat16()
+    fused, weight = head.model.kernels.fused if head.model.kernels else None, head.model.lm_head_weight
+
+    def int8_head(x):  # the int8 GEMM's logits, the columns near each row's top then recomputed in bf16
+        logits = ops.linear(ops.quantize(x, h8.inv), h8)
+        rescore_head_top(logits, x, weight, fused)
+        return logits
+
     got = head.model.compute_logits(hidden)
-    assert torch.equal(got, ops.linear(ops.quantize(hidden, h8.inv), h8))
+    assert torch.equal(got, int8_head(hidden))
     bf16 = w8.model.compute_logits(hidden)
     assert not torch.equal(got, bf16)
     assert F.cosine_similarity(got.float(), bf16.float(), dim=1).min() > 0.99
+    assert torch.equal(got.argmax(dim=1), bf16.argmax(dim=1))  # greedy rows: the bf16 head's tokens
     few = head.model.compute_logits(hidden[:1])
     if own:
-        assert torch.equal(few, ops.linear(ops.quantize(hidden[:1], h8.inv), h8)) and not torch.equal(few, bf16[:1])
+        assert torch.equal(few, int8_head(hidden[:1])) and not torch.equal(few, bf16[:1])
     else:
         assert torch.equal(head.model.compute_logits(hidden[: rows - 1]), bf16[: rows - 1])
     # through a forward pass: one next-token row per request, so `rows` requests take the int8 head

@@ -210,6 +210,9 @@ class FusedOps:
         self._rope_kv = lib.rope_kv_bf16
         self._rope_kv.restype = _INT
         self._rope_kv.argtypes = [_PTR, _I64] + [_PTR] * 8 + [_INT, _I64] + [_INT] * 4
+        self._head_rescore = lib.head_rescore_bf16
+        self._head_rescore.restype = None
+        self._head_rescore.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _FLOAT, _PTR, _INT]
 
     # The widest row rms_norm takes (its per-thread row buffer, kernels/fused_ops.c).
     MAX_NORM_WIDTH = 8192
@@ -257,6 +260,17 @@ class FusedOps:
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(logits.data_ptr(), logits.stride(0), rows, d, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def head_rescore(self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                     margin: float) -> torch.Tensor:
+        """int8.rescore_head_top in place on bf16 logits [n, vocab] and hidden [n, k] (see `supports`)
+        with the bf16 head weight [vocab, k] contiguous; returns how many columns each row took."""
+        rows, vocab = logits.shape
+        counts = torch.empty(rows, dtype=torch.int64)
+        self._head_rescore(logits.data_ptr(), logits.stride(0), hidden.data_ptr(), hidden.stride(0),
+                           weight.data_ptr(), rows, vocab, hidden.shape[1], margin, counts.data_ptr(),
+                           torch.get_num_threads())
+        return counts
 
     @staticmethod
     def supports_masked_argmax(logits: torch.Tensor, mask: torch.Tensor) -> bool:

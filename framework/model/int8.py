@@ -395,6 +395,35 @@ def takes(x: torch.Tensor, own_gemm: bool = False, fewest: int | None = None) ->
     return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= fewest and x.stride(1) == 1
 
 
+# How far below a row's largest int8-head logit a column may lie and still be recomputed in bf16
+# (rescore_head_top). On the embedded model's own final hidden states (3,680 rows of 100 ShareGPT
+# greedy generations) the int8 head's logits were off the bf16 head's by 0.15 on average (standard
+# deviation), 1.43 at most, and 0.83 at most among each row's 64 largest; the bf16 head's argmax lay
+# at most 0.50 below the int8 head's largest value, and 2.0 took 3.2 columns a row on average (52
+# at most).
+HEAD_RESCORE_MARGIN = 2.0
+
+
+def rescore_head_top(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, fused=None,
+                     margin: float = HEAD_RESCORE_MARGIN) -> torch.Tensor:
+    """Give an int8 LM head's logits [n, vocab] the bf16 head's values where they decide the next
+    token, in place: every column within `margin` of its row's largest value is recomputed as
+    hidden_r . weight_c (hidden [n, k] and weight [vocab, k] in bf16, the exact products summed in
+    fp32) and stored in the logits' dtype. The bf16 head's largest logit is then among them unless
+    the int8 logits are off by more than margin / 2 at both columns, so greedy rows take the bf16
+    head's token, and sampling's most likely tokens get its values; the rest keep the int8 values.
+    A row with a NaN is left as it is. `fused` (FusedOps, or None) runs it on kernels/fused_ops.c
+    where it takes the tensors. Returns how many columns each row recomputed (int64 [n])."""
+    if (fused is not None and fused.supports(logits) and fused.supports(hidden) and weight.is_contiguous()
+            and weight.dtype == torch.bfloat16):
+        return fused.head_rescore(logits, hidden, weight, margin)
+    wide = logits.float()
+    top = wide.max(dim=1, keepdim=True).values
+    rows, cols = (wide >= top - margin).nonzero(as_tuple=True)
+    logits[rows, cols] = (hidden[rows].float() * weight[cols].float()).sum(dim=1).to(logits.dtype)
+    return torch.bincount(rows, minlength=logits.shape[0])
+
+
 def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True, lm_head: bool = False) -> int:
     """Give the linear layers of `model`'s decoder layers their int8 weights (`ops` the int8
     GEMMs to run them with), or take them away (`ops` None); returns how many weights were made.

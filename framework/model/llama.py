@@ -33,7 +33,7 @@ from framework.model.cpu import (gemm_rows, pack_linear_weight, packed_linear, p
                                  packed_linear_unary, pad_rows, to_float32)
 from framework.model.cpu_kernels import CpuKernels, FusedOps
 from framework.model.decode_path import DecodePath
-from framework.model.int8 import Int8Ops, Int8Weight, QuantizedRows
+from framework.model.int8 import Int8Ops, Int8Weight, QuantizedRows, rescore_head_top
 from framework.model.int8 import takes as takes_int8
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
@@ -505,8 +505,12 @@ class LlamaForCausalLM(nn.Module):
         # bf16's) win where they set the time too (one-stream decode steps, docs/configuration.md)
         fewest = 1 if head8 is not None and head8.packed is not None else None
         # The logits are read once, by the sampler after the whole GEMM: streamed past the caches.
-        return linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.kernels, self.lm_head_tiles,
-                      stream=True, int8=head8, int8_ops=self.lm_head_int8_ops, int8_fewest=fewest)
+        logits = linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.kernels, self.lm_head_tiles,
+                        stream=True, int8=head8, int8_ops=self.lm_head_int8_ops, int8_fewest=fewest)
+        if head8 is not None and takes_int8(hidden, head8.packed is not None, fewest):
+            # the columns that decide the next token get the bf16 head's values back
+            rescore_head_top(logits, hidden, self.lm_head_weight, self.kernels.fused if self.kernels else None)
+        return logits
 
     # -- weights --------------------------------------------------------------------------------
 

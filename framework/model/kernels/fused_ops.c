@@ -393,3 +393,100 @@ void argmax_masked(const void *x, int bf16, int64_t x_stride, const int32_t *mas
         out[r] = arg;
     }
 }
+
+/* hidden . weight over k bf16 values: the exact products summed in fp32 (16 lanes of pairs with
+ * AVX512-BF16, then their sum; one sum in order elsewhere). */
+static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t k) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if defined(__AVX512BF16__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 32 <= k; i += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + i), (__m512bh)_mm512_loadu_si512(b + i));
+    s = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < k; i++) s += bf16_to_f32(a[i]) * bf16_to_f32(b[i]);
+    return s;
+}
+
+/* The largest value of a bf16 row, or NaN where the row has one. */
+static float row_max_bf16(const uint16_t *row, int64_t d) {
+    float best = -INFINITY;
+    int has_nan = 0;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= d; i += 16) {
+        __m512 v = load16(row + i, KV_BF16);
+        has_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+        vmax = _mm512_max_ps(vmax, v);
+    }
+    best = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; i < d; i++) {
+        float v = bf16_to_f32(row[i]);
+        has_nan |= v != v;
+        if (v > best) best = v;
+    }
+    return has_nan ? NAN : best;
+}
+
+typedef struct {
+    uint16_t *logits;
+    const uint16_t *hidden, *weight;
+    int64_t l_stride, h_stride, begin, end, vocab, k;
+    float margin;
+    int64_t *counts;
+} HeadRescore;
+
+/* Rows [begin, end) of head_rescore_bf16: each row read once for its largest value, then again
+ * (from the caches) for the columns within the margin of it, 16 at a time. */
+static void *run_head_rescore(void *arg) {
+    const HeadRescore *a = (const HeadRescore *)arg;
+    for (int64_t r = a->begin; r < a->end; r++) {
+        uint16_t *row = a->logits + r * a->l_stride;
+        const uint16_t *h = a->hidden + r * a->h_stride;
+        const float top = row_max_bf16(row, a->vocab);
+        int64_t count = 0;
+        if (top == top) { /* (a row with a NaN is left as it is) */
+            const float lowest = top - a->margin;
+            int64_t i = 0;
+#ifdef __AVX512F__
+            const __m512 vlowest = _mm512_set1_ps(lowest);
+            for (; i + 16 <= a->vocab; i += 16) {
+                __mmask16 hit = _mm512_cmp_ps_mask(load16(row + i, KV_BF16), vlowest, _CMP_GE_OQ);
+                while (hit) {
+                    const int64_t c = i + __builtin_ctz(hit);
+                    hit &= (__mmask16)(hit - 1);
+                    row[c] = f32_to_bf16(dot_bf16(h, a->weight + c * a->k, a->k));
+                    count++;
+                }
+            }
+#endif
+            for (; i < a->vocab; i++)
+                if (bf16_to_f32(row[i]) >= lowest) {
+                    row[i] = f32_to_bf16(dot_bf16(h, a->weight + i * a->k, a->k));
+                    count++;
+                }
+        }
+        if (a->counts) a->counts[r] = count;
+    }
+    return NULL;
+}
+
+/* The bf16 head's logits back where an int8 LM head's (model.int8_lm_head) decide the next token:
+ * in each bf16 row of `logits` [rows, vocab] (row stride l_stride), every column within `margin`
+ * of the row's largest value is recomputed as hidden_r . weight_c (hidden [rows, k], row stride
+ * h_stride; weight [vocab, k] contiguous: the bf16 head) and stored rounded to bf16. How many
+ * columns each row recomputed goes to counts [rows] (or nowhere, NULL). Rows split evenly over
+ * `num_threads` threads. */
+void head_rescore_bf16(uint16_t *logits, int64_t l_stride, const uint16_t *hidden, int64_t h_stride,
+                       const uint16_t *weight, int64_t rows, int64_t vocab, int64_t k, float margin, int64_t *counts,
+                       int num_threads) {
+    num_threads = span_threads(num_threads, rows);
+    HeadRescore spans[MAX_THREADS];
+    for (int s = 0; s < num_threads; s++)
+        spans[s] = (HeadRescore){logits, hidden, weight, l_stride, h_stride, rows * s / num_threads,
+                                 rows * (s + 1) / num_threads, vocab, k, margin, counts};
+    run_spans(run_head_rescore, spans, sizeof spans[0], num_threads);
+}
