@@ -171,6 +171,9 @@ class IntakeMixin:
         except PluginHookError as exc:
             logger.error("Request %s fails: %s", req.rid, exc)
             self.waiting_queue = [r for r in self.waiting_queue if r is not req]
+            # the plugins that took it in on_request_received see it end (PluginFailureMixin)
+            req.finished_reason = FinishAbort(str(exc))
+            self.notify_finished(req)
             self.reject(req, str(exc))
 
     def attach_images(self, req: Req, images: ImageInputs) -> str | None:

@@ -202,8 +202,32 @@ class Hooks:
                               "create_cache; expected a framework.cache.BasePrefixCache")
         return cache
 
+    def _broadcast(self, name: str, **kwargs) -> None:
+        """Call every implementation of broadcast hook `name`, each even where one before it raised
+        (pluggy stops at the first exception, so one failing plugin would keep the event from the
+        others, e.g. the `clients` observer's token counts); then raise the first failure as
+        `PluginHookError`. Where an implementation is a wrapper, pluggy runs them all as usual."""
+        caller = getattr(self._hook, name)
+        impls = caller.get_hookimpls()
+        if any(impl.wrapper or impl.hookwrapper for impl in impls):
+            self._call(name, **kwargs)
+            return
+        failure = None
+        for impl in reversed(impls):  # (pluggy's call order)
+            try:
+                impl.function(*(kwargs[arg] for arg in impl.argnames))
+            except Exception as exc:
+                if failure is None:
+                    failure = PluginHookError(name, _plugin_name(impl), exc)
+                    failure.__cause__ = exc
+                else:
+                    logger.error("plugin %r failed in hook %s too: %s: %s", _plugin_name(impl), name,
+                                 type(exc).__name__, exc)
+        if failure is not None:
+            raise failure
+
     def on_request_received(self, req, view) -> None:
-        self._call("on_request_received", req=req, view=view)
+        self._broadcast("on_request_received", req=req, view=view)
 
     def _decider(self, name: str) -> list[str]:
         """The plugins one of which gave a firstresult hook's answer: its implementers other than
@@ -282,13 +306,13 @@ class Hooks:
         return PluginReturnError(name, self._decider(name), problem)
 
     def on_batch_result(self, batch, result, view) -> None:
-        self._call("on_batch_result", batch=batch, result=result, view=view)
+        self._broadcast("on_batch_result", batch=batch, result=result, view=view)
 
     def on_request_finished(self, req, view) -> None:
-        self._call("on_request_finished", req=req, view=view)
+        self._broadcast("on_request_finished", req=req, view=view)
 
     def on_idle(self, view) -> None:
-        self._call("on_idle", view=view)
+        self._broadcast("on_idle", view=view)
 
 
 def _article(word: str) -> str:

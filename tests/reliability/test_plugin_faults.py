@@ -96,6 +96,49 @@ def test_plugin_raising_in_on_idle_is_logged_and_serving_goes_on(make_engine, ca
     assert "plugin 'Faulty' failed in hook on_idle" in caplog.text
 
 
+class Recorder:
+    """Sees every broadcast hook after the other plugins (trylast)."""
+
+    def __init__(self):
+        self.received, self.finished, self.marked_results, self.idle = [], [], 0, 0
+
+    @hookimpl(trylast=True)
+    def on_request_received(self, req):
+        self.received.append(req.rid)
+
+    @hookimpl(trylast=True)
+    def on_batch_result(self, batch):
+        self.marked_results += any(MARK in (r.origin_input_text or "") for r in batch.reqs)
+
+    @hookimpl(trylast=True)
+    def on_request_finished(self, req):
+        self.finished.append(req.rid)
+
+    @hookimpl(trylast=True)
+    def on_idle(self):
+        self.idle += 1
+
+
+@pytest.mark.parametrize("hook", ["on_request_received", "on_batch_result", "on_request_finished", "on_idle"])
+def test_a_plugin_raising_in_a_broadcast_hook_keeps_the_event_from_no_other(make_engine, hook):
+    """pluggy stops a hook at the first exception; the facade calls every other implementation of a
+    broadcast hook all the same, and a request refused in on_request_received still ends with
+    on_request_finished for the plugins that took it in."""
+    faulty, recorder = Faulty(hook), Recorder()
+    engine = make_engine(extra_plugins=(faulty, recorder))
+    out = engine.generate(f"{MARK} x", PARAMS)
+    if hook != "on_idle":
+        assert f"plugin 'Faulty' failed in hook {hook}" in out["meta_info"]["finish_reason"]["message"]
+    assert faulty.num_raised >= 1
+    assert recorder.received == recorder.finished and len(recorder.received) == 1
+    if hook == "on_request_received":
+        assert recorder.marked_results == 0  # refused before it ran
+    else:
+        assert recorder.marked_results >= (faulty.num_raised if hook == "on_batch_result" else 1)
+    if hook == "on_idle":
+        assert recorder.idle >= faulty.num_raised
+
+
 def test_a_crashed_grammar_compile_fails_its_request_others_proceed(make_engine):
     engine = make_engine()
     backend = engine.scheduler.structured.backend
