@@ -294,6 +294,48 @@ def test_trace_workload_runs_in_process(tmp_path):
     assert "| replay | trace |" in (out / "table.md").read_text()  # no rate: the trace's own times
 
 
+def test_a_trace_that_starts_late_keeps_its_throughput(tmp_path):
+    """Throughputs are over the first arrival to the last finish: the same trace shifted by 100 s
+    (a slice of a longer log) is the same run, not one 500 times slower."""
+    lines = [{"arrival_s": 0.01 * i, "prompt_len": 64, "output_len": 8, "client_id": "ab"[i % 2]} for i in range(10)]
+    path = tmp_path / "exp.toml"
+    text = '[grid]\n"plugins.policy" = ["fcfs"]\n'
+    for name, offset in (("early", 0.0), ("late", 100.0)):
+        shifted = [{**x, "arrival_s": x["arrival_s"] + offset} for x in lines]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(x) for x in shifted) + "\n")
+        text += f'[[workload]]\nname = "{name}"\ndataset = "trace"\ntrace = "{name}.jsonl"\n'
+    path.write_text(text)
+    out = tmp_path / "out"
+    assert run_experiment(str(path), out, "--jobs", "1", "--no-plots") == 0
+    early, late = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    for key in ("duration_s", "request_throughput", "output_throughput", "goodput", "median_ttft_ms"):
+        assert late["metrics"][key] == pytest.approx(early["metrics"][key], rel=1e-6), key
+    for client in ("a", "b"):
+        for key in ("token_throughput", "all_busy_throughput"):
+            assert late["clients"][client][key] == pytest.approx(early["clients"][client][key], rel=1e-6)
+
+
+def test_a_policy_that_admits_nothing_is_one_line(tmp_path, capsys, monkeypatch):
+    """A policy under development that never admits a request stalls the run: one error line
+    naming the policy, not a traceback."""
+    import plugins.policies.fcfs
+    from framework import hookimpl
+
+    @hookimpl
+    def select_prefill(view):
+        return []
+
+    monkeypatch.setattr(plugins.policies.fcfs, "select_prefill", select_prefill)
+    path = tmp_path / "exp.toml"
+    path.write_text('[grid]\n"plugins.policy" = ["fcfs"]\n[[workload]]\ndataset = "random"\nrandom_source = "ids"\n'
+                    'num_requests = 3\nrandom_input_len = 16\nrandom_output_len = 3\nrates = [inf]\n')
+    assert run_experiment(str(path), tmp_path / "out", "--jobs", "1", "--no-plots") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("batchyard experiment: the scheduler made no progress in 1000 iterations with 3 requests "
+                       "waiting (does policy 'fcfs' admit any of them?)")
+    assert not any("Traceback" in line for line in err)
+
+
 def test_an_output_folder_that_cannot_be_made_fails_before_any_cell(tmp_path, capsys, monkeypatch):
     import framework.sim.driver
 
@@ -333,6 +375,23 @@ def test_a_report_of_merged_results_labels_each_rows_backend_and_slo():
     assert "| w | 10 | sim | TTFT ≤ 200 ms | fcfs |" in merged and "| w | 10 | real | TTFT ≤ 50 ms | fcfs |" in merged
 
 
+def test_a_report_of_merged_results_shows_every_files_grid_keys():
+    """Merged files from grids over different settings: each key gets a column ("–" where a
+    record's grid lacks it), or the rows of the second file could not be told apart."""
+    from framework.experiment.report import render_table
+
+    def record(cell, grid):
+        return {"cell": cell, "label": f"c{cell}", "grid": grid, "seed": 1, "rate": 10.0, "backend": "sim",
+                "workload": {"name": "w", "dataset": "random"}, "metrics": {"completed": 5}}
+
+    table = render_table([record(0, {"plugins.policy": "lpm"}),
+                          record(1, {"plugins.policy": "lpm", "cache.eviction": "lru"}),
+                          record(2, {"plugins.policy": "lpm", "cache.eviction": "lfu"})])
+    assert "| workload | rate | policy | eviction | req/s |" in table
+    assert "| w | 10 | lpm | – |" in table
+    assert "| w | 10 | lpm | lru |" in table and "| w | 10 | lpm | lfu |" in table
+
+
 @pytest.mark.e2e
 def test_a_cell_on_the_real_engine(tmp_path):
     """backend = "real": the same experiment path on the default model, wall clock, one job."""
@@ -346,3 +405,26 @@ def test_a_cell_on_the_real_engine(tmp_path):
     assert rec["backend"] == "real" and "plugins" not in rec["settings"] and rec["label"] == "base"
     assert rec["metrics"]["completed"] == 2 and rec["metrics"]["total_output_tokens"] == 6
     assert 0 < rec["metrics"]["median_ttft_ms"] <= rec["metrics"]["median_e2e_latency_ms"]
+
+
+def test_a_real_cell_in_this_process_shows_its_requests_progress(monkeypatch):
+    """A real cell runs for minutes: run in this process it gets a bar over its requests (the bar
+    over cells alone sat at 0 meanwhile); sim cells, seconds each, and --disable-tqdm get none."""
+    import framework.sim.driver
+    from framework.experiment.runner import run_cells
+    from framework.experiment.spec import Cell, Slo
+    from framework.workload import RequestRecord, RunResult, TimedRequest, WorkloadSpec
+
+    seen = []
+
+    def fake_run(settings, requests, backend="sim", progress=False):
+        seen.append((backend, progress))
+        rec = RequestRecord("r", None, None, 0.0, 0.1, 0.2, [0.1, 0.2], 4, 2, 0, "length")
+        return RunResult([rec], duration_s=0.2, wall_s=0.2, num_retractions=0, cache_hit_rate=0.0)
+
+    monkeypatch.setattr(framework.sim.driver, "run_workload", fake_run)
+    requests = {("w", 1.0, 1): [TimedRequest("r", 0.0, [1, 2, 3, 4], 2)]}
+    cells = [Cell(i, {}, {}, WorkloadSpec(rate=1.0), ("w", 1.0, 1), backend) for i, backend in enumerate(["real", "sim"])]
+    run_cells(cells, requests, Slo(), jobs=1, progress=True)
+    run_cells(cells, requests, Slo(), jobs=1, progress=False)
+    assert seen == [("real", True), ("sim", False), ("real", False), ("sim", False)]

@@ -353,6 +353,25 @@ def test_validate_cli_rejects_an_unreadable_profile_before_running(tmp_path, cap
     assert err == f"batchyard: plugin.sim.profile: cannot read {missing}: No such file or directory"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--num-prompts", "0"], "argument --num-prompts: must be at least 1, got 0"),
+    (["--request-rates", "1", "0"], "argument --request-rates: must be greater than 0, got 0"),
+    (["--request-rates", "-2"], "argument --request-rates: must be greater than 0, got -2"),
+    (["--max-output-len", "-1"], "argument --max-output-len: must be at least 1, got -1"),
+])
+def test_validate_cli_rejects_bad_counts_and_rates_before_running(monkeypatch, capsys, flags, message):
+    """A usage error, before the real engine runs any rate (a bad second rate used to fail after
+    the first one's real run, in pydantic's many lines)."""
+    import framework.sim.validate
+    from framework.cli import main
+
+    monkeypatch.setattr(framework.sim.validate, "validate_rate", lambda *a, **k: pytest.fail("a rate ran"))
+    with pytest.raises(SystemExit) as exc:
+        main(["sim", "validate", "--profile", "docs/examples/sim/profile.json", *flags])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_a_config_alone_is_enough(tiny_model_folder, tmp_path):
     """No weights: a folder with only config.json (here an 8B-shaped llama), any tokenizer."""
     from framework.engine import Engine

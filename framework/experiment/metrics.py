@@ -3,7 +3,8 @@
 Latency and throughput metrics are `framework.bench.metrics.compute_metrics`'s, fed with one
 `RequestResult` per completed request (TTFT = first token - arrival, E2E = finish - arrival, ITL =
 gaps between token times), so a simulated cell and `batchyard bench serving` report the same
-quantities under the same names (``median_*`` is p50). Added here:
+quantities under the same names (``median_*`` is p50); throughputs are per second from the first
+arrival to the last finish. Added here:
 
 * goodput: completed requests meeting every SLO given, per second of run time; ``slo_attainment``
   is their share of all requests. The ITL objective applies to the request's mean gap (its TPOT).
@@ -93,9 +94,10 @@ def client_service(records: list[RequestRecord], duration: float) -> dict[str, d
     for rec in records:
         if rec.client_id is not None:
             by_client[rec.client_id].append(rec)
+    start = min((r.arrival_s for r in records), default=0.0)  # the window opens at the first arrival
     busy_end = all_busy_until(by_client)
     if busy_end is None:
-        busy_end = duration
+        busy_end = start + duration
     out = {}
     for client, recs in sorted(by_client.items()):
         done = [r for r in recs if r.finish_s is not None]
@@ -110,7 +112,7 @@ def client_service(records: list[RequestRecord], duration: float) -> dict[str, d
             "all_busy_s": busy_end,
             "all_busy_tokens": sum(served_by(r, busy_end) for r in recs),
         }
-        out[client]["all_busy_throughput"] = out[client]["all_busy_tokens"] / max(busy_end, 1e-9)
+        out[client]["all_busy_throughput"] = out[client]["all_busy_tokens"] / max(busy_end - start, 1e-9)
     return out
 
 
@@ -128,7 +130,10 @@ def _quantiles(values: list[float]) -> list[float]:
 def cell_metrics(result: RunResult, slo) -> tuple[dict[str, Any], dict[str, Any]]:
     """(metrics, distributions) of one run: flat numbers for the table, lists for the plots."""
     results = [_request_result(r) for r in result.records]
-    duration = max(result.duration_s, 1e-9)
+    # Throughputs are over the first arrival to the last finish: a trace cut from a longer log
+    # starts late, and its idle lead-in would divide them all.
+    start = min((r.arrival_s for r in result.records), default=0.0)
+    duration = max(result.duration_s - start, 1e-9)
     m = compute_metrics(results, duration)
     good = sum(_meets_slo(r, slo) for r in results)
     m["goodput"] = good / duration

@@ -110,7 +110,7 @@ def render_table(records: list[dict]) -> str:
     requests carry client ids, a second table of per-client service."""
     if not records:
         return "(no results)\n"
-    grid_keys = list(records[0]["grid"])
+    grid_keys = list(dict.fromkeys(k for r in records for k in r["grid"]))  # merged files: every file's
     show_seed = len({r["seed"] for r in records}) > 1
     has_clients = any("jain_fairness" in r["metrics"] for r in records)
     columns = [c for c in COLUMNS if not c[1].startswith("jain_fairness") or has_clients]
@@ -138,7 +138,7 @@ def render_table(records: list[dict]) -> str:
             row.append(rec["backend"])
         if per_row_slo:
             row.append(_slo_text(rec.get("slo") or {}).removeprefix("SLO "))
-        row += [str(rec["grid"].get(k)) for k in grid_keys]
+        row += [str(rec["grid"][k]) if k in rec["grid"] else "–" for k in grid_keys]
         row += [_cell_text(rec["metrics"].get(key), fmt) for _, key, fmt in columns]
         lines.append("| " + " | ".join(row) + " |")
     if has_clients:

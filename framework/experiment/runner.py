@@ -5,7 +5,8 @@ and returns its result record (`run_cell`); the records come back in completion 
 bar over cells and are sorted by cell index at the end.
 
 Cells on the real backend time the model on the wall clock, so two of them sharing cores would slow
-each other: `default_jobs` runs them one at a time unless --jobs says otherwise.
+each other: `default_jobs` runs them one at a time unless --jobs says otherwise; run in this
+process, each also shows a bar over its requests.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def default_jobs(backend: str) -> int:
     return 1 if backend == "real" else (os.cpu_count() or 1)
 
 
-def run_cell(cell: Cell, requests: list[TimedRequest], slo: Slo) -> dict[str, Any]:
-    """Run one cell and return its record (without the experiment-level fields)."""
+def run_cell(cell: Cell, requests: list[TimedRequest], slo: Slo, progress: bool = False) -> dict[str, Any]:
+    """Run one cell and return its record (without the experiment-level fields); `progress`: a bar
+    over its requests."""
     from framework.sim.driver import run_workload
 
-    result = run_workload(cell.settings, requests, backend=cell.backend, progress=False)
+    result = run_workload(cell.settings, requests, backend=cell.backend, progress=progress)
     metrics, dists = cell_metrics(result, slo)
     return {
         "cell": cell.index,
@@ -71,7 +73,10 @@ def run_cells(cells: list[Cell], workloads: dict[tuple, list[TimedRequest]], slo
         done = []
         with _progress(len(cells), progress) as bar:
             for cell in cells:
-                done.append(run_cell(cell, workloads[cell.workload_key], slo))
+                # A real cell runs for minutes: its own bar over requests, or the one over cells
+                # would sit at 0 meanwhile (a sim cell takes seconds; many bars would be clutter).
+                requests = workloads[cell.workload_key]
+                done.append(run_cell(cell, requests, slo, progress=progress and cell.backend == "real"))
                 _report(done[-1], bar, on_record)
     else:
         done = _run_pool(cells, workloads, slo, jobs, progress, on_record)

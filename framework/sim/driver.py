@@ -36,6 +36,11 @@ SIM_WORKER = "sim"
 MAX_IDLE_SPINS = 1000
 
 
+class StuckRunError(ValueError):
+    """The scheduler stopped making progress with requests queued (a policy that admits none of
+    them, say); a ValueError so that the commands report it in one line, as bad input."""
+
+
 class RunRecorder:
     """Observer plugin: per tracked request, the clock time of each output token and of its finish."""
 
@@ -126,9 +131,10 @@ def run_workload(
 
     `settings_overrides` are nested by section (``{"plugins": {"policy": "fcfs"}, "plugin":
     {"sim": {...}}}``); backend "sim" sets ``plugins.worker = "sim"``, backend "real" keeps the
-    named model worker (default overlap). Raises ValueError naming the problem for bad settings,
+    named model worker (default tp). Raises ValueError naming the problem for bad settings,
     a duplicate rid or a request the model cannot take (its prompt and output_len do not fit in
-    a request's room), before anything runs.
+    a request's room), before anything runs; `StuckRunError` (a ValueError) when the scheduler
+    stops admitting the queued requests.
     """
     from framework.engine import Engine
 
@@ -183,7 +189,11 @@ def _drive(engine, recorder: RunRecorder, requests: list[TimedRequest], messages
                 if spins < MAX_IDLE_SPINS:
                     continue
                 if nxt == len(order):
-                    raise RuntimeError(f"the scheduler made no progress in {MAX_IDLE_SPINS} iterations with work queued")
+                    raise StuckRunError(
+                        f"the scheduler made no progress in {MAX_IDLE_SPINS} iterations with "
+                        f"{len(sched.waiting_queue)} requests waiting (does policy "
+                        f"{sched.settings.plugins.policy!r} admit any of them?)"
+                    )
             elif nxt == len(order):
                 break
             _wait_until(clock, recorder.t0 + requests[order[nxt]].arrival_s)
