@@ -192,6 +192,12 @@ BAD_EXPERIMENTS = [
     pytest.param(
         "", '[[workload]]\nname = "r"\nrates = [0]\n', "workload r: rates: every rate must be > 0",
         id="zero-rate"),
+    pytest.param("", '[[workload]]\nname = "r"\nrate = 2\nrates = [1, 4]\n',
+                 "workload r: rate and rates: give one or the other", id="rate-and-rates"),
+    pytest.param("", '[[workload]]\nname = "s"\nseed = 2\nseeds = [1, 4]\n',
+                 "workload s: seed and seeds: give one or the other", id="seed-and-seeds"),
+    pytest.param("", '[[workload]]\nname = "s"\nseeds = [1, -1]\n', "workload s: seed -1 is outside 0 .. 2**32 - 1",
+                 id="negative-seed"),
     pytest.param("", "[sceduler]\nx = 1\n", "unknown section [sceduler]", id="unknown-section"),
     pytest.param(
         '"plugins.worker" = ["tp"]', "", "grid plugins.worker='tp': plugins.worker: backend sim runs the sim worker",

@@ -73,10 +73,17 @@ class WorkloadEntry(WorkloadSpec):
             if given:
                 raise ExperimentError(f"workload {self.label}: {', '.join(given)}: a trace's requests arrive at "
                                       "the trace's own arrival_s times; leave them out")
+        twice = [f"{one} and {many}" for one, many in (("rate", "rates"), ("seed", "seeds"))
+                 if {one, many} <= self.model_fields_set]
+        if twice:  # (the list won, the single value was dropped without a word)
+            raise ExperimentError(f"workload {self.label}: {'; '.join(twice)}: give one or the other (a list sweeps)")
         base = self.model_dump(exclude={"rates", "seeds"})
         for rate in self.rates or []:
             if not rate > 0:
                 raise ExperimentError(f"workload {self.label}: rates: every rate must be > 0, got {rate!r}")
+        for seed in self.seeds or [self.seed]:
+            if not 0 <= seed < 2**32:  # (numpy's bound, whose own message named no workload)
+                raise ExperimentError(f"workload {self.label}: seed {seed} is outside 0 .. 2**32 - 1")
         return [
             WorkloadSpec(**{**base, "rate": rate, "seed": seed})
             for rate in (self.rates or [self.rate]) for seed in (self.seeds or [self.seed])
