@@ -88,16 +88,17 @@ class ModelSettings(_Section):
         "token the float32 model's ~94 % of the time against ~97.5 % for bf16 (docs/performance.md). Passes of "
         "fewer than 8 rows (32 on torch._int_mm) keep bf16. Needs model.dtype bfloat16 (or auto where it "
         "resolves to it) on the CPU, and exact int8 GEMMs: start-up fails where torch._int_mm saturates (CPUs "
-        "without an int8 dot product: AVX2 only, AVX-512 before VNNI). The embedding stays bf16, and so does "
-        "the LM head unless model.int8_lm_head.",
+        "without an int8 dot product: AVX2 only, AVX-512 before VNNI). The embedding stays bf16; the LM head "
+        "goes int8 too unless model.int8_lm_head = false.",
     )
-    int8_lm_head: bool = Field(
-        False,
-        description="With model.quantization = 'w8a8': the LM head in int8 too (smoothed and quantized as the "
-        "layers' weights), half its multiply-add time in large decode steps and half its bytes in small ones. "
-        "In each row the columns within 2.0 of the largest logit are recomputed in bf16, so greedy rows take "
-        "the bf16 head's token; on the embedded model perplexity 11.21 against w8a8's 11.18, top-1 accuracy "
-        "54.16 %, w8a8's (docs/performance.md). Off: the LM head stays bf16, as in vLLM's W8A8 checkpoints.",
+    int8_lm_head: bool | Literal["auto"] = Field(
+        "auto",
+        description="The LM head in int8 too (smoothed and quantized as the layers' weights), half its "
+        "multiply-add time in large decode steps and half its bytes in small ones; in each row the columns "
+        "within 2.0 of the largest logit are recomputed in bf16, so greedy rows take the bf16 head's token. On "
+        "the embedded model perplexity 11.21 against 11.18 with the bf16 head, top-1 accuracy the same "
+        "(docs/performance.md). auto: with model.quantization = 'w8a8'; true: the same, refused without it; "
+        "false: the LM head stays bf16, as in vLLM's W8A8 checkpoints.",
     )
     context_length: int | None = Field(
         None, gt=0, description="Context length; empty: the model config's max_position_embeddings."
@@ -125,9 +126,14 @@ class ModelSettings(_Section):
         parse_lora_paths(v)
         return v
 
+    @property
+    def int8_head(self) -> bool:
+        """Whether the LM head runs in int8 (int8_lm_head resolved against quantization)."""
+        return self.quantization == "w8a8" and self.int8_lm_head is not False
+
     @model_validator(mode="after")
     def _int8_lm_head_needs_w8a8(self):
-        if self.int8_lm_head and self.quantization != "w8a8":
+        if self.int8_lm_head is True and self.quantization != "w8a8":
             raise ValueError("int8_lm_head runs the LM head on the int8 GEMMs of quantization = 'w8a8', "
                              f"but quantization is {self.quantization!r}")
         return self

@@ -94,6 +94,16 @@ def test_invalid_values_give_one_line_per_error(tmp_path, toml, expected):
     assert expected in str(info.value)
 
 
+def test_the_int8_lm_head_comes_with_w8a8_unless_turned_off():
+    """model.int8_lm_head: "auto" (the default) is on with w8a8 and off without; false keeps the
+    bf16 head under w8a8; true without w8a8 is refused (above)."""
+    assert Settings.load(None).model.int8_lm_head == "auto" and not Settings.load(None).model.int8_head
+    w8a8 = {"quantization": "w8a8", "dtype": "bfloat16"}
+    assert Settings.load(None, model=w8a8).model.int8_head
+    assert Settings.load(None, model={**w8a8, "int8_lm_head": True}).model.int8_head
+    assert not Settings.load(None, model={**w8a8, "int8_lm_head": False}).model.int8_head
+
+
 def test_two_errors_two_lines(tmp_path):
     with pytest.raises(SettingsError) as info:
         Settings.load(write(tmp_path, "[server]\nport = 0\n[scheduler]\nstream_interval = 0\n"))

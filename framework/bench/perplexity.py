@@ -114,7 +114,7 @@ def main(args) -> int:
             metrics = score(*engine_scores(engine, prompts, not args.disable_tqdm))
             dtype, engine_settings = engine_dtype(engine), settings_record(settings)
     title = f"Perplexity ({args.backend}, {dtype}, model.quantization = {settings.model.quantization}"
-    title += ", int8 LM head)" if settings.model.int8_lm_head and args.backend != "hf" else ")"
+    title += ", int8 LM head)" if settings.model.int8_head and args.backend != "hf" else ")"
     print(format_report(title, metrics))
     record = make_record("perplexity", args.backend, bench_args(args), workload, metrics, hardware_info(dtype, meter),
                          engine_settings=engine_settings)

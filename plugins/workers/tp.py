@@ -114,7 +114,7 @@ class TpWorker:
             packed_weights=settings.worker.packed_weights,
             gguf_decode=settings.worker.gguf_decode,
             quantization=settings.model.quantization,
-            int8_lm_head=settings.model.int8_lm_head,
+            int8_lm_head=settings.model.int8_head,
             kv_dtype=resolve_kv_dtype(settings.model.kv_cache_dtype, dtype),
             kv_huge_pages=settings.cache.kv_huge_pages,
         )
