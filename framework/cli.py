@@ -118,6 +118,9 @@ def cmd_generate(args) -> int:
     with Engine(settings) as engine:
         prompt = args.prompt
         if args.chat:
+            if getattr(engine.tokenizer, "chat_template", None) is None:
+                raise ValueError("--chat needs a chat template, and this model's tokenizer has none "
+                                 "(model.tokenizer_path names another tokenizer)")
             messages = [{"role": "user", "content": prompt}]
             prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}

@@ -101,7 +101,8 @@ class ModelSettings(_Section):
         "false: the LM head stays bf16, as in vLLM's W8A8 checkpoints.",
     )
     context_length: int | None = Field(
-        None, gt=0, description="Context length; empty: the model config's max_position_embeddings."
+        None, gt=0, description="Context length; empty: the model config's max_position_embeddings (its sliding "
+        "window where it has one). Longer than that is refused at start-up.",
     )
     is_embedding: bool = Field(
         False, description="Serve the model as an embedding model (/encode, /v1/embeddings) even though "

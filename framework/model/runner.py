@@ -19,14 +19,15 @@ from framework.distributed import get_parallel_context
 from framework.memory import ReqToTokenPool, TokenToKVPool
 from framework.model.cpu import packed_linear_supported, tune_allocator
 from framework.model.cpu_kernels import pick as pick_cpu_kernels
-from framework.model.config import ModelConfig
+from framework.model.config import ModelConfig, context_len_to_serve
 from framework.model.gguf_decode import use_gguf_decode
 from framework.model.int8 import min_rows as int8_min_rows
 from framework.model.int8 import (INT8_DOT_FLAGS, QUANTIZATIONS, Int8Ops, has_int8_dot, int_mm_is_exact,
                                   use_int8_weights)
 from framework.model.llama import use_cpu_kernels, use_packed_weights
 from framework.model.llava import build_model
-from framework.model.loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
+from framework.model.loader import (ModelFolderError, iter_safetensors, load_hf_config, load_tokenizer,
+                                    resolve_model)
 from framework.model.logits import LogitsOutput, compute_logits_output, fill_next_token_logprobs
 from framework.model.pooler import pool_last_token
 from framework.model.lora import LoraManager
@@ -68,6 +69,7 @@ class ModelRunner:
         quantization: model.quantization: "none", or "w8a8" for int8 GEMMs in the layers
             (framework/model/int8.py; bf16 on the CPU only).
         int8_lm_head: model.int8_lm_head: with "w8a8", the LM head in int8 too.
+        tokenizer_path: model.tokenizer_path: the tokenizer's folder when not `model_path`.
     """
 
     def __init__(
@@ -88,12 +90,13 @@ class ModelRunner:
         kv_huge_pages: bool | str = "auto",
         quantization: str = "none",
         int8_lm_head: bool = False,
+        tokenizer_path: str | None = None,
     ):
         if gguf_decode not in ("auto", "exact", "off"):
             raise ValueError(f"gguf_decode must be 'auto', 'exact' or 'off', got {gguf_decode!r}")
         hf_config = load_hf_config(model_path)
         self._setup(
-            hf_config, iter_safetensors(model_path), load_tokenizer(model_path), dtype,
+            hf_config, iter_safetensors(model_path), load_tokenizer(tokenizer_path or model_path), dtype,
             max_total_tokens, kv_cache_memory_bytes, max_running_requests, context_length,
             device, seed, lora_paths, cpu_kernels, packed_weights, kv_dtype, kv_huge_pages, quantization,
             int8_lm_head,
@@ -198,7 +201,11 @@ class ModelRunner:
         self.par = get_parallel_context()
         self.model_config, self.model = self._load_model(hf_config, weights)
         cfg = self.model_config
-        self.context_len = context_length or cfg.context_len
+        self.context_len = context_len_to_serve(cfg, context_length)
+        if cfg.sliding_window is not None and cfg.context_len < cfg.max_position_embeddings:
+            logger.info("Context capped at the model's sliding attention window, %d tokens (max_position_embeddings "
+                        "%d): within it full attention gives the model's outputs", cfg.context_len,
+                        cfg.max_position_embeddings)
         # Set for multimodal models: the scheduler expands image tokens with it.
         self.image_info = getattr(self.model, "image_info", None)
         # Wraps the targeted linear layers, so after the weights are in place and cast.
@@ -208,7 +215,14 @@ class ModelRunner:
 
     def _load_model(self, hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]]):
         model_config, model = build_model(hf_config, self.par)
-        model.load_weights(weights)
+        try:
+            model.load_weights(weights)
+        except ModelFolderError:
+            raise
+        except (KeyError, ValueError, RuntimeError) as exc:  # a weight unknown, missing or of another shape
+            message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            raise ModelFolderError(f"The weights do not fit the model's config.json "
+                                   f"({model_config.architecture}): {message}") from None
         use_cpu_kernels(model, self.cpu_kernels)
         model = model.to(device=self.device, dtype=self.dtype).eval()
         text = getattr(model, "language_model", model)  # llava: the packed and int8 copies are its language model's

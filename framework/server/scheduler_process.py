@@ -26,6 +26,7 @@ import zmq
 from framework.config import Settings, SettingsError
 from framework.distributed import ParallelContext, init_parallel
 from framework.messages import SchedulerFailed, SchedulerReady
+from framework.model.loader import ModelFolderError
 from framework.server.dp_controller import reporting_finished
 from framework.server.ipc import (
     IpcNames, freeze_startup_objects, make_socket, recv_waiting, setup_child_process,
@@ -78,7 +79,7 @@ def run_scheduler_process(
         if dp_attention and "dp-attention" not in scheduler.plugins.active:
             raise ValueError("parallel.enable_dp_attention needs the dp-attention plugin (it is disabled)")
     except Exception as exc:
-        if isinstance(exc, SettingsError):  # the settings' fault, said in full: no traceback
+        if isinstance(exc, (SettingsError, ModelFolderError)):  # the operator's to fix, said in full: no traceback
             logger.error("Scheduler start-up failed: %s", exc)
         else:
             logger.exception("Scheduler start-up failed")

@@ -47,12 +47,9 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def eos_ids_of(runner: ModelRunner) -> set[int]:
-    ids: set[int] = set()
-    eos = getattr(runner.model_config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(eos)
+    """The model config's EOS ids (one or a list: Llama 3's instruct models end turns with a
+    second one) and the tokenizer's."""
+    ids = set(runner.model_config.eos_token_ids)
     tokenizer = runner.tokenizer
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -117,6 +114,7 @@ class TpWorker:
             int8_lm_head=settings.model.int8_head,
             kv_dtype=resolve_kv_dtype(settings.model.kv_cache_dtype, dtype),
             kv_huge_pages=settings.cache.kv_huge_pages,
+            tokenizer_path=settings.model.tokenizer_path,
         )
         logger.info(
             "Loaded %s (%s, KV cache %s): max_total_num_tokens=%d, context_len=%d",
