@@ -316,6 +316,19 @@ def test_openai_chat_completions(oai):
         first.message.content[3:6])]
 
 
+def test_openai_nulls_are_defaults_and_errors_name_the_fields_sent(oai, http):
+    """`temperature=None` (sent as null by the client) is the default, as in the OpenAI API; an
+    error about the output length names the field the request gave (`max_completion_tokens`)."""
+    messages = [{"role": "user", "content": "Say hello."}]
+    resp = oai.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=2, temperature=None,
+                                       top_p=None, n=None, stream=None, logprobs=None)
+    assert len(resp.choices) == 1 and resp.usage.completion_tokens <= 2
+    resp = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                   "max_completion_tokens": 2, "min_tokens": 5})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == "min_tokens: must be <= max_completion_tokens (5 > 2)"
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 

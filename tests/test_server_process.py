@@ -68,6 +68,52 @@ def test_sigterm_stops_cleanly(tiny_model_folder, tmp_path):
         assert "Stopped by SIGTERM" in server.log()
 
 
+def test_sigterm_to_the_process_group_stops_cleanly(tiny_model_folder, tmp_path):
+    """systemd (KillMode=control-group) and `kill -TERM -- -PGID` signal every process of the
+    server at once: a child that exits first is part of the stop, not a death (it was logged as
+    one, and the server exited 1, most often while a client held a connection)."""
+    with running_server(tiny_server_args(tiny_model_folder), tmp_path / "server.log") as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            with client.stream("POST", "/generate", json={"text": "long", "stream": True, "sampling_params": {
+                    "max_new_tokens": 2000, "ignore_eos": True}}) as resp:
+                next(resp.iter_lines())
+                os.killpg(server.proc.pid, signal.SIGTERM)
+                assert _wait_exit(server.proc, 15) < 15
+        log = server.log()
+        assert server.proc.returncode == 0, log
+        assert "exited unexpectedly" not in log and "Stopped by SIGTERM" in log, log
+
+
+def test_a_child_that_exits_while_the_server_stops_is_not_a_death(monkeypatch):
+    """The supervisor's side of the test above, without its race: once uvicorn is stopping, an
+    exited child is left to _stop_children, not reported as a death (which made the exit status 1)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from framework.config import Settings
+    from framework.server import launch
+
+    monkeypatch.setattr(launch, "SUPERVISE_INTERVAL_S", 0.01)
+    launcher = launch.Launcher(Settings())
+    launcher.processes = {"detokenizer": SimpleNamespace(is_alive=lambda: False, exitcode=0)}
+    server = SimpleNamespace(started=False, should_exit=True)
+    dead = []
+    tm = SimpleNamespace(mark_dead=dead.append)
+
+    async def supervise_a_while():
+        task = asyncio.ensure_future(launcher._supervise(server, tm, None))
+        await asyncio.sleep(0.1)
+        task.cancel()
+
+    asyncio.run(supervise_a_while())
+    assert dead == [] and launcher.exit_code == 0
+    # While it serves, the same exit is a death.
+    server.should_exit = False
+    monkeypatch.setattr(launch, "DEATH_GRACE_S", 0.0)
+    asyncio.run(supervise_a_while())
+    assert dead and launcher.exit_code == 1
+
+
 def test_bad_model_path_fails_with_a_clear_message(tmp_path):
     import socket
 

@@ -119,6 +119,30 @@ def test_hold_back_stop_prefix():
     assert hold_back_stop_prefix("a\n", ["\n\n", "zz"]) == "a"
 
 
+# -- OpenAI request models ----------------------------------------------------------------------------
+
+
+def test_openai_null_for_an_optional_field_is_its_default():
+    """The OpenAI API takes null for every optional field, and the openai client sends
+    `temperature=None` as null: it means the default (it was refused with 400 before)."""
+    from pydantic import ValidationError
+
+    from framework.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    nulls = {"temperature": None, "top_p": None, "n": None, "presence_penalty": None, "frequency_penalty": None,
+             "stream": None, "stream_options": None, "seed": None, "stop": None, "logit_bias": None}
+    cmpl = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "max_tokens": None, "echo": None,
+                                             **nulls})
+    assert (cmpl.temperature, cmpl.top_p, cmpl.n, cmpl.max_tokens, cmpl.echo) == (1.0, 1.0, 1, 16, False)
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": None}],
+                                                 "logprobs": None, "max_completion_tokens": None, **nulls})
+    assert (chat.temperature, chat.logprobs, chat.stream, chat.messages[0].content) == (0.7, False, False, None)
+    # A required field's null is still refused.
+    for body in ({"model": None, "prompt": "hi"}, {"model": "m", "prompt": None}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate(body)
+
+
 # -- watchdog ---------------------------------------------------------------------------------------
 
 

@@ -358,7 +358,9 @@ class Launcher:
                 host, port = self.settings.server.host, self.settings.server.port
                 logger.info("batchyard is serving %s at http://%s:%d", info.model_name, host, port)
             for name, proc in self.processes.items():
-                if proc.is_alive():
+                # Once a signal stops the server, a child may exit first (systemd and `kill -- -PGID`
+                # signal the whole group): that is the stop, and _stop_children judges its status.
+                if proc.is_alive() or server.should_exit:
                     continue
                 reason = f"the {name} process exited unexpectedly (exit code {proc.exitcode})"
                 logger.error("%s; the server answers 503 and stops", reason.capitalize())

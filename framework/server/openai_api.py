@@ -232,12 +232,12 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
         identity = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
         ids = await tm.offload(_chat_input_ids, tm, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens == 0:  # (as OpenAI's: a chat answer has a token at least)
-            field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             raise ApiError(f"{field}: must be at least 1")
         top = tm.limits.check_top_logprobs_num(req.top_logprobs or 0, "top_logprobs")
         batch = await tm.offload(_batch, tm, req, [(ids, None)], req.sampling_dict(max_tokens, req.temperature),
-                                 req.logprobs, top, -1, identity)
+                                 req.logprobs, top, -1, identity, field)
         specs = await tm.expand_parallel(batch, request)
         rid, created = f"chatcmpl-{batch.specs[0].rid}", int(time.time())
 
@@ -358,16 +358,18 @@ def _prompts(tm: TokenizerManager, prompt: Any, name: str) -> list[tuple[list[in
 
 
 def _batch(tm: TokenizerManager, req, prompts, sampling: dict, return_logprob: bool,
-           top_logprobs_num: int, logprob_start_len: int,
-           identity: tuple[str | None, int | None, float | None]) -> GenerateBatch:
-    """The ReqSpecs of an OpenAI request (stop strings are tokenized: run it offloaded)."""
+           top_logprobs_num: int, logprob_start_len: int, identity: tuple[str | None, int | None, float | None],
+           max_tokens_field: str = "max_tokens") -> GenerateBatch:
+    """The ReqSpecs of an OpenAI request (stop strings are tokenized: run it offloaded). `max_tokens_field`:
+    the request's field that gave `max_new_tokens` (chat's `max_completion_tokens` or `max_tokens`)."""
     specs = []
     for ids, text in prompts:
         try:
             params = sampling_params_from(sampling, tm.tokenizer, name="")
         except ApiError as exc:
             # Name the OpenAI fields, not the native ones they map to.
-            exc.message = exc.message.replace("max_new_tokens", "max_tokens").replace("min_new_tokens", "min_tokens")
+            exc.message = (exc.message.replace("max_new_tokens", max_tokens_field)
+                           .replace("min_new_tokens", "min_tokens"))
             raise
         specs.append(ReqSpec(
             rid=new_rid(), input_ids=ids, sampling_params=params, input_text=text,

@@ -1,6 +1,7 @@
 """Request models of the OpenAI-compatible API (reference 3.2, `openai_api/protocol.py`).
 
-Types are strict (a string is not a number) and values are checked again by SamplingParams.
+Types are strict (a string is not a number) and values are checked again by SamplingParams; null
+for an optional field is its default, as in the OpenAI API.
 Unknown fields are ignored, as in the reference, so newer clients keep working.
 """
 
@@ -9,13 +10,23 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from framework.server.protocol import ApiError
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_the_default(cls, data: Any) -> Any:
+        # The OpenAI API takes null for every optional field (the openai client sends
+        # `temperature=None` as null); a required field's null is still refused.
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class StreamOptions(_Strict):
