@@ -235,6 +235,8 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens == 0:  # (as OpenAI's: a chat answer has a token at least)
             raise ApiError(f"{field}: must be at least 1")
+        if req.top_logprobs is not None and not req.logprobs:  # (as OpenAI and vLLM: else it came back empty)
+            raise ApiError("top_logprobs: needs logprobs: true")
         top = tm.limits.check_top_logprobs_num(req.top_logprobs or 0, "top_logprobs")
         batch = await tm.offload(_batch, tm, req, [(ids, None)], req.sampling_dict(max_tokens, req.temperature),
                                  req.logprobs, top, -1, identity, field)

@@ -151,6 +151,8 @@ SPECIFIC = [
     chat("top_p over one", top_p=2),
     chat("n zero", n=0),
     chat("top_logprobs without logprobs", top_logprobs=3, logprobs="yes"),
+    chat("top_logprobs with logprobs false", top_logprobs=3, logprobs=False),
+    chat("top_logprobs with logprobs left out", top_logprobs=0),
     chat("response_format without schema", response_format={"type": "json_schema"}),
     chat("bad response_format schema", response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
