@@ -244,6 +244,28 @@ static inline __mmask16 argmax_hits16(__mmask16 allowed, __m512 v, __m512 best, 
 }
 #endif
 
+/* The largest value of a bf16 row, or NaN where the row has one. */
+static float row_max_bf16(const uint16_t *row, int64_t d) {
+    float best = -INFINITY;
+    int has_nan = 0;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= d; i += 16) {
+        __m512 v = load16(row + i, KV_BF16);
+        has_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+        vmax = _mm512_max_ps(vmax, v);
+    }
+    best = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; i < d; i++) {
+        float v = bf16_to_f32(row[i]);
+        has_nan |= v != v;
+        if (v > best) best = v;
+    }
+    return has_nan ? NAN : best;
+}
+
 /* Index of the largest value of each bf16 row (the first on ties; the first NaN if there is one,
  * as torch.argmax), into out [rows]. A row is read once from memory for its maximum, then again
  * from the caches for the first index that holds it (16 lanes at a time: the scalar search took
@@ -251,24 +273,9 @@ static inline __mmask16 argmax_hits16(__mmask16 allowed, __m512 v, __m512 best, 
 static void argmax_rows(const uint16_t *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t d, int64_t *out) {
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *row = x + r * x_stride;
-        float best = -INFINITY;
+        const float best = row_max_bf16(row, d);
+        const int has_nan = best != best;
         int64_t i = 0;
-        int has_nan = 0;
-#ifdef __AVX512F__
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (; i + 16 <= d; i += 16) {
-            __m512 v = load16(row + i, 1);
-            has_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
-            vmax = _mm512_max_ps(vmax, v);
-        }
-        best = _mm512_reduce_max_ps(vmax);
-#endif
-        for (; i < d; i++) {
-            float v = bf16_to_f32(row[i]);
-            has_nan |= v != v;
-            if (v > best) best = v;
-        }
-        i = 0;
 #ifdef __AVX512F__
         const __m512 vbest = _mm512_set1_ps(best);
         for (; i + 16 <= d; i += 16) {
@@ -407,28 +414,6 @@ static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t k) {
 #endif
     for (; i < k; i++) s += bf16_to_f32(a[i]) * bf16_to_f32(b[i]);
     return s;
-}
-
-/* The largest value of a bf16 row, or NaN where the row has one. */
-static float row_max_bf16(const uint16_t *row, int64_t d) {
-    float best = -INFINITY;
-    int has_nan = 0;
-    int64_t i = 0;
-#ifdef __AVX512F__
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= d; i += 16) {
-        __m512 v = load16(row + i, KV_BF16);
-        has_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
-        vmax = _mm512_max_ps(vmax, v);
-    }
-    best = _mm512_reduce_max_ps(vmax);
-#endif
-    for (; i < d; i++) {
-        float v = bf16_to_f32(row[i]);
-        has_nan |= v != v;
-        if (v > best) best = v;
-    }
-    return has_nan ? NAN : best;
 }
 
 typedef struct {
