@@ -15,6 +15,7 @@ import pytest
 from framework.bench import datasets
 from framework.bench.datasets import BenchRequest
 from framework.bench.metrics import RequestResult, compute_metrics, summarize
+from framework.bench.results import read_jsonl
 from framework.cli import main as cli_main
 from framework.preload import running_allocator
 
@@ -710,6 +711,18 @@ def test_bench_plot_reads_bad_files_as_usage_errors(tmp_path, capsys):
                           (array, "line 1: expected a JSON object, got list")):
         assert cli_main(["bench", "plot", str(path), "-o", str(tmp_path / "p.png")]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_results_file_cut_short_at_its_end_keeps_its_whole_records(tmp_path, caplog):
+    """A run stopped while appending leaves a last line without its newline: that line is skipped
+    with a warning (a broken line anywhere else is still an error, above)."""
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"tool": "offline"}\n{"tool": "serving"}\n{"tool": "off')
+    assert read_jsonl(str(path)) == [{"tool": "offline"}, {"tool": "serving"}]
+    assert "line 3: cut short" in caplog.text
+    path.write_text('{"tool": "offline"}\n{"tool": "off\n')
+    with pytest.raises(ValueError, match="line 2: not JSON"):
+        read_jsonl(str(path))
 
 
 def test_sharegpt_refuses_a_count_below_one_whoever_calls_it(sharegpt_file):

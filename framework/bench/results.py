@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -13,6 +14,8 @@ import time
 from typing import Any, Iterator
 
 from framework.preload import running_allocator
+
+logger = logging.getLogger(__name__)
 
 
 def _first_cpu() -> dict[str, str]:
@@ -204,15 +207,20 @@ def check_output_file(path: str | None) -> None:
         raise ValueError(f"--output-file {path}: cannot be created ({existing} is not a writable folder)")
 
 
-def json_object_lines(lines, path: Any) -> Iterator[tuple[int, dict]]:
+def json_object_lines(lines, path: Any, appended: bool = False) -> Iterator[tuple[int, dict]]:
     """(line number, object) of each non-blank line of a JSONL file; ValueError naming the file
-    and the line of one that is not JSON or not a JSON object."""
+    and the line of one that is not JSON or not a JSON object. `appended` (`lines` as read, with
+    their newlines, from a file written a record at a time): a last line cut short, not JSON and
+    without its newline, is what a run stopped while writing it leaves: skipped with a warning."""
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
+            if appended and not line.endswith("\n"):
+                logger.warning("%s line %d: cut short (a run stopped while writing it?); skipped", path, number)
+                return
             raise ValueError(f"{path} line {number}: not JSON ({exc.msg})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path} line {number}: expected a JSON object, got {type(record).__name__}")
@@ -227,7 +235,7 @@ def read_jsonl(path: str) -> list[dict]:
             lines = f.readlines()
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    return [record for _, record in json_object_lines(lines, path)]
+    return [record for _, record in json_object_lines(lines, path, appended=True)]
 
 
 def format_report(title: str, metrics: dict[str, Any]) -> str:

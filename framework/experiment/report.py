@@ -73,7 +73,7 @@ def read_results(out_dir: Path) -> list[dict]:
     path = Path(out_dir) / RESULTS_FILE
     records = []
     with open(path, encoding="utf-8") as f:
-        for lineno, record in json_object_lines(f, path):
+        for lineno, record in json_object_lines(f, path, appended=True):
             missing = [k for k in RECORD_KEYS if k not in record]
             if missing:
                 raise ValueError(f"{path} line {lineno}: not an experiment record (no {', '.join(missing)})")
