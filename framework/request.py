@@ -216,6 +216,8 @@ class SamplingParams:
             )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"sampling_params.seed: must be an integer or null, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # (the draws key on its 64 bits)
+            raise ValueError(f"sampling_params.seed: must fit in 64 bits, got {self.seed}")
         if self.regex is not None or self.json_schema is not None:
             from framework.grammar import check_grammar_params  # imports xgrammar, only when used
 

@@ -139,6 +139,8 @@ SPECIFIC = [
     cmpl("logprobs negative", logprobs=-1),
     cmpl("logprobs huge", logprobs=10**12),
     cmpl("suffix", suffix="tail"),
+    cmpl("seed past 64 bits", seed=2**70),
+    chat("seed below -2**63", seed=-(2**70)),
     cmpl("bad regex", regex="[z-a]"),
     # /v1/chat/completions
     chat("unknown model", status=404, model="gpt-17"),
