@@ -38,8 +38,13 @@ class TorchProfiler:
             return False, "The profiler is already running; call /stop_profile first."
         try:
             os.makedirs(self.output_dir, exist_ok=True)
+            # A directory that exists but takes no files (permissions, a read-only mount) is
+            # refused now, not when /stop_profile writes the trace at the end of the session.
+            with tempfile.TemporaryFile(dir=self.output_dir):
+                pass
         except OSError as exc:
-            return False, f"Cannot create the profile directory {self.output_dir}: {exc}"
+            return False, (f"Cannot write to the profile directory {self.output_dir} (server.profile_dir): "
+                           f"{exc.strerror or exc}")
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)

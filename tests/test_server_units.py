@@ -397,3 +397,74 @@ def test_metrics_serve_the_last_gauges_while_the_scheduler_is_in_a_long_pass(tmp
         asyncio.run(scenario())
     finally:
         tm.close()
+
+
+def test_latencies_of_parallel_samples_count_their_prefix_warm_up(tmp_path):
+    """With n > 1 the prompt is first prefilled alone (AD5) and the samples are sent after it: their
+    first-token and e2e latencies were counted from then, leaving the prompt's prefill out."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from framework.messages import SchedulerReady, StrOutput
+    from framework.metrics import ServerMetrics
+    from framework.server.ipc import IpcNames
+    from framework.server.protocol import GenerateBatch, ReqSpec
+    from framework.server.tokenizer_manager import TokenizerManager
+
+    ipc = IpcNames(*(f"ipc://{tmp_path}/{n}" for n in ("t", "s", "d")))
+    ready = SchedulerReady(max_total_num_tokens=100, max_req_input_len=50, context_len=64, vocab_size=10, pid=0)
+    tm = TokenizerManager(ipc, ready, tokenizer=None, metrics=ServerMetrics("m"))
+    prefill_s = 0.3
+
+    def finish(rid: str, num_tokens: int) -> None:
+        meta = {"prompt_tokens": 3, "completion_tokens": num_tokens}
+        tm._on_output(StrOutput(rid, "", [1] * num_tokens, FinishLength(num_tokens), meta), time.monotonic())
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+
+        def send(msg):  # the scheduler: the warm-up takes the prefill, each sample then one step
+            if msg.rid.endswith("-prefix"):
+                loop.call_later(prefill_s, finish, msg.rid, 0)
+            else:
+                loop.call_soon(finish, msg.rid, 1)
+
+        tm.send_to_scheduler = SimpleNamespace(send_pyobj=send)
+        spec = ReqSpec(rid="a", input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=1), stream=True)
+        specs = await tm.expand_parallel(GenerateBatch([spec], n=2, stream=True))
+        await tm.run_all(specs)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        tm.close()
+    sample = tm.metrics.registry.get_sample_value
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert sample(f"batchyard:{name}_count", {"model_name": "m"}) == 2
+        assert sample(f"batchyard:{name}_sum", {"model_name": "m"}) >= 2 * prefill_s, name
+
+
+def test_the_request_log_has_a_line_for_an_aborted_request(tmp_path, caplog):
+    """server.log_requests logs every finished request; one that is aborted before it finishes (its
+    client gone, its timeout, a shutdown) had no line, a cut stream no line at all."""
+    from types import SimpleNamespace
+
+    from framework.messages import SchedulerReady
+    from framework.metrics import ServerMetrics
+    from framework.server.ipc import IpcNames
+    from framework.server.protocol import ReqSpec
+    from framework.server.tokenizer_manager import TokenizerManager
+
+    ipc = IpcNames(*(f"ipc://{tmp_path}/{n}" for n in ("t", "s", "d")))
+    ready = SchedulerReady(max_total_num_tokens=100, max_req_input_len=50, context_len=64, vocab_size=10, pid=0)
+    tm = TokenizerManager(ipc, ready, tokenizer=None, metrics=ServerMetrics("m"), log_requests=True)
+    sent = []
+    tm.send_to_scheduler = SimpleNamespace(send_pyobj=sent.append)
+    caplog.set_level("INFO", logger="framework.server.tokenizer_manager")
+    try:
+        tm.submit(ReqSpec(rid="gone", input_ids=[1, 2, 3], sampling_params=SamplingParams(), stream=True))
+        tm.release("gone")
+    finally:
+        tm.close()
+    assert [type(m).__name__ for m in sent] == ["GenerateReqInput", "AbortReq"]
+    assert re.search(r"Aborted request gone: prompt_tokens=3, completion_tokens=0, [0-9.]+ s", caplog.text)

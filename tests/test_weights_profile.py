@@ -110,3 +110,14 @@ def test_profile_without_a_dir_uses_the_default(make_engine, monkeypatch, tmp_pa
         engine.start_profile()
     path = engine.stop_profile()
     assert path.startswith(str(tmp_path / "batchyard-profiles")) and os.path.exists(path)
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys"), reason="needs /sys, a directory that takes no files")
+def test_a_profile_dir_that_takes_no_files_is_refused_at_start(make_engine):
+    """Found when profiling starts, not when the trace of the whole session is written (the
+    directory exists, so creating it succeeds; /sys takes no files, even from root)."""
+    engine = make_engine(server={"profile_dir": "/sys"})
+    with pytest.raises(ValueError, match=r"Cannot write to the profile directory /sys \(server.profile_dir\)"):
+        engine.start_profile()
+    with pytest.raises(ValueError, match="not running"):
+        engine.stop_profile()

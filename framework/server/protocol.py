@@ -58,6 +58,9 @@ class ReqSpec(GenerateReqInput):
     return_text_in_logprobs: bool = False
     # The request's images as sent (data URLs, paths, base64); preprocessed into `image_inputs`.
     image_data: list[str] | None = None
+    # time.monotonic() when the request was taken on, before a prefix warm-up (n > 1) that its
+    # latency metrics and request timeout must include; None: when it is submitted.
+    arrival: float | None = None
 
     def to_message(self) -> GenerateReqInput:
         """The scheduler's part of the spec (the tokenizer-side fields stay here)."""

@@ -316,7 +316,10 @@ class TokenizerManager:
         if spec.session_id is not None and spec.session_id not in self.open_sessions:
             raise ApiError(f"Invalid request: session id {spec.session_id} does not exist")
         self.check_input_ids(spec.input_ids, spec.session_id is not None)
-        self.states[spec.rid] = ReqState(spec=spec, is_warmup=is_warmup)
+        state = ReqState(spec=spec, is_warmup=is_warmup)
+        if spec.arrival is not None:
+            state.created = spec.arrival
+        self.states[spec.rid] = state
         self.send_to_scheduler.send_pyobj(spec.to_message())
 
     def submit_all(self, specs: list[ReqSpec], is_warmup: bool = False) -> None:
@@ -338,10 +341,12 @@ class TokenizerManager:
             return
         if not state.is_warmup:
             meta = state.out.meta_info if state.out is not None else {}
-            self.metrics.observe_finished(
-                meta.get("prompt_tokens", len(state.spec.input_ids)), meta.get("completion_tokens", 0),
-                time.monotonic() - state.created, "abort",
-            )
+            prompt_tokens = meta.get("prompt_tokens", len(state.spec.input_ids))
+            completion_tokens, elapsed = meta.get("completion_tokens", 0), time.monotonic() - state.created
+            self.metrics.observe_finished(prompt_tokens, completion_tokens, elapsed, "abort")
+            if self.log_requests:  # (client gone, timed out, shutdown: no "Finished request" line comes)
+                logger.info("Aborted request %s: prompt_tokens=%s, completion_tokens=%s, %.3f s",
+                            rid, prompt_tokens, completion_tokens, elapsed)
         if self.dead_reason is None and not self.is_closed:
             self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
@@ -428,7 +433,11 @@ class TokenizerManager:
         """The n samples of every prompt, prompt-major (reference AD5).
 
         With n > 1 each prompt is first run once with max_new_tokens = 0, so its KV is in the
-        prefix cache and the n samples share it instead of each prefilling the prompt."""
+        prefix cache and the n samples share it instead of each prefilling the prompt. Latencies
+        and `server.request_timeout` count from now: a weight update's wait and the warm-up count."""
+        arrival = time.monotonic()
+        for spec in batch.specs:
+            spec.arrival = arrival
         await self.wait_for_weight_update()
         if batch.n == 1:
             return batch.specs
