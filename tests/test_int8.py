@@ -297,6 +297,32 @@ def test_int8_lm_head_takes_the_logits(tied_model, monkeypatch, gemm):
     assert F.cosine_similarity(got.float(), want.float(), dim=1).min() > 0.99
 
 
+@needs_exact_int_mm
+def test_int8_lm_head_under_a_grammar_gives_the_bf16_heads_greedy_tokens(make_engine):
+    """A grammar mask can take out every column the int8 head recomputed in bf16 (a regex of digits,
+    far below the row's top): those near the largest allowed value get the bf16 head's values too,
+    so greedy outputs under the grammar are the bf16 head's (model.int8_lm_head = false) as well."""
+    params = {"max_new_tokens": 12, "temperature": 0, "regex": "[0-9]{12}"}
+    prompts = [f"Hello number {i}, tell me" for i in range(24)]
+    texts = {}
+    for head in ("auto", False):
+        engine = make_engine(model={"dtype": "bfloat16", "quantization": "w8a8", "int8_lm_head": head})
+        texts[head] = [o["text"] for o in engine.generate(prompts, sampling_params=params)]
+    assert all(len(t) == 12 and t.isdigit() for t in texts[False])
+    assert texts["auto"] == texts[False]
+
+
+@needs_exact_int_mm
+def test_embedding_models_get_no_int8_lm_head(tiny_embedding_folder):
+    """A decoder without LM head never runs one: w8a8 (int8_lm_head auto, on) makes no int8 copy of
+    its embedding table for it; the layers still go int8."""
+    runner = ModelRunner(tiny_embedding_folder, dtype=torch.bfloat16, max_total_tokens=512, quantization="w8a8",
+                         int8_lm_head=True)
+    assert runner.model_config.is_embedding
+    assert runner.model.lm_head_int8 is None and runner.model.lm_head_int8_ops is None
+    assert runner.model.model.layers[0].self_attn.qkv_proj.int8 is not None
+
+
 def test_int8_lm_head_needs_w8a8(hf_model):
     with pytest.raises(ValueError, match="int8_lm_head.*'none'"):
         _runner(hf_model, dtype=torch.bfloat16, int8_lm_head=True)

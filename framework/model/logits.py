@@ -42,6 +42,13 @@ class LogitsOutput:
     # [sum(draft_check.lens), vocab] in the model's dtype: row r scores draft token r (its
     # request's position before it). None without drafts.
     draft_logits: torch.Tensor | None = None
+    # The final hidden states of the rows of next_token_logits [bs, hidden] and of draft_logits, and
+    # how many rows the LM head ran on for next_token_logits (more with prompt logprobs): with an
+    # int8 LM head (model.int8_lm_head) ModelRunner.sample recomputes in bf16 the columns that a
+    # grammar mask or penalties leave on top.
+    next_token_hidden: torch.Tensor | None = None
+    head_rows: int = 0
+    draft_hidden: torch.Tensor | None = None
 
 
 def compute_logits_output(
@@ -59,7 +66,8 @@ def compute_logits_output(
     if batch.draft_check is not None:
         lens = batch.draft_check.lens
         rows = torch.cat([torch.arange(int(e) - 1 - n, int(e) - 1) for e, n in zip(ends.tolist(), lens) if n])
-        output.draft_logits = lm_head(hidden[rows])
+        output.draft_hidden = hidden[rows]
+        output.draft_logits = lm_head(output.draft_hidden)
     return output
 
 
@@ -68,7 +76,8 @@ def _next_token_logits(
 ) -> LogitsOutput:
     bs = batch.batch_size
     if not batch.return_logprob:
-        return LogitsOutput(next_token_logits=lm_head(hidden[ends - 1]))
+        last = hidden[ends - 1]
+        return LogitsOutput(next_token_logits=lm_head(last), next_token_hidden=last, head_rows=bs)
 
     starts = [int(e) - n for e, n in zip(ends.tolist(), batch.extend_lens)]
     # Without explicit start lens only the last row (the one to sample from) is computed.
@@ -77,7 +86,8 @@ def _next_token_logits(
         (starts[i] + start_lens[i], starts[i] + batch.extend_lens[i]) for i in range(bs)
     ]
     rows = torch.cat([torch.arange(a, b) for a, b in row_ranges])
-    logits = to_float32(lm_head(hidden[rows]))  # [num_rows, vocab]
+    head_input = hidden[rows]
+    logits = to_float32(lm_head(head_input))  # [num_rows, vocab]
     logprobs = torch.log_softmax(logits, dim=-1)
     num_rows_per_req = [b - a for a, b in row_ranges]
     last_rows = torch.tensor(num_rows_per_req).cumsum(0) - 1
@@ -124,6 +134,8 @@ def _next_token_logits(
         input_top_logprobs=input_tops,
         normalized_prompt_logprobs=normalized,
         next_token_top_logprobs=next_tops,
+        next_token_hidden=head_input[last_rows],
+        head_rows=rows.shape[0],
     )
 
 

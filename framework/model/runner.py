@@ -17,10 +17,12 @@ import torch
 from framework.batch import ModelWorkerBatch
 from framework.distributed import get_parallel_context
 from framework.memory import ReqToTokenPool, TokenToKVPool
-from framework.model.cpu import packed_linear_supported, tune_allocator
+from framework.grammar import apply_vocab_mask
+from framework.model.cpu import packed_linear_supported, to_float32, tune_allocator
 from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig, context_len_to_serve
 from framework.model.gguf_decode import use_gguf_decode
+from framework.model.int8 import HEAD_RESCORE_MARGIN, rescore_head_top
 from framework.model.int8 import min_rows as int8_min_rows
 from framework.model.int8 import (INT8_DOT_FLAGS, QUANTIZATIONS, Int8Ops, has_int8_dot, int_mm_is_exact,
                                   use_int8_weights)
@@ -240,12 +242,14 @@ class ModelRunner:
         if self.quantization == "w8a8":
             ops = Int8Ops.load() if self.cpu_kernels is not None else Int8Ops(None)  # (worker.cpu_kernels = off)
             start = time.perf_counter()
-            count = use_int8_weights(text, ops, lm_head=self.int8_lm_head)
+            # a decoder without LM head (an embedding model) would keep an int8 copy it never runs
+            head = self.int8_lm_head and not model_config.is_embedding
+            count = use_int8_weights(text, ops, lm_head=head)
             where = ("kernels/int8_ops.c's own GEMM on AVX512-VNNI, ends inside it" if ops.packs
                      else "torch._int_mm, ends in C" if ops.lib is not None else "torch._int_mm, ends in PyTorch")
             logger.info("model.quantization = 'w8a8': %d linear weights in int8%s (smoothed by a calibration pass, "
                         "%.1f s), passes of %d+ rows on int8 GEMMs (%s)", count,
-                        ", the LM head's among them" if self.int8_lm_head else "", time.perf_counter() - start,
+                        ", the LM head's among them" if head else "", time.perf_counter() - start,
                         int8_min_rows(ops.packs), where)
             if not has_int8_dot():
                 logger.warning("model.quantization = 'w8a8' on a CPU without an int8 dot product (%s): its int8 "
@@ -391,10 +395,53 @@ class ModelRunner:
         if batch.batch_size == 0 or batch.sampling_info is None:
             return torch.empty((0,), dtype=torch.int64)
         logits = logits_output.next_token_logits
-        next_token_ids = self.sampler(logits, batch.sampling_info.to(logits.device))
+        info = batch.sampling_info.to(logits.device)
+        hidden = logits_output.next_token_hidden
+        sampled = self._rescore_processed_top(logits, hidden, info) if self._int8_head_ran(
+            hidden, logits_output.head_rows) else logits
+        next_token_ids = self.sampler(sampled, info)
         if batch.return_logprob:
             fill_next_token_logprobs(logits_output, next_token_ids)
         return next_token_ids
+
+    def _int8_head_ran(self, hidden: torch.Tensor | None, rows: int) -> bool:
+        """Whether the LM head's pass of `rows` rows (`hidden` among them) ran on its int8 copy
+        (model.int8_lm_head; the condition of LlamaForCausalLM.compute_logits)."""
+        head8 = getattr(getattr(self.model, "language_model", self.model), "lm_head_int8", None)
+        if head8 is None or hidden is None:
+            return False
+        own = head8.packed is not None
+        return hidden.dtype == torch.bfloat16 and rows >= (1 if own else int8_min_rows(own))
+
+    def _rescore_processed_top(self, logits: torch.Tensor, hidden: torch.Tensor, info) -> torch.Tensor:
+        """An int8 LM head's logits [n, vocab] have the bf16 head's values within HEAD_RESCORE_MARGIN
+        of each row's largest (int8.rescore_head_top), but a grammar mask or penalties may take
+        those columns out (a grammar that allows digits only): the logits to sample from, where the
+        columns within the margin of the largest value they leave have the bf16 head's values too
+        (a copy; logprobs keep the head's), so greedy rows take the bf16 head's token under them as
+        well. `hidden` [n, k]: the rows' final hidden states."""
+        if info.vocab_mask is None and info.penalties is None:
+            return logits
+        processed = apply_vocab_mask(logits, info.vocab_mask)
+        if info.penalties is not None:
+            processed = info.penalties.apply(to_float32(processed))
+        top = processed.max(dim=1, keepdim=True).values
+        near = (processed >= top - HEAD_RESCORE_MARGIN) & torch.isfinite(top)
+        rows = near.any(dim=1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return logits
+        # Every column to recompute at 0 and the rest at -inf, so rescore_head_top recomputes
+        # exactly those, in the model's dtype, with the arithmetic of the head's own rescoring.
+        near = near[rows]
+        probe = torch.full(near.shape, float("-inf"), dtype=hidden.dtype, device=logits.device)
+        probe.masked_fill_(near, 0.0)
+        model = getattr(self.model, "language_model", self.model)
+        kernels = getattr(model, "kernels", None)
+        rescore_head_top(probe, hidden[rows].contiguous(), model.lm_head_weight,
+                         kernels.fused if kernels is not None else None)
+        logits = logits.clone()
+        logits[rows] = torch.where(near, probe.to(logits.dtype), logits[rows])
+        return logits
 
     @torch.inference_mode()
     def sample_drafts(self, logits_output: LogitsOutput, batch: ModelWorkerBatch) -> torch.Tensor:
@@ -402,6 +449,9 @@ class ModelRunner:
         check = batch.draft_check
         logits = logits_output.draft_logits
         info = check.sampling_info.to(logits.device)
+        hidden = logits_output.draft_hidden
+        if self._int8_head_ran(hidden, 0 if hidden is None else hidden.shape[0]):
+            logits = self._rescore_processed_top(logits, hidden, info)
         if info.is_all_greedy and info.penalties is None:
             return self.sampler.check_greedy(logits, info, torch.tensor(check.tokens, device=logits.device))
         return self.sampler(logits, info)
