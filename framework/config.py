@@ -129,8 +129,9 @@ class ModelSettings(_Section):
 
     @property
     def int8_head(self) -> bool:
-        """Whether the LM head runs in int8 (int8_lm_head resolved against quantization)."""
-        return self.quantization == "w8a8" and self.int8_lm_head is not False
+        """Whether the LM head runs in int8 (int8_lm_head resolved against quantization; an
+        embedding model runs no LM head)."""
+        return self.quantization == "w8a8" and self.int8_lm_head is not False and not self.is_embedding
 
     @model_validator(mode="after")
     def _int8_lm_head_needs_w8a8(self):

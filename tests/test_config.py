@@ -102,6 +102,7 @@ def test_the_int8_lm_head_comes_with_w8a8_unless_turned_off():
     assert Settings.load(None, model=w8a8).model.int8_head
     assert Settings.load(None, model={**w8a8, "int8_lm_head": True}).model.int8_head
     assert not Settings.load(None, model={**w8a8, "int8_lm_head": False}).model.int8_head
+    assert not Settings.load(None, model={**w8a8, "is_embedding": True}).model.int8_head  # (it has no use for one)
 
 
 def test_two_errors_two_lines(tmp_path):
