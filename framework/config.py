@@ -338,7 +338,8 @@ class ServerSettings(_Section):
         256, gt=0, description="Longest client id (native client_id, OpenAI user) in characters (longer: 400)."
     )
     enable_metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
-    log_requests: bool = Field(False, description="Log every finished request.")
+    log_requests: bool = Field(False, description="Log every finished or aborted request (at info level: "
+                               "log_level warning and above hides them).")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="Log level (trace: uvicorn's, the engine's own logs as debug).")
 
