@@ -140,6 +140,8 @@ SPECIFIC = [
     cmpl("logprobs huge", logprobs=10**12),
     cmpl("suffix", suffix="tail"),
     cmpl("seed past 64 bits", seed=2**70),
+    cmpl("stream_options without stream", stream_options={"include_usage": True}),
+    chat("stream_options with stream false", stream=False, stream_options={"include_usage": True}),
     chat("seed below -2**63", seed=-(2**70)),
     cmpl("bad regex", regex="[z-a]"),
     # /v1/chat/completions
