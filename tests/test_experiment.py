@@ -434,3 +434,13 @@ def test_a_real_cell_in_this_process_shows_its_requests_progress(monkeypatch):
     run_cells(cells, requests, Slo(), jobs=1, progress=True)
     run_cells(cells, requests, Slo(), jobs=1, progress=False)
     assert seen == [("real", True), ("sim", False), ("real", False), ("sim", False)]
+
+
+def test_the_mean_queue_is_over_time_not_over_iterations():
+    """A queue of 10 for the first second of a 10 s run averages 1, not the 3.3 of its three
+    samples (a drained queue's iterations are many and short)."""
+    from framework.experiment.metrics import time_mean_waiting
+
+    assert time_mean_waiting([(0.0, 10, 0), (1.0, 0, 1), (10.0, 0, 0)]) == pytest.approx(1.0)
+    assert time_mean_waiting([(0.0, 4, 0), (0.5, 2, 0), (0.75, 2, 0), (1.0, 0, 0)]) == pytest.approx(3.0)
+    assert time_mean_waiting([]) == 0.0 and time_mean_waiting([(2.0, 5, 0)]) == 5.0
