@@ -6,6 +6,9 @@
     out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
     Engine(model={"path": "/models/my-embedder"}).encode(["one", "two"])[1]["embedding"]
 
+Calls from several threads (a thread pool, `asyncio.to_thread`) are safe and run one at a time:
+each waits for the running call to finish; pass one list of prompts to batch them together.
+
 The Engine is one scheduler in this process, so it runs a single rank: parallel.tp_size > 1 is a
 start-up error pointing to `batchyard serve`, which runs one scheduler process per rank.
 """
@@ -163,6 +166,10 @@ class Engine:
         self._rid_counter = itertools.count()
         self._closed = False
         self._signals = _SignalGuard()
+        # One call drives the scheduler at a time: calls from several threads (a thread pool,
+        # asyncio.to_thread) wait their turn instead of stepping the same scheduler at once.
+        # Reentrant, so a call made from inside a call fails as before rather than deadlocking.
+        self._lock = threading.RLock()
         self._image_processor: ImageProcessor | None = None
 
     def _collect(self, batch_out: BatchTokenOut) -> None:
@@ -329,18 +336,21 @@ class Engine:
 
     def _run(self, messages: list[GenerateReqInput], single: bool) -> dict | list[dict]:
         """Check every request, then run them all to completion; their outputs as dicts."""
-        for msg in messages:
-            self._check(msg)
-        for msg in messages:
-            self.scheduler.send(msg)
-        rids = [m.rid for m in messages]
-        with self._signals.installed():
-            self._run_requests(rids)
-        results = [self._to_dict(self._outputs.pop(rid)) for rid in rids]
+        with self._lock:
+            self._check_open()
+            for msg in messages:
+                self._check(msg)
+            rids = [m.rid for m in messages]
+            with self._signals.installed():
+                self._run_requests(messages)
+            results = [self._to_dict(self._outputs.pop(rid)) for rid in rids]
         return results[0] if single else results
 
-    def _run_requests(self, rids: list[str]) -> None:
+    def _run_requests(self, messages: list[GenerateReqInput]) -> None:
+        rids = [m.rid for m in messages]
         try:
+            for msg in messages:  # (queued inside the guard: a Ctrl-C while queueing aborts them too)
+                self.scheduler.send(msg)
             self._run_until_done(rids)
         except BaseException:
             # Interrupted (Ctrl-C, a timeout's signal) between two scheduler iterations, or a
@@ -402,25 +412,29 @@ class Engine:
         }
 
     def flush_cache(self) -> bool:
-        self._check_open()
-        return self.scheduler.flush_cache()
+        with self._lock:
+            self._check_open()
+            return self.scheduler.flush_cache()
 
     def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
         """Load the weights of `model_path` (same architecture) without a restart; the prefix
         cache is flushed. On failure the old weights keep serving. Returns (success, message)."""
-        self._check_open()
-        return self.scheduler.update_weights(model_path)
+        with self._lock:
+            self._check_open()
+            return self.scheduler.update_weights(model_path)
 
     def start_profile(self) -> str:
         """Start the torch profiler (traces go to `server.profile_dir`); raises ValueError if
         it is already running."""
-        self._check_open()
-        return self._checked(self.scheduler.profile("start"))
+        with self._lock:
+            self._check_open()
+            return self._checked(self.scheduler.profile("start"))
 
     def stop_profile(self) -> str:
         """Stop the profiler and write its trace; returns the trace file's path."""
-        self._check_open()
-        return self._checked(self.scheduler.profile("stop"))
+        with self._lock:
+            self._check_open()
+            return self._checked(self.scheduler.profile("stop"))
 
     @staticmethod
     def _checked(reply: tuple[bool, str]) -> str:
@@ -430,10 +444,12 @@ class Engine:
         return message
 
     def shutdown(self) -> None:
-        """Stop the scheduler and its threads; later calls raise RuntimeError. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self.scheduler.shutdown()
+        """Stop the scheduler and its threads; later calls raise RuntimeError. Idempotent. From
+        another thread it waits for the running call to finish."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.scheduler.shutdown()
 
     def _check_open(self) -> None:
         if self._closed:

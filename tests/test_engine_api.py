@@ -89,6 +89,30 @@ def test_an_interrupt_inside_an_iteration_waits_for_its_end_and_leaves_the_engin
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_an_interrupt_while_the_requests_are_queued_leaves_none_behind(make_engine):
+    """Ctrl-C as a call queues its prompts (before its first iteration): the ones already queued
+    are aborted too, so the next call runs only its own and none stay in memory."""
+    engine = make_engine(scheduler={"check_leaks": True})
+    send = engine.scheduler.send
+    sent = []
+
+    def interrupted_send(message):
+        sent.append(message)
+        if len(sent) == 3:
+            raise KeyboardInterrupt
+        send(message)
+
+    engine.scheduler.send = interrupted_send
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate([f"prompt {i}" for i in range(5)], PARAMS)
+    finally:
+        engine.scheduler.send = send
+    assert not engine.scheduler.has_work() and not engine._outputs
+    outs = engine.generate(["all is well"], PARAMS)
+    assert len(outs) == 1 and not engine._outputs and not engine.scheduler.has_work()
+
+
 def test_a_second_interrupt_inside_an_iteration_raises_at_once(tiny_model_folder, default_sigint):
     """Ctrl-C pressed again while an iteration runs (a hung plugin, a long prefill) is not held
     back: the caller insists. The Engine's handlers are the caller's again after the call."""
@@ -130,3 +154,42 @@ def test_a_shut_down_engine_refuses_work(make_engine):
 def test_encode_names_the_inputs_it_takes(make_engine):
     with pytest.raises(ValueError, match=r"^give exactly one of prompt or input_ids$"):
         make_engine().encode()
+
+
+def test_calls_from_several_threads_take_turns_and_each_gets_its_own_results(make_engine):
+    """A thread pool sharing one Engine: each call steps the scheduler alone (the others wait)
+    and gets the outputs of its own prompts, in order, as a call made alone would."""
+    import threading
+    import time
+
+    engine = make_engine(scheduler={"check_leaks": True})
+    batches = [[f"thread {i} prompt {j}" for j in range(4)] for i in range(3)]
+    alone = [[out["output_ids"] for out in engine.generate(prompts, PARAMS)] for prompts in batches]
+    run_once = engine.scheduler.run_once
+    inside, most_inside = [], []
+
+    def slow_run_once():
+        inside.append(1)
+        most_inside.append(len(inside))
+        time.sleep(0.002)  # room for another thread to step in, were it let in
+        try:
+            return run_once()
+        finally:
+            inside.pop()
+
+    engine.scheduler.run_once = slow_run_once
+    results, errors = {}, []
+
+    def job(i):
+        try:
+            results[i] = [out["output_ids"] for out in engine.generate(batches[i], PARAMS)]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(len(batches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and max(most_inside) == 1
+    assert [results[i] for i in range(len(batches))] == alone
