@@ -6,6 +6,8 @@
     out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
     Engine(model={"path": "/models/my-embedder"}).encode(["one", "two"])[1]["embedding"]
 
+`input_ids` may also be numpy arrays or torch tensors of integers (one, or a list of them).
+
 Calls from several threads (a thread pool, `asyncio.to_thread`) are safe and run one at a time:
 each waits for the running call to finish; pass one list of prompts to batch them together.
 
@@ -74,6 +76,16 @@ def _one_per_prompt(name: str, value: Any, num_prompts: int) -> list[Any]:
 
 def _is_ids(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _plain_ids(input_ids: Any) -> Any:
+    """input_ids with numpy arrays, torch tensors and their integer scalars (a batch job's ids
+    often come as them) as Python lists and ints; anything else as it is (_prompts checks it)."""
+    if isinstance(input_ids, (list, tuple)):
+        return [_plain_ids(x) for x in input_ids]
+    if hasattr(input_ids, "tolist") and hasattr(input_ids, "dtype"):
+        return input_ids.tolist()
+    return input_ids
 
 
 # Signals whose Python handler may raise into the scheduler's iteration; their default actions
@@ -287,6 +299,8 @@ class Engine:
             return single, [[0] * len(e) for e in embeds], [None] * len(embeds), embeds
         if prompt is not None and not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}")
+        if input_ids is not None:
+            input_ids = _plain_ids(input_ids)
         if input_ids is not None and not _is_ids(input_ids) and not (
             isinstance(input_ids, (list, tuple)) and input_ids and all(_is_ids(x) for x in input_ids)
         ):

@@ -193,3 +193,20 @@ def test_calls_from_several_threads_take_turns_and_each_gets_its_own_results(mak
         thread.join(timeout=60)
     assert not errors and max(most_inside) == 1
     assert [results[i] for i in range(len(batches))] == alone
+
+
+def test_input_ids_as_numpy_arrays_or_tensors_are_token_lists(make_engine):
+    """A batch job's ids often come as numpy arrays or torch tensors: taken as their integers
+    (they were refused as "not a list of integers"); float arrays are still refused."""
+    import numpy as np
+    import torch
+
+    engine = make_engine()
+    ids = [[5, 6, 7, 8], [9, 10, 11]]
+    want = [o["output_ids"] for o in engine.generate(input_ids=ids, sampling_params=PARAMS)]
+    as_arrays = [np.array(x, dtype=np.int64) for x in ids]
+    assert [o["output_ids"] for o in engine.generate(input_ids=as_arrays, sampling_params=PARAMS)] == want
+    assert engine.generate(input_ids=torch.tensor(ids[0]), sampling_params=PARAMS)["output_ids"] == want[0]
+    assert engine.generate(input_ids=[np.int32(t) for t in ids[1]], sampling_params=PARAMS)["output_ids"] == want[1]
+    with pytest.raises(ValueError, match="input_ids must be a list of integers"):
+        engine.generate(input_ids=np.array([1.5, 2.0]), sampling_params=PARAMS)
