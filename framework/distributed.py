@@ -230,6 +230,16 @@ def check_replicas_layout(par: "ParallelSettings") -> None:
         )
 
 
+def check_lora_layout(par: "ParallelSettings", lora_paths: list[str]) -> None:
+    """LoRA adapters are loaded whole into each layer, so they need unsharded layers (DP attention
+    shards the MLP too); data-parallel replicas each load their own copy and are fine."""
+    if lora_paths and par.tp_size > 1:
+        raise ParallelConfigError(
+            f"model.lora_paths: LoRA adapters need parallel.tp_size = 1 (got {par.tp_size}); "
+            "for several replicas use parallel.dp_size"
+        )
+
+
 def check_model_fits(config: "ModelConfig", tp: int, dp_attention: bool) -> None:
     """Every rank must get whole attention heads and an equal slice of the MLP."""
     problems = []

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from framework.distributed import ParallelConfigError, check_layout, check_model_fits, node_ranks
+from framework.distributed import ParallelConfigError, check_layout, check_lora_layout, check_model_fits, node_ranks
 from framework.config import ParallelSettings
 from framework.model.config import ModelConfig
 from tests.conftest import assert_same_greedy
@@ -140,6 +140,22 @@ def test_tp_size_that_does_not_divide_the_heads_fails_at_start(tiny_model_folder
 
     assert serve(tiny_settings(tiny_model_folder, parallel={"tp_size": 3})) == 1
     assert "parallel.tp_size: the model's 4 attention heads do not divide into tp_size=3 ranks" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"tp_size": 2, "enable_dp_attention": True}])
+def test_lora_adapters_with_sharded_layers_fail_at_start(tiny_model_folder, capfd, parallel):
+    """Adapters are loaded whole: before the check, each rank died on a shape mismatch instead."""
+    from framework.server.launch import serve
+    from tests.conftest import tiny_settings
+
+    settings = tiny_settings(tiny_model_folder, parallel=parallel, model={"lora_paths": ["a=/no/such/adapter"]})
+    assert serve(settings) == 1
+    assert "model.lora_paths: LoRA adapters need parallel.tp_size = 1 (got 2)" in capfd.readouterr().err
+
+
+def test_lora_adapters_with_replicas_pass_the_layout_check():
+    check_lora_layout(ParallelSettings(dp_size=2), ["a=/adapters/a"])
+    check_lora_layout(ParallelSettings(tp_size=2), [])
 
 
 def test_engine_refuses_tensor_parallelism(tiny_model_folder):

@@ -39,7 +39,7 @@ from multiprocessing.connection import Connection, wait
 import uvicorn
 
 from framework.config import Settings
-from framework.distributed import ParallelConfigError, check_layout, check_model_fits, node_ranks
+from framework.distributed import ParallelConfigError, check_layout, check_lora_layout, check_model_fits, node_ranks
 from framework.images import ImageProcessor
 from framework.messages import SchedulerFailed, SchedulerReady
 from framework.metrics import ServerMetrics
@@ -235,6 +235,7 @@ class Launcher:
         par = self.settings.parallel
         try:
             check_layout(par, one_replica)
+            check_lora_layout(par, self.settings.model.lora_paths)
             check_model_fits(language_model_config(load_hf_config(model_folder)), par.tp_size,
                              par.enable_dp_attention)
         except ParallelConfigError as exc:
