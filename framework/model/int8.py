@@ -431,10 +431,10 @@ def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True, lm_head: b
     pass (`input_maxima`). Under TP the row-parallel layers (o, down: split by their inputs) keep
     their bf16 GEMMs, and the column-parallel ones (qkv, gate-up: each rank its own output columns)
     take int8; under LoRA the base product is int8 and the adapters' deltas are added in bf16, as on
-    the bf16 weights. With
-    `lm_head` (model.int8_lm_head) the LM head gets an int8 copy too (smoothed the same way), which
-    `compute_logits` then runs every pass on where it has the own kernel's packed copy, passes of
-    `min_rows` rows or more on torch._int_mm; without it the LM head has none."""
+    the bf16 weights. With `lm_head` (model.int8_lm_head) the LM head gets an int8 copy too
+    (smoothed the same way), which `compute_logits` then runs every pass on where it has the own
+    kernel's packed copy, passes of `min_rows` rows or more on torch._int_mm; without it the LM head
+    has none."""
     from framework.model.llama import Linear, LlamaDecoderLayer, LlamaMLP, RowParallelLinear
 
     maxima, head_maxima = input_maxima(model) if ops is not None and smooth else (None, None)
