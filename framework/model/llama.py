@@ -34,6 +34,7 @@ from framework.model.cpu import (gemm_rows, pack_linear_weight, packed_linear, p
 from framework.model.cpu_kernels import CpuKernels, FusedOps
 from framework.model.decode_path import DecodePath
 from framework.model.int8 import Int8Ops, Int8Weight, QuantizedRows, rescore_head_top
+from framework.model.int8 import min_rows as int8_min_rows
 from framework.model.int8 import takes as takes_int8
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
@@ -498,12 +499,18 @@ class LlamaForCausalLM(nn.Module):
             return 0
         return kernels.gemm.rows if kernels.gemm is not None and self.lm_head_tiles is not None else 0
 
+    def int8_head_fewest(self) -> int | None:
+        """The fewest rows a compute_logits pass runs the int8 LM head on (model.int8_lm_head), or
+        None without one. On the own int8 kernel every pass, as the head's int8 bytes (half of
+        bf16's) win where they set the time too (one-stream decode steps, docs/configuration.md)."""
+        head8 = self.lm_head_int8
+        if head8 is None:
+            return None
+        return 1 if head8.packed is not None else int8_min_rows(False)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model's dtype (callers widen to fp32 where they need it)."""
-        head8 = self.lm_head_int8
-        # model.int8_lm_head on the own int8 kernel: every pass, as the head's int8 bytes (half of
-        # bf16's) win where they set the time too (one-stream decode steps, docs/configuration.md)
-        fewest = 1 if head8 is not None and head8.packed is not None else None
+        head8, fewest = self.lm_head_int8, self.int8_head_fewest()
         # The logits are read once, by the sampler after the whole GEMM: streamed past the caches.
         logits = linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.kernels, self.lm_head_tiles,
                         stream=True, int8=head8, int8_ops=self.lm_head_int8_ops, int8_fewest=fewest)

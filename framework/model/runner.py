@@ -17,8 +17,7 @@ import torch
 from framework.batch import ModelWorkerBatch
 from framework.distributed import get_parallel_context
 from framework.memory import ReqToTokenPool, TokenToKVPool
-from framework.grammar import apply_vocab_mask
-from framework.model.cpu import packed_linear_supported, to_float32, tune_allocator
+from framework.model.cpu import packed_linear_supported, tune_allocator
 from framework.model.cpu_kernels import pick as pick_cpu_kernels
 from framework.model.config import ModelConfig, context_len_to_serve
 from framework.model.gguf_decode import use_gguf_decode
@@ -407,11 +406,9 @@ class ModelRunner:
     def _int8_head_ran(self, hidden: torch.Tensor | None, rows: int) -> bool:
         """Whether the LM head's pass of `rows` rows (`hidden` among them) ran on its int8 copy
         (model.int8_lm_head; the condition of LlamaForCausalLM.compute_logits)."""
-        head8 = getattr(getattr(self.model, "language_model", self.model), "lm_head_int8", None)
-        if head8 is None or hidden is None:
-            return False
-        own = head8.packed is not None
-        return hidden.dtype == torch.bfloat16 and rows >= (1 if own else int8_min_rows(own))
+        model = getattr(self.model, "language_model", self.model)
+        fewest = model.int8_head_fewest() if hasattr(model, "int8_head_fewest") else None
+        return fewest is not None and hidden is not None and hidden.dtype == torch.bfloat16 and rows >= fewest
 
     def _rescore_processed_top(self, logits: torch.Tensor, hidden: torch.Tensor, info) -> torch.Tensor:
         """An int8 LM head's logits [n, vocab] have the bf16 head's values within HEAD_RESCORE_MARGIN
@@ -422,9 +419,7 @@ class ModelRunner:
         well. `hidden` [n, k]: the rows' final hidden states."""
         if info.vocab_mask is None and info.penalties is None:
             return logits
-        processed = apply_vocab_mask(logits, info.vocab_mask)
-        if info.penalties is not None:
-            processed = info.penalties.apply(to_float32(processed))
+        processed = self.sampler.processed(logits, info)
         top = processed.max(dim=1, keepdim=True).values
         near = (processed >= top - HEAD_RESCORE_MARGIN) & torch.isfinite(top)
         rows = near.any(dim=1).nonzero().squeeze(1)

@@ -50,16 +50,7 @@ class Sampler:
             return torch.empty((0,), dtype=torch.int64)
         if info.is_all_greedy and info.penalties is None:
             return self.masked_argmax(logits, info.vocab_mask)
-        logits = apply_vocab_mask(logits, info.vocab_mask)  # an fp32 copy when there is a mask
-        if info.penalties is not None:
-            # A copy: the caller keeps the raw logits for logprobs.
-            masked, logits = logits, info.penalties.apply(to_float32(logits))
-            if info.vocab_mask is not None:
-                # The grammar wins: a row whose grammar allows only tokens the penalties mask (its
-                # end, under min_new_tokens) keeps the grammar's choice, not a token of no logit.
-                dead = ~torch.isfinite(logits).any(dim=-1)
-                if bool(dead.any()):
-                    logits[dead] = to_float32(masked[dead])
+        logits = self.processed(logits, info)
         greedy_ids = self.argmax(logits)
         if info.is_all_greedy:
             return greedy_ids
@@ -84,6 +75,22 @@ class Sampler:
             ids[rows] = _sample_filtered(probs[rows], top_ks[rows], info.top_ps[rows], info.min_ps[rows],
                                          _seeds_of(info.seeds, rows))
         return torch.where(info.top_ks <= 1, greedy_ids, ids)
+
+    @staticmethod
+    def processed(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """The logits the tokens are chosen from: the grammar's vocab mask, then the penalties.
+        A copy where either applies (the caller keeps the raw logits for logprobs); `logits` itself
+        where neither does."""
+        logits = apply_vocab_mask(logits, info.vocab_mask)  # an fp32 copy when there is a mask
+        if info.penalties is not None:
+            masked, logits = logits, info.penalties.apply(to_float32(logits))
+            if info.vocab_mask is not None:
+                # The grammar wins: a row whose grammar allows only tokens the penalties mask (its
+                # end, under min_new_tokens) keeps the grammar's choice, not a token of no logit.
+                dead = ~torch.isfinite(logits).any(dim=-1)
+                if bool(dead.any()):
+                    logits[dead] = to_float32(masked[dead])
+        return logits
 
     def check_greedy(self, logits: torch.Tensor, info: SamplingBatchInfo, expected: torch.Tensor) -> torch.Tensor:
         """What `self(logits, info)` returns when every row is greedy without penalties and
