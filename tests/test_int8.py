@@ -312,6 +312,21 @@ def test_int8_lm_head_under_a_grammar_gives_the_bf16_heads_greedy_tokens(make_en
     assert texts["auto"] == texts[False]
 
 
+def test_int8_lm_head_under_a_grammar_and_penalties_gives_the_bf16_heads_greedy_tokens(make_engine):
+    """The same with penalties on top of the grammar (a repetition penalty; min_new_tokens past the
+    grammar's end, where the grammar wins): the recomputed columns are chosen from the logits the
+    sampler chooses from (Sampler.processed)."""
+    params = {"max_new_tokens": 8, "min_new_tokens": 6, "temperature": 0, "regex": "[0-9]{4}",
+              "repetition_penalty": 1.3}
+    prompts = [f"Hello number {i}, tell me" for i in range(16)]
+    texts = {}
+    for head in ("auto", False):
+        engine = make_engine(model={"dtype": "bfloat16", "quantization": "w8a8", "int8_lm_head": head})
+        texts[head] = [o["text"] for o in engine.generate(prompts, sampling_params=params)]
+    assert all(len(t) == 4 and t.isdigit() for t in texts[False])
+    assert texts["auto"] == texts[False]
+
+
 @needs_exact_int_mm
 def test_embedding_models_get_no_int8_lm_head(tiny_embedding_folder):
     """A decoder without LM head never runs one: w8a8 (int8_lm_head auto, on) makes no int8 copy of
