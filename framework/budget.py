@@ -83,7 +83,10 @@ class PrefillAdder:
         self.log_input_tokens += extend_input_len
 
     def _clipped_max_new(self, req: "Req") -> int:
-        return min(req.sampling_params.max_new_tokens, self.clip_max_new_tokens)
+        # Tokens still to decode: a retracted request re-prefills its outputs, so they are in its
+        # extend length already. The reference reserves all of max_new_tokens again, and a request
+        # retracted late never fits an empty pool (prompt + outputs + max_new_tokens > the pool).
+        return min(req.sampling_params.max_new_tokens - len(req.output_ids), self.clip_max_new_tokens)
 
     def _truncate(self, req: "Req", extend_len: int) -> None:
         req.extend_input_len = extend_len
@@ -177,7 +180,8 @@ class PrefillAdder:
                 self.req_states.append(state)
                 self.req_states.sort()
 
-        cur_rem = self.cur_rem_tokens - len(req.origin_input_ids)
+        # A retracted request re-prefills its outputs too (the reference charges the prompt only).
+        cur_rem = self.cur_rem_tokens - len(req.origin_input_ids) - len(req.output_ids)
         freed = 0
         for i, (tokens_left, tokens_occupied) in enumerate(self.req_states):
             decoded = sum(min(t, tokens_left) for t, _ in self.req_states)

@@ -125,3 +125,27 @@ def test_ignore_eos_admission_is_exact_on_a_cache_that_shares_nothing():
     results = [adder.add_one_req(make_req(list(range(100)), max_new=60, ignore_eos=True)) for _ in range(4)]
     assert len(adder.can_run_list) == 3
     assert results[3] == AddReqResult.NO_TOKEN
+
+
+def retracted_req(ids, outputs, max_new, ignore_eos=False):
+    """A request retracted after `outputs` tokens: it re-prefills its prompt and those outputs."""
+    req = Req("r", ids, SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos))
+    req.output_ids = [5] * outputs
+    req.init_next_round_input()
+    return req
+
+
+def test_a_retracted_request_reserves_only_the_tokens_it_has_left(radix):
+    # 100 prompt + 200 outputs re-prefilled + 180 left = 480 of 500: it fits (the reference
+    # reserves all 380 again, 680, and the request waits forever even in an empty pool).
+    adder = adder_for(radix, total=500)
+    assert adder.add_one_req(retracted_req(list(range(100)), 200, 380)) == AddReqResult.CONTINUE
+    assert adder.rem_total_tokens == 500 - 300 - 180
+
+
+def test_ignore_eos_admission_counts_a_retracted_requests_outputs():
+    cache = ChunkCache(ReqToTokenPool(4, 512), TokenToKVPool(1000, torch.float32, 1, 1, 1))
+    # 100 prompt + 100 outputs re-prefilled + 150 left = 350 tokens: not in 300.
+    adder = adder_for(cache, total=300, inputs=10000)
+    assert adder.add_one_req(retracted_req(list(range(100)), 100, 250, ignore_eos=True)) == AddReqResult.NO_TOKEN
+    assert adder.can_run_list == []
