@@ -25,7 +25,7 @@ from framework.messages import (
 )
 from framework.multimodal import IMAGE_TOO_LONG_MESSAGE, ImageInputs, expand_image_tokens, image_count_problem
 from framework.plugins import PluginHookError
-from framework.request import FinishAbort, Req, request_kind_error
+from framework.request import FinishAbort, Req, input_too_long_message, request_kind_error
 from framework.sessions import SessionError
 
 logger = logging.getLogger("framework.scheduler")
@@ -69,10 +69,8 @@ class IntakeMixin:
         if len(input_ids) == 0:
             return "The prompt is empty: give at least one token."
         if len(input_ids) > self.max_req_input_len:
-            return (
-                f"The input ({len(input_ids)} tokens) is longer than the model's context length "
-                f"allows ({self.max_req_input_len} tokens)."
-            )
+            return input_too_long_message(len(input_ids), self.worker.context_len, self.max_total_num_tokens,
+                                          self.max_req_input_len)
         return None
 
     def validate_lora(self, lora_path: str | None) -> str | None:
@@ -81,6 +79,14 @@ class IntakeMixin:
             return None
         loaded = ", ".join(self.lora_names) if self.lora_names else "none (see model.lora_paths)"
         return f"lora_path: unknown LoRA adapter {lora_path!r}; loaded adapters: {loaded}"
+
+    def validate_session_logprob_start(self, req: Req) -> str | None:
+        """Why a session request's `logprob_start_len` is past its input, or None (the server
+        checks it against the prompt, but a session's history is known only here)."""
+        if req.session_id is None or req.logprob_start_len < len(req.origin_input_ids):
+            return None
+        return (f"logprob_start_len: must be < the prompt length ({len(req.origin_input_ids)}), "
+                f"got {req.logprob_start_len}")
 
     def validate_request(self, msg: GenerateReqInput) -> str | None:
         """Why a request cannot be served by this model, or None (before any session history)."""
@@ -140,14 +146,12 @@ class IntakeMixin:
             req.logprob_start_len = len(req.origin_input_ids) - 1
         error = (
             error or image_error or self.validate_input(req.origin_input_ids)
-            or self.validate_lora(req.lora_path)
+            or self.validate_session_logprob_start(req) or self.validate_lora(req.lora_path)
         )
         if error is not None:
             # Rejected before it takes any memory (the reference prefills first, QUIRK 5).
             self.reject(req, error)
             return
-        if msg.session_id is not None:
-            self.sessions.record(msg.session_id, msg.session_rid, req)
         params = req.sampling_params
         if params.has_output_penalties() and not self.worker.supports_output_penalties:
             # Reference W4: under the overlap scheduler these penalties are ignored with a warning.
@@ -163,6 +167,9 @@ class IntakeMixin:
         )
         if not self.structured.submit(req):  # a request with a grammar waits for its compilation
             self.enqueue(req)
+        if msg.session_id is not None and not req.finished():
+            # Only once taken in: a plugin's refusal in enqueue leaves the history as it was.
+            self.sessions.record(msg.session_id, msg.session_rid, req)
 
     def enqueue(self, req: Req) -> None:
         self.waiting_queue.append(req)

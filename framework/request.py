@@ -318,6 +318,17 @@ def check_logprob_args(return_logprob: Any, logprob_start_len: Any, top_logprobs
         raise ValueError(f"top_logprobs_num: must be <= {max_top}, got {top_logprobs_num}")
 
 
+def input_too_long_message(num_tokens: int, context_len: int, max_total_num_tokens: int,
+                           max_req_input_len: int) -> str:
+    """Why an input of `num_tokens` is refused, naming the limit that binds: the model's context
+    or a smaller KV pool (cache.max_total_tokens / cache.kv_cache_memory_mb)."""
+    limit = (f"the model's context length allows (context_len {context_len})"
+             if context_len <= max_total_num_tokens else
+             f"the KV pool allows (max_total_num_tokens {max_total_num_tokens}: "
+             "cache.max_total_tokens / cache.kv_cache_memory_mb)")
+    return f"The input ({num_tokens} tokens) is longer than {limit}: at most {max_req_input_len} tokens."
+
+
 # ---------------------------------------------------------------------------------------------
 # Request kinds and input_embeds
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from framework import hookimpl
 from framework.messages import (
     CloseSessionReq,
     FlushCacheReq,
@@ -271,6 +272,83 @@ def test_a_refused_session_request_leaves_the_history(tiny_model_folder):
     assert last["x"].finished_reason.is_error and last["y"].finished_reason.is_error
     assert not last["c"].finished_reason.is_error, last["c"].finished_reason
     assert last["c"].meta_info["prompt_tokens"] == 2 + 2 + 1 + 2 + 1
+    sched.shutdown()
+
+
+class _RefuseRid:
+    """Raises in on_request_received for one rid: the plugin's refusal of that request."""
+
+    def __init__(self, rid: str):
+        self.rid = rid
+
+    @hookimpl
+    def on_request_received(self, req, view):
+        if req.rid == self.rid:
+            raise ValueError("refused")
+
+
+def test_a_session_request_refused_by_a_plugin_leaves_the_history(tiny_model_folder):
+    """A plugin's refusal at intake is answered 400 like any other refusal, so it cuts nothing:
+    the history it would have branched away from can still be continued."""
+    from framework.scheduler import Scheduler
+
+    outputs = []
+    sched = Scheduler(tiny_settings(tiny_model_folder), output_sink=outputs.append, reply_sink=lambda r: None,
+                      extra_plugins=(_RefuseRid("x"),))
+
+    def gen(rid, ids, **kw):
+        return GenerateReqInput(rid=rid, input_ids=ids, sampling_params=_greedy(sched, 2), session_id="s", **kw)
+
+    _run_messages(sched, OpenSessionReq("s", 10, request_id="o"), gen("a", [5, 6]))
+    _run_messages(sched, gen("b", [7], session_rid="a"))
+    _run_messages(sched, gen("x", [8], session_rid="a"), gen("c", [9], session_rid="b"))
+    last = {o.rid: o for batch in outputs for o in batch.outputs}
+    assert last["x"].finished_reason.is_error and not last["x"].output_ids
+    assert not last["c"].finished_reason.is_error, last["c"].finished_reason
+    assert last["c"].meta_info["prompt_tokens"] == 2 + 2 + 1 + 2 + 1
+    sched.shutdown()
+
+
+def test_a_session_request_over_the_kv_pool_names_the_pool(tiny_model_folder):
+    """The scheduler checks a session request's length (its history is known only there) and named
+    the model's context even where the smaller KV pool binds, unlike the server's own check."""
+    from framework.scheduler import Scheduler
+
+    outputs = []
+    sched = Scheduler(tiny_settings(tiny_model_folder, cache={"max_total_tokens": 100}),
+                      output_sink=outputs.append, reply_sink=lambda r: None)
+    assert sched.max_total_num_tokens < sched.worker.context_len
+
+    def gen(rid, ids, **kw):
+        return GenerateReqInput(rid=rid, input_ids=ids, sampling_params=_greedy(sched, 2), session_id="s", **kw)
+
+    _run_messages(sched, OpenSessionReq("s", 10, request_id="o"), gen("a", [5] * 60))
+    _run_messages(sched, gen("b", [6] * 40, session_rid="a"))
+    reason = {o.rid: o for batch in outputs for o in batch.outputs}["b"].finished_reason
+    assert reason.is_error
+    assert "The input (102 tokens) is longer than the KV pool allows (max_total_num_tokens 100" in reason.message
+    sched.shutdown()
+
+
+def test_a_session_request_logprob_start_past_its_input_is_refused(tiny_model_folder):
+    """The server checks `logprob_start_len` against the prompt, but a session request's prompt
+    (its history included) is known only to the scheduler: it was taken silently, with no prompt
+    logprobs, where the same request without a session is refused."""
+    from framework.scheduler import Scheduler
+
+    outputs = []
+    sched = Scheduler(tiny_settings(tiny_model_folder), output_sink=outputs.append, reply_sink=lambda r: None)
+
+    def gen(rid, ids, **kw):
+        return GenerateReqInput(rid=rid, input_ids=ids, sampling_params=_greedy(sched, 2), session_id="s", **kw)
+
+    _run_messages(sched, OpenSessionReq("s", 10, request_id="o"), gen("a", [5, 6]))
+    _run_messages(sched, gen("past", [7], session_rid="a", return_logprob=True, logprob_start_len=5),
+                  gen("last", [7], session_rid="a", return_logprob=True, logprob_start_len=4))
+    last = {o.rid: o for batch in outputs for o in batch.outputs}
+    assert last["past"].finished_reason.is_error
+    assert "logprob_start_len: must be < the prompt length (5), got 5" in last["past"].finished_reason.message
+    assert not last["last"].finished_reason.is_error, last["last"].finished_reason
     sched.shutdown()
 
 

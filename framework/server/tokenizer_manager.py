@@ -40,7 +40,7 @@ from framework.messages import (
 )
 from framework.images import ImageError, ImageProcessor
 from framework.metrics import ServerMetrics
-from framework.request import FinishAbort, request_kind_error
+from framework.request import FinishAbort, input_too_long_message, request_kind_error
 from framework.server.ipc import IpcNames, make_socket
 from framework.server.limits import RequestLimits, max_token_bytes
 from framework.server.protocol import ApiError, GenerateBatch, ReqSpec
@@ -296,14 +296,8 @@ class TokenizerManager:
             raise ApiError("The prompt is empty: give at least one token.")
         if len(ids) > self.ready.max_req_input_len:
             ready = self.ready
-            # Whichever is smaller binds: the model's context or the KV pool (cache.max_total_tokens).
-            limit = (f"the model's context length allows (context_len {ready.context_len})"
-                     if ready.context_len <= ready.max_total_num_tokens else
-                     f"the KV pool allows (max_total_num_tokens {ready.max_total_num_tokens}: "
-                     "cache.max_total_tokens / cache.kv_cache_memory_mb)")
-            raise ApiError(
-                f"The input ({len(ids)} tokens) is longer than {limit}: at most {ready.max_req_input_len} tokens."
-            )
+            raise ApiError(input_too_long_message(len(ids), ready.context_len, ready.max_total_num_tokens,
+                                                  ready.max_req_input_len))
 
     def submit(self, spec: ReqSpec, is_warmup: bool = False) -> None:
         """Check and send one request; its outputs are read with `outputs(rid)`."""
