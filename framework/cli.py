@@ -44,7 +44,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for dotted, info, ann in iter_fields():
         # argparse formats help with %: a description's own ("~40 % of") must be escaped
         help_text = (info.description or "").replace("%", "%%")
-        kwargs: dict[str, Any] = {"dest": "set:" + dotted, "default": argparse.SUPPRESS, "help": help_text}
+        kwargs: dict[str, Any] = {"dest": "set:" + dotted, "default": argparse.SUPPRESS, "help": help_text,
+                                  "metavar": dotted.rsplit(".", 1)[-1].upper()}  # (not the dest's SET:...)
         base = _strip_optional(ann)
         if base is bool:
             kwargs.update(type=_parse_bool, metavar="BOOL")
@@ -67,6 +68,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if not key.startswith("set:"):
             continue
         section, field = key[4:].split(".", 1)
+        if value == [""]:  # a list flag given `""` alone: empty, as `""` empties it in TOML and env
+            value = ""
         overrides.setdefault(section, {})[field] = value
     return Settings.load(args.config, **overrides)
 

@@ -542,9 +542,12 @@ def format_validation_error(exc: ValidationError, prefix: str = "", model: type[
 
 
 def _meant_field(model: type[BaseModel], loc: tuple) -> str | None:
-    """The dotted path of the field `loc`'s last part probably meant, or None."""
+    """The dotted path of the field `loc`'s last part probably meant, or None: a close spelling in
+    its own section, else the one section that has a setting of that name (a key written above
+    every section header, or under another)."""
     import difflib
 
+    root = model
     for part in loc[:-1]:
         info = model.model_fields.get(str(part))
         inner = getattr(info, "annotation", None) if info is not None else None
@@ -552,7 +555,12 @@ def _meant_field(model: type[BaseModel], loc: tuple) -> str | None:
             return None
         model = inner
     close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
-    return ".".join([*(str(p) for p in loc[:-1]), close[0]]) if close else None
+    if close:
+        return ".".join([*(str(p) for p in loc[:-1]), close[0]])
+    if root is Settings:
+        owners = [dotted for dotted, _, _ in iter_fields() if dotted.rsplit(".", 1)[-1] == str(loc[-1])]
+        return owners[0] if len(owners) == 1 else None
+    return None
 
 
 def iter_fields(model: type[BaseModel] = Settings, prefix: str = ""):

@@ -359,6 +359,11 @@ class PluginManager:
         for name in sorted(disabled - set(self.installed)):
             logger.warning("plugins.disable: no installed plugin is named %r (installed: %s)", name,
                            ", ".join(sorted(self.installed)))
+        for name in sorted(disabled & set(self.installed)):
+            kind = self.installed[name].kind
+            if kind in SELECTED_KINDS:  # (chosen by plugins.<kind> alone: disable does not apply)
+                logger.warning("plugins.disable: %r is a %s plugin, chosen by plugins.%s; only observer and "
+                               "default plugins can be disabled", name, kind, kind)
         chosen = {"policy": selection.policy, "cache": selection.cache, "worker": selection.worker}
         # An extra plugin object of a selected kind (framework.testing) takes the named one's place.
         replaced = {getattr(p, "PLUGIN_KIND", None) for p in extra_plugins} & set(SELECTED_KINDS)

@@ -72,6 +72,14 @@ def test_every_commands_help_prints_with_every_setting():
     assert with_settings >= 4
 
 
+def test_settings_flags_show_a_plain_value_name():
+    """`--server.port PORT`, not argparse's name from the internal dest (`SET:SERVER.PORT`)."""
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
+    assert "SET:" not in text
+    assert "--server.port PORT" in text and "--scheduler.enable-mixed-chunk BOOL" in text
+    assert "--model.lora-paths [LORA_PATHS ...]" in text
+
+
 def test_non_positive_chunk_size_disables_chunking():
     assert Settings.load(None, scheduler={"chunked_prefill_size": 0}).scheduler.chunked_prefill_size is None
 
@@ -143,6 +151,18 @@ def test_an_empty_setting_can_be_written_in_toml_env_and_flags(tmp_path, monkeyp
     assert Settings.load(None, model={"path": ""}).model.path is None
 
 
+def test_an_empty_flag_empties_a_list_setting(tmp_path):
+    """docs: `--flag ""` sets a setting whose default is empty back to empty; for a list setting
+    it came through as [""] (a plugin named "" to disable, an adapter "" refused)."""
+    path = write(tmp_path, '[plugins]\ndisable = ["clients"]\n[model]\nlora_paths = ["a=/adapters/a"]\n')
+    args = build_parser().parse_args(["config", "--config", str(path), "--plugins.disable", "",
+                                      "--model.lora-paths", ""])
+    s = settings_from_args(args)
+    assert s.plugins.disable == [] and s.model.lora_paths == []
+    args = build_parser().parse_args(["config", "--plugins.disable", "clients", "faults"])
+    assert settings_from_args(args).plugins.disable == ["clients", "faults"]
+
+
 def test_a_misspelt_env_section_is_refused(monkeypatch):
     monkeypatch.setenv("BATCHYARD_SCHEDULAR__MAX_PREFILL_TOKENS", "1")
     with pytest.raises(SettingsError, match="BATCHYARD_SCHEDULAR__MAX_PREFILL_TOKENS: no settings section 'schedular'"):
@@ -200,6 +220,20 @@ def test_a_misspelt_toml_setting_names_the_one_it_probably_meant(tmp_path):
     lines = str(caught.value).splitlines()
     assert "server.prot: Extra inputs are not permitted (got 8000) (did you mean server.port?)" in lines
     assert "scheduler.no_such_option: Extra inputs are not permitted (got 1)" in lines
+
+
+def test_a_setting_in_the_wrong_section_names_its_section(tmp_path):
+    """A key above every section header (TOML puts it at the top level) or under another section
+    is the common slip; the error names the section it belongs to (when only one has it)."""
+    path = write(tmp_path, "port = 8000\n[scheduler]\nkv_cache_memory_mb = 512\nhost = 'x'\n[cache]\n"
+                           "eviction = 'lru'\n")
+    with pytest.raises(SettingsError) as caught:
+        Settings.load(path)
+    lines = str(caught.value).splitlines()
+    assert "port: Extra inputs are not permitted (got 8000) (did you mean server.port?)" in lines
+    assert ("scheduler.kv_cache_memory_mb: Extra inputs are not permitted (got 512) "
+            "(did you mean cache.kv_cache_memory_mb?)") in lines
+    assert "scheduler.host: Extra inputs are not permitted (got 'x') (did you mean server.host?)" in lines
 
 
 def test_a_log_level_is_taken_in_any_case(monkeypatch):

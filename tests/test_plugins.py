@@ -242,6 +242,17 @@ def test_an_unknown_name_in_plugins_disable_is_warned_about(caplog):
     assert "plugins.disable: no installed plugin is named 'clientz'" in caplog.text
 
 
+def test_a_selected_kind_in_plugins_disable_is_warned_about(caplog):
+    """plugins.disable leaves observer and default plugins inactive; a policy, cache or worker
+    named there stays as plugins.<kind> selects it (disable = ["radix"] kept the radix cache),
+    which the log now says instead of nothing."""
+    manager = PluginManager(Settings.load(None, plugins={"disable": ["radix", "fcfs"]}))
+    assert "radix" in manager.active
+    assert ("plugins.disable: 'radix' is a cache plugin, chosen by plugins.cache; only observer and "
+            "default plugins can be disabled") in caplog.text
+    assert "plugins.disable: 'fcfs' is a policy plugin, chosen by plugins.policy;" in caplog.text
+
+
 def test_cli_config_checks_the_plugin_sections(tmp_path):
     path = tmp_path / "s.toml"
     path.write_text("[plugin.lpm]\nin_batch_prefix_cachin = false\n")

@@ -129,6 +129,31 @@ def test_bad_model_path_fails_with_a_clear_message(tmp_path):
     assert "does not exist" in proc.stderr
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--plugins.policy", "lifoo"], "plugins.policy: unknown policy plugin 'lifoo'"),
+    (["--config", "{toml}"], "plugin.lpm.in_batch_prefix_cachin: Extra inputs are not permitted"),
+])
+def test_a_plugin_setting_error_is_one_line_before_anything_starts(tmp_path, flags, message):
+    """An unknown plugin name or a misspelt [plugin.*] option is refused by the launcher, as
+    `batchyard config` refuses it: one line, before a scheduler process is spawned (it printed a
+    PluginError traceback from the scheduler process)."""
+    import socket
+
+    toml = tmp_path / "serve.toml"
+    toml.write_text("[plugin.lpm]\nin_batch_prefix_cachin = false\n")
+    with socket.socket() as probe:  # a free port (the launcher tries the address first)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "framework.cli", "serve", "--server.port", str(port),
+         *[f.format(toml=toml) for f in flags]],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "Cannot start the server: " in proc.stderr and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "scheduler]" not in proc.stderr, proc.stderr
+
+
 def test_a_settings_error_in_the_scheduler_is_one_line(tiny_model_folder, tmp_path):
     """A KV pool too small for any request is the settings' fault: the scheduler says so without
     a traceback, and the server exits."""

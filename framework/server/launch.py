@@ -43,6 +43,7 @@ from framework.distributed import ParallelConfigError, check_layout, check_lora_
 from framework.images import ImageProcessor
 from framework.messages import SchedulerFailed, SchedulerReady
 from framework.metrics import ServerMetrics
+from framework.plugins import PluginManager
 from framework.server.detokenizer import run_detokenizer_process
 from framework.server.dp_controller import run_dp_controller_process
 from framework.server.http_server import ServerInfo, build_app
@@ -183,6 +184,10 @@ class Launcher:
         env_rank = dp_rank_from_env()
         if env_rank is not None and env_rank >= par.dp_size:
             raise ValueError(f"DP_RANK={env_rank} names no replica: parallel.dp_size is {par.dp_size}")
+        # The plugin selection and [plugin.*] sections, as `batchyard config` checks them: one line
+        # now, rather than a scheduler process's traceback after it has started (on a copy: the
+        # check turns the sections into their models).
+        PluginManager(settings.model_copy(deep=True))
         if par.node_rank == 0:
             check_bind(settings.server.host, settings.server.port)  # before the model loads
         # Resolved here first so a first-time GGUF conversion happens once, not in every process.
