@@ -411,6 +411,8 @@ class Settings(BaseSettings):
         """
         data: dict = {}
         if config_path is not None:
+            if not str(config_path).strip():  # (Path("") is the current directory)
+                raise SettingsError("--config: empty path; give a TOML file")
             path = Path(config_path)
             try:
                 data = tomllib.loads(path.read_text(encoding="utf-8"))

@@ -128,6 +128,8 @@ def test_missing_and_broken_files(tmp_path):
         Settings.load(write(tmp_path, "[server\n"))
     with pytest.raises(SettingsError, match="is a directory; give a TOML file"):
         Settings.load(tmp_path)
+    with pytest.raises(SettingsError, match="empty path"):  # (not "config file  is a directory")
+        Settings.load("")
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes("[model]\nserved_model_name = 'caf\u00e9'\n".encode("latin-1"))
     with pytest.raises(SettingsError, match="not UTF-8 text"):
