@@ -55,6 +55,9 @@ def open_image(data: Any, index: int = 0):
         return image.convert("RGB")
     except (UnidentifiedImageError, OSError) as exc:
         raise ImageError(f"{name}: not a readable image ({exc})") from None
+    except Exception as exc:  # corrupt data: Pillow's decoders raise ValueError, NotImplementedError,
+        # its DecompressionBombError (an image of over 2 x Image.MAX_IMAGE_PIXELS pixels), ...
+        raise ImageError(f"{name}: not a readable image ({type(exc).__name__}: {exc})") from None
 
 
 def _b64decode(text: str, name: str) -> bytes:
@@ -94,11 +97,13 @@ class ImageProcessor:
 
         w, h = image.size
         scale = self.size / min(w, h)
-        image = image.resize((max(self.size, round(w * scale)), max(self.size, round(h * scale))),
-                             Image.Resampling.BICUBIC)
-        w, h = image.size
-        left, top = (w - self.size) // 2, (h - self.size) // 2
-        image = image.crop((left, top, left + self.size, top + self.size))
+        resized_w, resized_h = max(self.size, round(w * scale)), max(self.size, round(h * scale))
+        left, top = (resized_w - self.size) // 2, (resized_h - self.size) // 2
+        # Resize only the region of the center crop (the `box`, in source pixels): resizing the whole
+        # image first would scale a 1 x 10^6 pixel image (a few bytes of PNG) to gigabytes.
+        sx, sy = w / resized_w, h / resized_h
+        box = (left * sx, top * sy, (left + self.size) * sx, (top + self.size) * sy)
+        image = image.resize((self.size, self.size), Image.Resampling.BICUBIC, box=box)
         data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
         x = data.reshape(self.size, self.size, 3).permute(2, 0, 1).to(torch.float32) / 255.0
         mean = torch.tensor(self.mean).reshape(3, 1, 1)
@@ -115,12 +120,19 @@ def images_per_prompt(image_data: Any, count: int, is_batch: bool) -> list[list[
     """`image_data` as one list of images (or None) per prompt.
 
     A single prompt takes one image or a list of images; a batch takes a list with one entry
-    (an image, a list of images, or null) per prompt.
+    (an image, a list of images, or null) per prompt. An empty list is no image, as null is.
     """
     if image_data is None:
         return [None] * count
     if not is_batch:
-        return [image_data if isinstance(image_data, list) else [image_data]]
+        return [_image_list(image_data)]
     if not isinstance(image_data, list) or len(image_data) != count:
         raise ImageError(f"image_data: a batch of {count} prompts needs a list with one entry per prompt")
-    return [None if d is None else (d if isinstance(d, list) else [d]) for d in image_data]
+    return [_image_list(d) for d in image_data]
+
+
+def _image_list(images: Any) -> list[Any] | None:
+    """One prompt's images as a list; None for none (null or an empty list)."""
+    if images is None or (isinstance(images, list) and not images):
+        return None
+    return images if isinstance(images, list) else [images]

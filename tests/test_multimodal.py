@@ -59,6 +59,23 @@ def png_data_url(seed: int, size: int = 40) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def png_of_size(width: int, height: int) -> str:
+    """Base64 of a black 1-bit PNG of any size: a few bytes for a 20000 x 20000 image (a PNG bomb)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = zlib.compress((b"\x00" * (1 + (width + 7) // 8)) * height, 9)
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
+    return base64.b64encode(png).decode()
+
+
+PNG_BOMB = png_of_size(20000, 20000)  # 4 * 10^8 pixels in 65 kB: over Pillow's limit
+
+
 def image_prompt(num_images: int = 1) -> str:
     return "Describe " + " and ".join([IMAGE_TOKEN] * num_images) + " in a few words:"
 
@@ -188,6 +205,9 @@ def test_image_request_longer_than_the_pool_is_aborted(make_llava_engine):
         (image_prompt(1), base64.b64encode(b"not an image").decode(), "not a readable image"),
         (image_prompt(1), 42, "must be a non-empty string"),
         (image_prompt(1), None, "for 0 image(s)"),  # the token would go in as text
+        (image_prompt(1), [], "for 0 image(s)"),  # an empty list is no image
+        (image_prompt(1), PNG_BOMB, "DecompressionBombError"),
+        (image_prompt(1), base64.b64encode(b"P6\n").decode(), "not a readable image"),  # Pillow: ValueError
     ],
 )
 def test_bad_image_input(llava_engine, prompt, image_data, error):
@@ -195,6 +215,44 @@ def test_bad_image_input(llava_engine, prompt, image_data, error):
     with pytest.raises(ValueError) as caught:
         llava_engine.generate(prompt, GREEDY, image_data=image_data)
     assert error in str(caught.value)
+
+
+def test_empty_image_list_is_no_image(llava_engine):
+    out = llava_engine.generate("Hello", GREEDY, image_data=[])
+    assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+    outs = llava_engine.generate(["Hello", image_prompt()], GREEDY, image_data=[[], png_data_url(1)])
+    assert [len(o["output_ids"]) for o in outs] == [GREEDY["max_new_tokens"]] * 2
+
+
+def test_long_thin_image_is_not_resized_whole(monkeypatch):
+    """A 1 x 200000 image (a few hundred bytes of PNG) becomes its center crop without first being
+    resized whole (to 32 x 6.4 * 10^6 pixels: seconds and gigabytes for a 1 x 10^6 one)."""
+    from PIL import Image
+
+    from framework.images import ImageProcessor, open_image
+
+    sizes = []
+    resize = Image.Image.resize
+
+    def spy(self, size, *args, **kwargs):
+        sizes.append(size)
+        return resize(self, size, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "resize", spy)
+    processor = ImageProcessor(IMAGE_SIZE)
+    assert processor.pixels(open_image(png_of_size(1, 200_000))).shape == (3, IMAGE_SIZE, IMAGE_SIZE)
+    assert max(w * h for w, h in sizes) <= IMAGE_SIZE * IMAGE_SIZE
+
+    # The same pixels as resizing the whole image and cropping its center (CLIP's processor).
+    w, h = 50, 300
+    yy, xx = np.mgrid[0:h, 0:w]
+    image = Image.fromarray(np.stack([xx * 5, yy * 255 // h, (xx + yy) % 256], -1).astype(np.uint8))
+    whole = resize(image, (IMAGE_SIZE, round(h * IMAGE_SIZE / w)), Image.Resampling.BICUBIC)
+    top = (whole.size[1] - IMAGE_SIZE) // 2
+    crop = torch.tensor(np.asarray(whole.crop((0, top, IMAGE_SIZE, top + IMAGE_SIZE)))).permute(2, 0, 1) / 255.0
+    std = torch.tensor(processor.std).reshape(3, 1, 1)
+    expected = (crop - torch.tensor(processor.mean).reshape(3, 1, 1)) / std
+    assert torch.allclose(processor.pixels(image), expected, atol=1.01 / 255 / std.min().item())
 
 
 def test_text_model_refuses_images(make_engine):
@@ -268,11 +326,22 @@ def test_http_image_request_longer_than_the_pool(http):
         ({"text": [image_prompt()] * 2, "image_data": [png_data_url(1)]}, "one entry per prompt"),
         ({"text": image_prompt(), "image_data": 7}, "must be a non-empty string"),
         ({"text": image_prompt()}, "for 0 image(s)"),
+        ({"text": image_prompt(), "image_data": []}, "for 0 image(s)"),
+        ({"text": [image_prompt()] * 2, "image_data": [[], png_data_url(1)]}, "for 0 image(s)"),
+        ({"text": image_prompt(), "image_data": PNG_BOMB}, "DecompressionBombError"),
+        ({"text": image_prompt(), "image_data": "UDYK"}, "not a readable image"),  # "P6\n": Pillow's ValueError
     ],
 )
 def test_http_bad_image_input(http, body, error):
     resp = http.post("/generate", json=body)
     assert resp.status_code == 400 and error in resp.json()["error"]["message"], resp.text
+    assert post_generate(http, png_data_url(1)).status_code == 200
+    assert_server_idle(http)
+
+
+def test_http_empty_image_list_is_no_image(http):
+    resp = http.post("/generate", json={"text": "Hello", "image_data": [], "sampling_params": GREEDY})
+    assert resp.status_code == 200 and len(resp.json()["output_ids"]) == GREEDY["max_new_tokens"], resp.text
 
 
 def test_http_update_weights_from_disk(http, llava_folder, llava_tokenizer, tmp_path_factory):

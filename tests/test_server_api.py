@@ -450,6 +450,13 @@ def test_bad_input_is_4xx_json(http, closed_session, case):
     assert generate(http, text="still alive", sampling_params={"max_new_tokens": 2})["meta_info"]
 
 
+def test_embeddings_on_a_generation_model_name_the_model_kind(http):
+    """With `dimensions` too: the answer is that this is no embedding model, not a size to retry with."""
+    for extra in ({}, {"dimensions": 5}):
+        resp = http.post("/v1/embeddings", json={"model": MODEL, "input": "hi", **extra})
+        assert resp.status_code == 400 and "not appear to be an embedding model" in resp.text, resp.text
+
+
 def test_bad_streamed_request_is_4xx_before_the_stream(http):
     resp = http.post("/generate", json={"text": "hi", "stream": True, "session": ["no-such-session", None]})
     assert resp.status_code == 400 and "session" in resp.json()["error"]["message"]

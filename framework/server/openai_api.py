@@ -308,7 +308,8 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
     async def embeddings(request: Request):
         req = _validate(EmbeddingRequest, await read_json(request, tm.limits), model_name)
         client_id, priority, slo_ttft_ms = tm.limits.check_identity(req.user, req.priority, req.slo_ttft_ms, "user")
-        if req.dimensions is not None and req.dimensions != tm.ready.hidden_size:
+        # (A generation model is refused below, as not being an embedding model, whatever the size.)
+        if req.dimensions is not None and not tm.ready.is_generation and req.dimensions != tm.ready.hidden_size:
             raise ApiError(f"dimensions: this model's embeddings have {tm.ready.hidden_size} dimensions")
         if req.input == [] or req.input == "":
             raise ApiError("input: must not be empty")
