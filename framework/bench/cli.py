@@ -78,6 +78,35 @@ def positive_float(text: str) -> float:
 positive_float.__name__ = "number > 0"
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 1 to 65535 (another was found after the workload was built)."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be at most 65535, got {value}")
+    return value
+
+
+port_number.__name__ = "port"
+
+
+def http_url(text: str) -> str:
+    """argparse type: an http(s) URL with a host, as `--base-url` (a bad one failed in aiohttp's
+    words, after the workload was built)."""
+    from urllib.parse import urlsplit
+
+    try:
+        url = urlsplit(text)
+        _ = url.port  # ValueError for a port that is not one (99999, a word)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a URL: {text!r} ({exc})") from None
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise argparse.ArgumentTypeError(f"not an http:// or https:// URL with a host: {text!r}")
+    return text
+
+
+http_url.__name__ = "URL"
+
+
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASET_NAMES, default="sharegpt")
@@ -125,15 +154,16 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--backend", choices=("batchyard", "openai", "vllm", "llamacpp"), default="batchyard",
                    help="batchyard: native /generate; openai: /v1/completions; vllm: `vllm serve`'s "
                         "/v1/completions with token ids; llamacpp: llama-server's native /completion")
-    p.add_argument("--base-url", help="server URL (default http://HOST:PORT)")
+    p.add_argument("--base-url", type=http_url, help="server URL (default http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--model", help="model name for the openai backend (default: the server's first)")
+    p.add_argument("--port", type=port_number, default=30000)
+    p.add_argument("--model", help="model name for the openai and vllm backends (default: the server's first)")
     p.add_argument("--tokenizer", help="model folder or .gguf whose tokenizer builds the prompts")
     p.add_argument("--request-rate", type=positive_float, default=float("inf"),
                    help="Poisson arrival rate in req/s; inf sends everything at once")
     p.add_argument("--max-concurrency", type=positive_int, help="cap on requests in flight")
-    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--warmup-requests", type=non_negative_int, default=1,
+                   help="requests sent (outputs capped at 32) before the clock starts")
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after the warm-up")
     p.add_argument("--extra-request-body", type=json_object, help="JSON merged into every request body")
     add_dataset_args(p)
@@ -162,7 +192,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--hf-batch-size", type=int, default=32, help="batch size of static HF generate")
     p.add_argument("--hf-max-batch-tokens", type=int, default=2048,
                    help="tokens per step of HF continuous batching (its prefill chunk)")
-    p.add_argument("--warmup-requests", type=int, default=16, help="random 256-in/16-out warm-up requests")
+    p.add_argument("--warmup-requests", type=non_negative_int, default=16,
+                   help="random 256-in/16-out warm-up requests")
     p.add_argument("--extra-sampling-params", type=json_object, metavar="JSON",
                    help='merged into every request\'s sampling params, warm-up included, e.g. '
                         '\'{"json_schema": "..."}\' for structured output (with --no-ignore-eos)')

@@ -13,15 +13,15 @@ logger = logging.getLogger(__name__)
 
 
 def main(args) -> int:
+    unknown = [name for name in args.peer if name not in peers.PEER_BACKENDS]
+    if unknown:  # (for every action: `status vlm` listed both peers as if it had been understood)
+        logger.error("unknown peer %s; choose from %s", ", ".join(unknown), ", ".join(peers.PEER_BACKENDS))
+        return 2
     if args.action == "status":
         print(json.dumps(peers.status(), indent=2))
         return 0
     if args.action == "serve":
         return serve(args)
-    unknown = [name for name in args.peer if name not in peers.PEER_BACKENDS]
-    if unknown:
-        logger.error("unknown peer %s; choose from %s", ", ".join(unknown), ", ".join(peers.PEER_BACKENDS))
-        return 2
     for name in args.peer or peers.PEER_BACKENDS:
         try:
             if name == "vllm":

@@ -108,10 +108,33 @@ def plot_results(records: list[dict], out_path: str) -> str:
     return out_path
 
 
+# What the one-batch panel reads of a record's metrics (the decode one None without a decode step).
+ONE_BATCH_FIELDS = ("batch_size", "input_len", "output_len", "prefill_throughput", "median_decode_throughput")
+
+
+def unplottable(record: dict) -> str | None:
+    """Why the panels cannot draw a record with metrics (a field they read missing or not an
+    object), or None."""
+    for key in ("args", "hardware"):
+        if key in record and not isinstance(record[key], dict):
+            return f"its {key} is not a JSON object"
+    if record.get("tool") == "one-batch":
+        missing = [key for key in ONE_BATCH_FIELDS if key not in record["metrics"]]
+        if missing:
+            return f"a one-batch record without {', '.join(missing)} in its metrics"
+    return None
+
+
 def main(args) -> int:
     records = []
     for path in args.results:
-        records.extend(r for r in read_jsonl(path) if isinstance(r.get("metrics"), dict))
+        for number, record in enumerate(read_jsonl(path), 1):
+            if not isinstance(record.get("metrics"), dict):
+                continue
+            problem = unplottable(record)
+            if problem:  # (it failed in the middle of drawing, with a KeyError naming no file)
+                raise ValueError(f"{path}: record {number} cannot be plotted: {problem}")
+            records.append(record)
     folder = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(folder, exist_ok=True)  # (as --output-file's folders are)
     print(plot_results(records, args.output))

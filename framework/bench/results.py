@@ -235,6 +235,8 @@ def read_jsonl(path: str) -> list[dict]:
             lines = f.readlines()
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return [record for _, record in json_object_lines(lines, path, appended=True)]
 
 

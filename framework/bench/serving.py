@@ -78,6 +78,26 @@ class _TokenClock:
         self.last = now
 
 
+def _chunk(payload: str, backend: str) -> dict | None:
+    """The JSON object of one stream line, or None where it is not one of `backend`'s chunks (a
+    server other than the one meant: its text is no JSON object, and llama.cpp's every chunk has a
+    "content", which counts one token each)."""
+    try:
+        data = json.loads(payload)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or (backend == "llamacpp" and "content" not in data and "error" not in data):
+        return None
+    return data
+
+
+def first_model(listing) -> str:
+    """The first model id of a /v1/models answer; "default" where there is no such list."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    return str(first.get("id", "default")) if isinstance(first, dict) else "default"
+
+
 def native_body(req: BenchRequest, ignore_eos: bool, extra: dict) -> dict:
     params = {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": ignore_eos}
     params.update(extra.get("sampling_params", {}))
@@ -118,13 +138,17 @@ async def send_request(session, backend: str, base_url: str, req: BenchRequest, 
     try:
         async with session.post(url, json=body) as response:
             if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.text())[:500]}"
+                # On one line: a server other than the one meant answers with an HTML page.
+                result.error = f"HTTP {response.status}: {' '.join((await response.text()).split())}"[:500]
                 return result
             async for payload in _sse_payloads(response):
                 result.latency = time.perf_counter() - start
                 if payload == "[DONE]":
                     continue
-                data = json.loads(payload)
+                data = _chunk(payload, backend)
+                if data is None:
+                    result.error = f"not what the {backend} backend reads: the server sent {payload[:100]!r}"
+                    return result
                 if "error" in data:
                     result.error = str(data["error"])[:500]
                     return result
@@ -286,9 +310,7 @@ def main(args) -> int:
     requests = build_requests(args, tokenizer)
     model = args.model
     if args.backend in ("openai", "vllm") and model is None:
-        listing = asyncio.run(get_json(base_url, "/v1/models")) or {}
-        data = listing.get("data") or [{}]
-        model = data[0].get("id", "default")
+        model = first_model(asyncio.run(get_json(base_url, "/v1/models")))
     extra = args.extra_request_body
     server_info = asyncio.run(get_json(base_url, "/get_server_info"))
 

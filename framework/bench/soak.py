@@ -192,7 +192,11 @@ def main(args) -> int:
         serve_args = serve_args[1:]
     server = LocalServer(["--server.log-level", "warning", *serve_args], log_path)
     try:
-        server.wait_ready(START_TIMEOUT_S)
+        try:
+            server.wait_ready(START_TIMEOUT_S)
+        except RuntimeError as exc:  # it exited or never answered; its log says why
+            logger.error("%s", exc)
+            return 2 if server.proc.returncode == 2 else 1  # 2: `batchyard serve` refused its flags
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
         meter = ContentionMeter()
         soak = Soak(args, prompts, server.url, info["process_ids"])
