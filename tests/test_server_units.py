@@ -50,6 +50,19 @@ def test_incremental_decode_never_emits_broken_utf8(default_tokenizer, text):
     assert not detok.statuses  # finished requests are forgotten
 
 
+@pytest.mark.parametrize("text, interval", [("日本語ok🎉 and more", 4), ("line\n🎉x🎉y", 3)])
+def test_streamed_text_never_shrinks_with_several_tokens_per_output(default_tokenizer, text, interval):
+    """With `stream_interval` > 1 an output adds several tokens; one ending in a partial character
+    cut the shown text back to its last space, below what the last chunk showed ('日本' -> '')."""
+    ids = default_tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(default_tokenizer)
+    ends = [*range(1, len(ids), interval), len(ids)]
+    shown = [detok.step(_out(ids[:k], FinishLength(k) if k == len(ids) else None)).text for k in ends]
+    for before, after in zip(shown, shown[1:]):
+        assert after.startswith(before), (before, after)
+    assert shown[-1] == text
+
+
 def _token_reader(tokenizer):
     """A TokenizerManager with only its tokenizer: what token_bytes and decode_token read."""
     from framework.server.tokenizer_manager import TokenizerManager
@@ -546,3 +559,30 @@ def test_the_request_log_has_a_line_for_an_aborted_request(tmp_path, caplog):
         tm.close()
     assert [type(m).__name__ for m in sent] == ["GenerateReqInput", "AbortReq"]
     assert re.search(r"Aborted request gone: prompt_tokens=3, completion_tokens=0, [0-9.]+ s", caplog.text)
+
+
+def test_merge_streams_reads_no_further_ahead_than_the_client():
+    """A slow client of an n > 1 (or batch) stream: each request's outputs wait in its state,
+    where a newer one replaces the last, until the response takes it. The merge drained them
+    into an unbounded queue, each a cumulative copy of the output (quadratic memory)."""
+    import asyncio
+
+    from framework.server.streaming import merge_streams
+
+    pulled = [0, 0]
+
+    async def source(i: int):
+        for k in range(1000):
+            pulled[i] += 1
+            yield k
+            await asyncio.sleep(0)
+
+    async def scenario():
+        merged = merge_streams([source(0), source(1)])
+        await merged.__anext__()
+        await asyncio.sleep(0.05)  # the client is not reading
+        assert sum(pulled) <= 3, pulled  # the item sent and at most one waiting per stream
+        seen = [i async for i, _ in merged]
+        assert sum(pulled) == 2000 and len(seen) == 1999
+
+    asyncio.run(scenario())

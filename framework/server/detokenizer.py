@@ -35,6 +35,8 @@ class DecodeStatus:
     decoded_text: str = ""
     surr_offset: int = 0
     read_offset: int = 0
+    # The text the last output showed: a stream's cumulative text never gets shorter.
+    shown_text: str = ""
 
 
 def is_cjk(ch: str) -> bool:
@@ -104,6 +106,12 @@ class IncrementalDetokenizer:
             text = status.decoded_text
         else:
             text = status.decoded_text + find_printable_text(new_text)
+            # Several tokens per output (stream_interval > 1) can turn a printable end ("\n", a CJK
+            # character) into a word cut back to its last space; what was shown before stays final.
+            if len(text) < len(status.shown_text) and (status.decoded_text + new_text).startswith(status.shown_text):
+                text = status.shown_text
+        if not finished:
+            status.shown_text = text
         return StrOutput(
             rid=out.rid, text=text, output_ids=list(out.output_ids),
             finished_reason=out.finished_reason, meta_info=out.meta_info,

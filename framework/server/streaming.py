@@ -65,18 +65,24 @@ async def open_streams(
 
 
 async def merge_streams(iterators: list[AsyncIterator[StrOutput]]) -> AsyncIterator[tuple[int, StrOutput]]:
-    """(index, output) from several output iterators, in arrival order, until all finish."""
+    """(index, output) from several output iterators, in arrival order, until all finish; each is
+    read one output at a time, as the caller takes them."""
     if len(iterators) == 1:
         async for out in iterators[0]:
             yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    taken = [asyncio.Event() for _ in iterators]
 
     async def pump(i: int, it: AsyncIterator[StrOutput]) -> None:
         try:
             async for out in it:
+                taken[i].clear()
                 queue.put_nowait((i, out))
+                # Until the response has sent it, newer outputs replace each other in the request's
+                # state rather than pile up here behind a slow client.
+                await taken[i].wait()
             queue.put_nowait((i, done))
         except BaseException as exc:  # handed to the consumer, which re-raises it
             queue.put_nowait((i, exc))
@@ -92,6 +98,7 @@ async def merge_streams(iterators: list[AsyncIterator[StrOutput]]) -> AsyncItera
                 raise item
             else:
                 yield i, item
+                taken[i].set()
     finally:
         for task in tasks:
             task.cancel()
