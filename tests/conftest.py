@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import threading
 import warnings
 
 import pytest
@@ -253,3 +256,26 @@ def bool_bitmask(allowed: torch.Tensor) -> torch.Tensor:
     bits[:, :vocab] = allowed.to(torch.int64)
     packed = (bits.view(rows, words, 32) << torch.arange(32)).sum(dim=2)
     return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+@contextlib.contextmanager
+def aiohttp_app_in_thread(app):
+    """Serve the aiohttp `app` on 127.0.0.1 (a free port) from a thread of its own; yields its base
+    URL, and stops it on exit (the bench's fake servers)."""
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()

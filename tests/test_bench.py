@@ -7,7 +7,6 @@ import asyncio
 import json
 import math
 import random
-import threading
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from framework.bench.metrics import RequestResult, compute_metrics, summarize
 from framework.bench.results import read_jsonl
 from framework.cli import main as cli_main
 from framework.preload import running_allocator
+from tests.conftest import aiohttp_app_in_thread
 
 
 class WordTokenizer:
@@ -488,22 +488,9 @@ class FakeServer:
 @pytest.fixture
 def fake_server():
     """Run FakeServer on 127.0.0.1 in a thread of its own; yields (server, base_url)."""
-    from aiohttp import web
-
     server = FakeServer()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(server.app())
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield server, f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
-    loop.close()
+    with aiohttp_app_in_thread(server.app()) as url:
+        yield server, url
 
 
 @pytest.mark.parametrize("backend", ["batchyard", "openai", "vllm"])

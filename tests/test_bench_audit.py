@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import pytest
 
 from framework.bench.datasets import BenchRequest
 from framework.cli import main as cli_main
+from tests.conftest import aiohttp_app_in_thread
 
 
 @pytest.fixture
@@ -28,19 +28,8 @@ def other_server():
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handle)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield answers, f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
-    loop.close()
+    with aiohttp_app_in_thread(app) as url:
+        yield answers, url
 
 
 def send_one(backend: str, url: str):
