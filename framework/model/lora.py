@@ -72,8 +72,20 @@ def _read_config(path: str) -> dict:
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"LoRA adapter {path}: no adapter_config.json")
-    with open(config_file) as f:
-        config = json.load(f)
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except ValueError as exc:
+        raise ValueError(f"LoRA adapter {path}: adapter_config.json is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {path}: adapter_config.json must hold an object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"LoRA adapter {path}: a {config['peft_type']} adapter, not LoRA")
+    rank, alpha = config.get("r"), config.get("lora_alpha", 1)
+    if type(rank) is not int or rank <= 0:
+        raise ValueError(f"LoRA adapter {path}: adapter_config.json: r must be a positive integer, got {rank!r}")
+    if type(alpha) not in (int, float):
+        raise ValueError(f"LoRA adapter {path}: adapter_config.json: lora_alpha must be a number, got {alpha!r}")
     if config.get("use_dora"):
         raise ValueError(f"LoRA adapter {path}: DoRA adapters are not supported")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
@@ -86,9 +98,13 @@ def _read_config(path: str) -> dict:
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     st_file = os.path.join(path, "adapter_model.safetensors")
     if os.path.isfile(st_file):
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(st_file)
+        try:
+            return load_file(st_file)
+        except SafetensorError as exc:
+            raise ValueError(f"LoRA adapter {path}: cannot read adapter_model.safetensors ({exc})") from None
     bin_file = os.path.join(path, "adapter_model.bin")
     if os.path.isfile(bin_file):
         return torch.load(bin_file, map_location="cpu", weights_only=True)
@@ -181,7 +197,10 @@ class LoraManager:
         self._wrap_layers(model, adapters)
 
     def _wrap_layers(self, model: nn.Module, adapters: list[LoraAdapter]) -> None:
-        layers = model.model.layers
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"model.lora_paths: LoRA adapters are served on llama-family text models only, "
+                             f"not {type(model).__name__}")
         targeted = {(layer, PART_TO_MODULE[part]) for a in adapters for layer, part in a.weights}
         for layer, _ in targeted:
             if layer >= len(layers):

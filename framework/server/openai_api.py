@@ -343,6 +343,9 @@ def _validate(model, body: Any, served_name: str):
     if req.model not in (served_name, DEFAULT_MODEL_ALIAS):
         raise ApiError(f"model: unknown model {req.model!r}; this server serves {served_name!r}",
                        status=404, err_type="invalid_request_error")
+    if getattr(req, "lora_path", None) is not None:
+        raise ApiError("lora_path: the OpenAI endpoints serve the base model; choose a LoRA adapter with "
+                       "lora_path on /generate")
     if getattr(req, "stream_options", None) is not None and not req.stream:  # (as OpenAI and vLLM)
         raise ApiError("stream_options: only with stream: true")
     return req

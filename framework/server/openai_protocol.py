@@ -67,6 +67,8 @@ class _SamplingExtras(_Strict):
     regex: str | None = None
     json_schema: str | None = None
     response_format: ResponseFormat | None = None
+    # Known so that it is refused (openai_api._validate) rather than ignored: no adapters here.
+    lora_path: str | None = None
 
     def sampling_dict(self, max_new_tokens: int | None, temperature: float) -> dict[str, Any]:
         return {

@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -402,7 +403,14 @@ class TokenizerManager:
         return last
 
     async def run_all(self, specs: list[ReqSpec], request: Any = None) -> list[StrOutput]:
-        """Send all and wait for all final outputs (non-streamed); release all on any error."""
+        """Send all and wait for all final outputs (non-streamed); release all on any error. Like
+        every new request, they wait while a weight update runs (/generate's in `expand_parallel`;
+        /encode, /v1/embeddings and /health_generate here), and that wait counts in their latency."""
+        arrival = time.monotonic()
+        for spec in specs:
+            if spec.arrival is None:
+                spec.arrival = arrival
+        await self.wait_for_weight_update()
         self.submit_all(specs)
         try:
             return await gather_or_cancel(self.final_output(s.rid, request) for s in specs)
@@ -458,15 +466,16 @@ class TokenizerManager:
 
     # -- control --------------------------------------------------------------------------------
 
-    async def control(self, make: Callable[[str], Any]) -> Any:
-        """Send `make(request_id)` to the scheduler and wait for the reply carrying that id."""
+    async def control(self, make: Callable[[str], Any], timeout: float | None = None) -> Any:
+        """Send `make(request_id)` to the scheduler and wait for the reply carrying that id, at most
+        `timeout` seconds (None: CONTROL_TIMEOUT_S); a child's death wakes the wait with a 503."""
         self.check_alive()
         request_id = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self.pending[request_id] = fut
         self.send_to_scheduler.send_pyobj(make(request_id))
         try:
-            return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
+            return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S if timeout is None else timeout)
         except asyncio.TimeoutError:
             raise ApiError("the scheduler did not answer in time", status=503, err_type="server_error") from None
         finally:
@@ -517,7 +526,9 @@ class TokenizerManager:
                 if time.monotonic() > deadline:
                     return False, "Requests are still running; the weights were not updated."
                 await asyncio.sleep(UPDATE_POLL_S)
-            reply = await self.control(lambda rid: UpdateWeightsReq(model_path, rid))
+            # Loading a large checkpoint (or converting a GGUF) may take longer than any control
+            # timeout: a 503 meanwhile would let requests through while the weights change.
+            reply = await self.control(lambda rid: UpdateWeightsReq(model_path, rid), timeout=math.inf)
         return reply.success, reply.message
 
     async def wait_for_weight_update(self) -> None:
