@@ -69,3 +69,11 @@ def test_adapters_on_a_llava_model_are_refused_plainly(llava_folder, adapter_fol
 
     with pytest.raises(ValueError, match="LoRA adapters are served on llama-family text models only"):
         Engine(tiny_settings(llava_folder, model={"lora_paths": [f"a={adapter_folders['a']}"]}))
+
+
+def test_adapters_on_an_embedding_model_are_refused(tiny_embedding_folder, adapter_folders):
+    """They loaded and were never applied (/encode takes no adapter): the base embeddings came back."""
+    from framework.engine import Engine
+
+    with pytest.raises(ValueError, match="LoRA adapters are served on generation models"):
+        Engine(tiny_settings(tiny_embedding_folder, model={"lora_paths": [f"a={adapter_folders['a']}"]}))

@@ -209,6 +209,9 @@ class ModelRunner:
                         cfg.max_position_embeddings)
         # Set for multimodal models: the scheduler expands image tokens with it.
         self.image_info = getattr(self.model, "image_info", None)
+        if lora_paths and cfg.is_embedding:  # (/encode takes no adapter: they would load and never apply)
+            raise ValueError("model.lora_paths: LoRA adapters are served on generation models; this is an "
+                             "embedding model")
         # Wraps the targeted linear layers, so after the weights are in place and cast.
         self.lora = LoraManager(self.model, lora_paths) if lora_paths else None
         self.sampler = Sampler(self.cpu_kernels.fused if self.cpu_kernels else None)
