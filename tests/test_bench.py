@@ -674,6 +674,9 @@ def test_a_bad_output_file_is_refused_before_the_run(tmp_path, capsys):
     assert f"--output-file {blocker / 'sub.jsonl'}: cannot be created" in capsys.readouterr().err
     assert cli_main(["bench", "one-batch", "--output-file", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+    # Tried rather than judged by permission bits, which root passes everywhere, /proc included
+    assert cli_main(["bench", "one-batch", "--output-file", "/proc/batchyard-results.jsonl"]) == 2
+    assert "--output-file /proc/batchyard-results.jsonl: cannot be created" in capsys.readouterr().err
 
 
 def test_one_batch_without_decode_steps_reports_none_and_refuses_what_it_cannot_run(bench_model, tmp_path, capsys):

@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from typing import Any, Iterator
 
@@ -190,21 +191,31 @@ def append_jsonl(path: str | None, record: dict) -> None:
 
 def check_output_file(path: str | None) -> None:
     """ValueError, before a run, when `--output-file` could not be appended to (its results were
-    lost after the whole run)."""
+    lost after the whole run). Tried, not judged by permission bits (which root passes everywhere,
+    /proc included): the file opened for appending, or a file made and removed in its folder."""
     if not path:
         return
     if os.path.isdir(path):
         raise ValueError(f"--output-file {path}: is a folder")
     if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            raise ValueError(f"--output-file {path}: not writable")
+        try:
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"--output-file {path}: not writable ({exc.strerror or exc})") from None
         return
     folder = os.path.dirname(os.path.abspath(path))
     existing = folder
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise ValueError(f"--output-file {path}: cannot be created ({existing} is not a writable folder)")
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is not a folder")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--output-file {path}: cannot be created ({existing} is not a writable folder: "
+                         f"{exc.strerror or exc})") from None
 
 
 def json_object_lines(lines, path: Any, appended: bool = False) -> Iterator[tuple[int, dict]]:
