@@ -363,6 +363,7 @@ def test_http_update_weights_from_disk(http, llava_folder, llava_tokenizer, tmp_
         ({"model_path": str(tmp_path_factory.mktemp("nothing") / "missing")}, "Failed to load weights"),
         ({"model_path": 3}, "model_path"),
         ({"model_path": new_folder, "load_format": "pt"}, "load_format"),
+        ({"model_path": new_folder, "load_format": "gguf"}, "holds no gguf weights"),
     ]:
         resp = http.post("/update_weights_from_disk", json=body)
         assert resp.status_code == 400 and error in resp.text, resp.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator
 
@@ -38,6 +39,19 @@ logger = logging.getLogger(__name__)
 
 # /update_weights_from_disk: weights load from safetensors folders (or a GGUF, converted once).
 LOAD_FORMATS = {None, "auto", "safetensors", "gguf"}
+
+
+def load_format_problem(model_path: str, load_format: str | None) -> str | None:
+    """Why `model_path` does not hold the weights `load_format` names, or None (null and auto
+    take either; a path that is not there is the load's own error)."""
+    path = Path(model_path)
+    if load_format not in ("safetensors", "gguf") or not path.exists():
+        return None
+    if load_format == "gguf":
+        found = path.suffix == ".gguf" if path.is_file() else any(path.glob("*.gguf"))
+    else:
+        found = path.is_dir() and any(path.glob("*.safetensors"))
+    return None if found else f"load_format: {load_format}, but {model_path} holds no {load_format} weights"
 
 
 @dataclass
@@ -172,6 +186,9 @@ def build_app(tm: TokenizerManager, settings: Settings, info: ServerInfo) -> Gua
             raise ApiError("model_path: must be a non-empty string")
         if body.get("load_format") not in LOAD_FORMATS:
             raise ApiError(f"load_format: must be one of {sorted(f for f in LOAD_FORMATS if f)} or null")
+        problem = load_format_problem(model_path, body.get("load_format"))
+        if problem:  # (it was checked for its name only, and a safetensors folder loaded as "gguf")
+            raise ApiError(problem)
         success, message = await tm.update_weights_from_disk(model_path)
         if success:
             info.model_path = model_path
