@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -150,6 +151,30 @@ def test_lpm_in_batch_ignores_requests_that_already_hit_the_cache():
     reqs = [req("a", system + [1]), req("b", system + [2])]
     adder = order("lpm", make_scheduler(cache, reqs))
     assert adder.ordered == ["a", "b"]
+
+
+@pytest.mark.parametrize("check_threshold", [32, 64])
+def test_lpm_in_batch_admits_sharers_whose_shared_prefix_is_cached(check_threshold):
+    # The shared 32 tokens (share_threshold) are cached, the rest differs: every request already
+    # hits the shared part, so holding them back would only admit one a round.
+    system = list(range(100, 132))
+    cache = make_cache(sequences=[system + [1, 2]])
+    reqs = [req(str(i), system + [10 + i, 20 + i]) for i in range(4)]
+    adder = order("lpm", make_scheduler(cache, reqs, check_threshold=check_threshold))
+    assert adder.ordered == ["0", "1", "2", "3"]
+
+
+def test_dfs_weight_walks_a_tree_deeper_than_the_recursion_limit():
+    # One node per token, as a long session's turns make; deeper than Python's recursion limit.
+    depth = sys.getrecursionlimit() + 100
+    kv = TokenToKVPool(depth + 10, torch.float32, 1, 1, 1)
+    cache = RadixCache(ReqToTokenPool(8, 64), kv)
+    for n in range(1, depth + 1):
+        # Only the last token is new; insert stores value[prefix:], so the rest may be anything.
+        cache.insert(list(range(n)), torch.cat([torch.zeros(n - 1, dtype=torch.int64), kv.alloc(1)]))
+    reqs = [req("root", [depth + 5]), req("mid", list(range(depth // 2)) + [-1]), req("deep", list(range(depth)) + [-1])]
+    adder = order("dfs_weight", make_scheduler(cache, reqs))
+    assert adder.ordered == ["deep", "mid", "root"]
 
 
 def test_third_party_policy_from_toml_changes_admission_order(tmp_path, tiny_model_folder):

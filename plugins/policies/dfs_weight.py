@@ -18,25 +18,27 @@ def dfs_order(root, reqs, node_of) -> list:
     by_node: dict[int, list] = {}
     for req in reqs:
         by_node.setdefault(id(node_of[id(req)]), []).append(req)
+    # Iterative walks: a radix tree can be deeper than Python's recursion limit (a node per turn
+    # of a long session), and the cache itself never recurses.
+    preorder, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        preorder.append(node)
+        stack.extend(node.children.values())
     weight: dict[int, int] = {}
+    for node in reversed(preorder):  # children before their parent
+        weight[id(node)] = len(by_node.get(id(node), ())) + sum(weight[id(c)] for c in node.children.values())
 
-    def calc_weight(node) -> int:
-        w = len(by_node.get(id(node), ()))
-        for child in node.children.values():
-            w += calc_weight(child)
-        weight[id(node)] = w
-        return w
-
-    calc_weight(root)
     order: list = []
-
-    def visit(node) -> None:
+    pending = [(root, False)]
+    while pending:
+        node, children_done = pending.pop()
+        if children_done:
+            order.extend(by_node.get(id(node), ()))
+            continue
+        pending.append((node, True))
         children = sorted(node.children.values(), key=lambda c: -weight[id(c)])
-        for child in children:
-            visit(child)
-        order.extend(by_node.get(id(node), ()))
-
-    visit(root)
+        pending.extend((child, False) for child in reversed(children))  # heaviest popped first
     return order
 
 

@@ -76,14 +76,16 @@ def select_prefill(view):
 
 def hold_back_shared(ordered: list, prefix_len: dict[int, int], check_threshold: int, share_threshold: int) -> list:
     """Drop from this round the requests whose uncached prefix an earlier request in `ordered`
-    shares: "shares" means equal first `share_threshold` tokens, so a set of those keys suffices."""
+    shares: "shares" means equal first `share_threshold` tokens, so a set of those keys suffices.
+    A request that has those tokens cached already is not held back: its sharers hit them too."""
     seen: set[tuple[int, ...]] = set()
     kept = []
     for req in ordered:
         fill_ids = req.origin_input_ids + req.output_ids
         # input_embeds prompts are placeholder ids: equal ids do not mean a shared prefix.
         shares_ids = req.input_embeds is None
-        if shares_ids and prefix_len[id(req)] <= check_threshold and len(fill_ids) > share_threshold:
+        cached = prefix_len[id(req)]
+        if shares_ids and cached <= check_threshold and cached < share_threshold < len(fill_ids):
             key = tuple(fill_ids[:share_threshold])
             if key in seen:
                 continue
