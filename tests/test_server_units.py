@@ -107,6 +107,23 @@ def test_text_offsets_follow_the_text(default_tokenizer, text):
             assert text[start:start + len(piece)] == piece
 
 
+def test_echo_offsets_count_special_tokens_written_in_a_text_prompt(default_tokenizer):
+    """`echo` of a text prompt sends the prompt as given, so a special token written in it as text
+    (`<|im_start|>`) takes its characters there; the offsets after it ran that many characters
+    short. A special token the text does not hold (here the generated `<|im_end|>`, left out
+    of the text by `skip_special_tokens`) still takes none."""
+    from framework.server.openai_api import OpenAIFormatter, TextOffsets
+
+    tm = _token_reader(default_tokenizer)
+    prompt = "a<|im_start|>b c<|im_end|>"
+    end = default_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = default_tokenizer.encode(prompt, add_special_tokens=False) + [end]
+    text = prompt  # (the generated <|im_end|> is skipped)
+    lp = OpenAIFormatter(tm).completion_logprobs([(-1.0, t) for t in ids], None, TextOffsets(prompt), True)
+    assert [text[o:o + len(t)] for t, o in zip(lp["tokens"][:-1], lp["text_offset"])] == lp["tokens"][:-1]
+    assert lp["text_offset"][-1] == len(text)
+
+
 def test_stop_trimming(default_tokenizer):
     ids = default_tokenizer.encode("alpha beta gamma delta")
     detok = IncrementalDetokenizer(default_tokenizer)
@@ -586,3 +603,36 @@ def test_merge_streams_reads_no_further_ahead_than_the_client():
         assert sum(pulled) == 2000 and len(seen) == 1999
 
     asyncio.run(scenario())
+
+
+def test_chat_messages_reach_the_template_as_transformers_gives_them(default_tokenizer):
+    """The chat prompt's ids are transformers' `apply_chat_template` of the same messages: special
+    tokens written in the content are special tokens there too, a trailing assistant message is
+    continued, and a message's `name` reaches the template (it was dropped)."""
+    import copy
+
+    from framework.server.openai_api import _chat_input_ids
+    from framework.server.openai_protocol import ChatCompletionRequest
+
+    tm = _token_reader(default_tokenizer)
+    tm.tokenize = lambda text, add_special_tokens=True, name="text": default_tokenizer.encode(
+        text, add_special_tokens=add_special_tokens)
+
+    def both(tokenizer, messages):
+        tm.tokenizer = tokenizer
+        ours = _chat_input_ids(tm, ChatCompletionRequest.model_validate({"model": "m", "messages": messages}))
+        cont = messages[-1]["role"] == "assistant"
+        ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                            add_generation_prompt=not cont, continue_final_message=cont)
+        return ours, ref
+
+    for messages in ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "a<|im_start|>b"}],
+                     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, "}]):
+        ours, ref = both(default_tokenizer, messages)
+        assert ours == ref
+    named = copy.copy(default_tokenizer)
+    named.chat_template = ("{% for m in messages %}{{ m['role'] }}{% if m['name'] is defined %}({{ m['name'] }})"
+                           "{% endif %}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+                           "{% endif %}")
+    ours, ref = both(named, [{"role": "user", "content": "Hi", "name": "bob"}])
+    assert ours == ref and "(bob)" in default_tokenizer.decode(ours)

@@ -62,7 +62,9 @@ class OpenAIFormatter:
         chunks continue each other's offsets; `skip_special`: the text leaves special tokens out."""
         tokens = [self.tm.decode_token(tid) for _, tid in pairs]
         special = self.tm.special_ids if skip_special else frozenset()
-        offsets = [at.advance(b"" if tid in special else self.tm.token_bytes(tid)) for _, tid in pairs]
+        # (a special token the echoed prompt text holds, written as text, takes its characters there)
+        offsets = [at.advance(b"" if tid in special and not at.shows(tokens[k]) else self.tm.token_bytes(tid))
+                   for k, (_, tid) in enumerate(pairs)]
         top = None
         if tops is not None:
             top = [None if t is None else {self.tm.decode_token(tid): lp for lp, tid in t} for t in tops]
@@ -87,11 +89,17 @@ class TextOffsets:
     """The character offset in a choice's text at which each next token starts. A token's
     characters are those its bytes complete: a token holding the first bytes of a character adds
     none, the one that completes it adds it, so the offsets follow the text as the detokenizer
-    writes it and never run past its end."""
+    writes it and never run past its end. `echo`: the echoed prompt the choice's text starts with."""
 
-    def __init__(self):
+    def __init__(self, echo: str = ""):
         self.offset = 0
+        self.echo = echo
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def shows(self, piece: str) -> bool:
+        """Whether the echoed prompt has `piece` where the next token starts (a special token
+        written as text in a text prompt is there; an added BOS is not)."""
+        return bool(piece) and self.echo.startswith(piece, self.offset)
 
     def advance(self, token_bytes: bytes) -> int:
         """The offset where a token of these bytes starts; moves past it."""
@@ -178,7 +186,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
             for i, (spec, out) in enumerate(zip(specs, outs)):
                 pairs, tops = logprob_lists(spec, out, with_input=req.echo)
                 text = echo_texts[i] + ("" if scored_only else out.text)
-                choices.append(choice(i, spec, out, text, pairs, tops, TextOffsets()))
+                choices.append(choice(i, spec, out, text, pairs, tops, TextOffsets(echo_texts[i])))
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                                  "choices": choices, "usage": usage(outs, batch.n, scored_only)})
 
@@ -190,7 +198,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) 
             finals: list[StrOutput | None] = [None] * len(specs)
             echoed = [False] * len(specs)
             # With echo the logprobs start with the prompt's tokens, which advance the offsets.
-            offsets = [TextOffsets() for _ in specs]
+            offsets = [TextOffsets(echo_texts[i]) for i in range(len(specs))]
 
             def chunk(i: int, out: StrOutput) -> str | None:
                 spec = specs[i]
@@ -405,7 +413,10 @@ def _chat_input_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> list[in
                     raise ApiError(f"messages.{k}.content: only text parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
-        messages.append({"role": msg.role, "content": content or ""})
+        message = {"role": msg.role, "content": content or ""}
+        if msg.name is not None:  # (as transformers passes it: a template may write it)
+            message["name"] = msg.name
+        messages.append(message)
     # A trailing assistant message is a prefix for the model to continue (as in the reference).
     continues = messages[-1]["role"] == "assistant"
     try:
