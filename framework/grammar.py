@@ -46,7 +46,10 @@ def grammar_key(params: SamplingParams) -> GrammarKey | None:
 # schema nested N levels deep takes ~N^3 time (600 levels: 16 s, on the tokenizer's one thread),
 # and a counted repetition's forced text (`g{10000000}`) is what jump-forward searches each step.
 MAX_SCHEMA_DEPTH = 64  # levels of JSON objects and arrays in a schema
-MAX_REPEAT = 1000  # the largest count of a regex's {n}, {n,} or {n,m}
+MAX_REPEAT = 1000  # the largest count of a regex's {n}, {n,} or {n,m}, and of a schema's minItems
+# The largest product of nested counts (`((a{1000}){1000}){1000}`: each count is within MAX_REPEAT,
+# but jump-forward's search for its forced text took minutes, in the scheduler loop).
+MAX_NESTED_REPEAT = 100_000
 # A forced string longer than this (in characters) is jumped once; the request then decodes
 # plainly (the same output), so that its grammar is not searched for it at every step.
 MAX_JUMP_CHARS = 4096
@@ -95,11 +98,16 @@ def check_grammar_params(params: SamplingParams) -> None:
 
 
 def _regex_problem(regex: str) -> str | None:
-    """Why `regex` is refused before xgrammar parses it (a repetition count above MAX_REPEAT), or
-    None. Escaped characters and character classes are skipped; xgrammar reports the rest."""
+    """Why `regex` is refused before xgrammar parses it (a repetition count above MAX_REPEAT, or
+    nested counts whose product is above MAX_NESTED_REPEAT), or None. Escaped characters and
+    character classes are skipped; xgrammar reports the rest."""
     i, n, in_class = 0, len(regex), False
+    # Largest product of counts inside the current group, those of the enclosing groups, and that
+    # of the group just closed (a count right after its `)` multiplies it).
+    inner, outer, closed = 1, [], None
     while i < n:
         c = regex[i]
+        after_group, closed = closed, None
         if c == "\\":
             i += 2
             continue
@@ -109,6 +117,12 @@ def _regex_problem(regex: str) -> str | None:
             in_class = True
             if regex.startswith("]", i + 1) or regex.startswith("^]", i + 1):
                 i += 1 + (regex[i + 1] == "^")  # a leading ] is a literal
+        elif c == "(":
+            outer.append(inner)
+            inner = 1
+        elif c == ")" and outer:
+            closed = inner
+            inner = max(inner, outer.pop())
         elif c == "{":
             end = regex.find("}", i)
             counts = regex[i + 1 : end].split(",") if end > 0 else []
@@ -116,6 +130,12 @@ def _regex_problem(regex: str) -> str | None:
                 largest = max(int(part) for part in counts if part)
                 if largest > MAX_REPEAT:
                     return f"a repetition count of {largest} is above {MAX_REPEAT} (`{_clip(regex[i : end + 1])}`)"
+                product = largest * (after_group or 1)
+                if product > MAX_NESTED_REPEAT:
+                    return (f"nested repetition counts multiply to {product}, above {MAX_NESTED_REPEAT} "
+                            f"(`{_clip(regex[: end + 1])}`)")
+                inner = max(inner, product)
+                i = end
         i += 1
     return None
 
@@ -154,6 +174,25 @@ def _keyword_problem(schema: Any) -> str | None:
             continue
         if "not" in node:
             return "the keyword `not` is not supported (the output would not follow it)"
+        for key in ("anyOf", "oneOf"):
+            if node.get(key) == []:
+                return f"`{key}` is empty: the schema allows no value"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return "`allOf` with more than one schema is not supported (the output would not follow it)"
+        if "multipleOf" in node and node.get("type") != "integer":
+            return "`multipleOf` is only supported with `\"type\": \"integer\"` (the output would not follow it)"
+        if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+            return "`minLength`/`maxLength` with `pattern` or `format` is not supported (the output would not follow it)"
+        min_items = node.get("minItems")
+        if isinstance(min_items, int) and min_items > MAX_REPEAT:
+            return f"`minItems` {min_items} is above {MAX_REPEAT}"
+        properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        if node.get("additionalProperties") is False and "patternProperties" not in node:
+            required = node.get("required") if isinstance(node.get("required"), list) else []
+            missing = [name for name in required if isinstance(name, str) and name not in properties]
+            if missing:
+                return (f"required property {_clip(str(missing[0]))!r} is not in `properties` and "
+                        "`additionalProperties` is false: the schema allows no value")
         ref = node.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
             return f"`$ref` to another document ({_clip(ref)}) is not supported; only `#...` references"

@@ -187,9 +187,24 @@ def _nested_arrays(depth: int) -> str:
         ({"json_schema": '{"not": {}}'}, "the keyword `not` is not supported"),
         ({"json_schema": '{"$ref": "http://example.com/s.json"}'}, "`$ref` to another document"),
         ({"json_schema": '{"type": "string", "pattern": "(?=a)b"}'}, "Lookahead is not supported"),
+        # each count within the bound, but jump-forward's search of the forced text took minutes
+        ({"regex": "((a{1000}){1000}){1000}"}, "nested repetition counts multiply to 1000000, above 100000"),
+        ({"json_schema": '{"type": "string", "pattern": "(b{400}){400}"}'}, "nested repetition counts multiply"),
+        # jump-forward's search is quadratic in the forced items (10,000: 9 s in the scheduler loop)
+        ({"json_schema": '{"type": "array", "items": {"const": "a"}, "minItems": 100000}'},
+         "`minItems` 100000 is above 1000"),
+        # schemas that allow no value: xgrammar takes them and the output ("", "{}") does not conform
+        ({"json_schema": '{"anyOf": []}'}, "`anyOf` is empty: the schema allows no value"),
+        ({"json_schema": '{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"],'
+                         ' "additionalProperties": false}'}, "required property 'b' is not in `properties`"),
+        # what xgrammar ignores with a warning on stderr only
+        ({"json_schema": '{"allOf": [{"type": "string"}, {"type": "integer"}]}'}, "`allOf` with more than one"),
+        ({"json_schema": '{"type": "number", "multipleOf": 0.5}'}, "`multipleOf` is only supported"),
+        ({"json_schema": '{"type": "string", "pattern": "a+", "minLength": 3}'}, "`minLength`/`maxLength` with"),
     ],
     ids=["deep-schema", "deep-json", "huge-repeat", "repeat-range", "pattern-repeat", "not", "remote-ref",
-         "pattern-lookahead"],
+         "pattern-lookahead", "nested-repeat", "pattern-nested-repeat", "min-items", "empty-anyof",
+         "required-not-allowed", "allof", "multipleof-number", "pattern-and-length"],
 )
 def test_grammar_input_beyond_the_bounds_is_refused(params, message):
     started = time.perf_counter()
@@ -205,8 +220,12 @@ def test_grammar_input_beyond_the_bounds_is_refused(params, message):
         {"regex": r"\d{4}-\d{2}-\d{2}, [a-z]{1,1000}\{5000\}[{5000}]"},
         {"json_schema": '{"type": "object", "properties": {"not": {"type": "string", "pattern": "[0-9]{1,3}"}},'
                         ' "$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a"}'},
+        {"regex": r"((\d{1,3}\.){3}\d{1,3}|(a{1000}){100})"},
+        {"json_schema": '{"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3},'
+                        ' "s": {"allOf": [{"type": "string", "maxLength": 4}]}, "l": {"type": "array", "items": {"type": "integer"}, "minItems": 1000}},'
+                        ' "required": ["n"], "additionalProperties": false}'},
     ],
-    ids=["60-deep", "escaped-and-class-braces", "property-named-not"],
+    ids=["60-deep", "escaped-and-class-braces", "property-named-not", "nested-repeat-within", "supported-keywords"],
 )
 def test_grammar_input_within_the_bounds_is_taken(params):
     SamplingParams.from_dict(params).verify()
