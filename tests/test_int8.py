@@ -435,7 +435,7 @@ def test_w8a8_on_the_own_gemm_gives_the_int_mm_logits(hf_model, monkeypatch, pac
     GEMM's logits are torch._int_mm's, bit for bit, and it makes no torch._int_mm call."""
     monkeypatch.delenv(int8_mod.INT8_GEMM_ENV, raising=False)
     if not int8_mod.own_gemm_wanted():
-        pytest.skip("the engine keeps torch._int_mm on this CPU (AMX)")
+        pytest.skip("the engine keeps torch._int_mm on this CPU (AMX, or no AVX512-VNNI)")
     runs = []
     for gemm in ("onednn", "auto"):
         monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, gemm)
@@ -460,7 +460,7 @@ def test_the_own_gemm_takes_passes_from_8_rows(hf_model, monkeypatch):
     a pass of fewer keeps the bf16 weights."""
     monkeypatch.delenv(int8_mod.INT8_GEMM_ENV, raising=False)
     if not int8_mod.own_gemm_wanted():
-        pytest.skip("the engine keeps torch._int_mm on this CPU (AMX)")
+        pytest.skip("the engine keeps torch._int_mm on this CPU (AMX, or no AVX512-VNNI)")
     w8 = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
     bf16 = _runner(hf_model, dtype=torch.bfloat16)
     calls = []
@@ -478,6 +478,7 @@ def test_own_int8_gemm_is_wanted_on_vnni_without_amx(monkeypatch):
     monkeypatch.delenv(int8_mod.INT8_GEMM_ENV, raising=False)
     assert int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni avx512_bf16")
     assert not int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni amx_bf16 amx_int8 amx_tile")
+    assert not int8_mod.own_gemm_wanted("fpu fma avx2")  # (an AMD EPYC Zen 3's: the kernel is not built)
     monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "onednn")
     assert not int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni avx512_bf16")
     monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "fast")
@@ -541,14 +542,30 @@ def test_cpus_without_an_int8_dot_product_are_named(hf_model, monkeypatch, caplo
     assert "without an int8 dot product" in caplog.text
 
 
-def test_the_int_mm_probe_catches_saturating_kernels():
-    """oneDNN held below the int8 dot products (ONEDNN_MAX_CPU_ISA=AVX2, read when it starts: a
-    process of its own) adds int8 pairs in 16 bits, which saturate: the probe says so; natively,
-    on a CPU with an int8 dot product, _int_mm is exact."""
+def _saturating_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm as oneDNN's kernels without an int8 dot product compute it: a + 128 (u8) times
+    b (s8), adjacent pairs of products added in 16 bits with saturation, then 128 * b's column sums
+    taken off again."""
+    ua, b = a.int() + 128, b.int()
+    pairs = ua[:, 0::2, None] * b[None, 0::2] + ua[:, 1::2, None] * b[None, 1::2]
+    return pairs.clamp(-32768, 32767).sum(dim=1).int() - 128 * b.sum(dim=0)
+
+
+def test_the_int_mm_probe_catches_saturating_kernels(monkeypatch):
+    """A kernel that adds int8 pairs in 16 bits (oneDNN's without an int8 dot product) saturates on
+    the probe's operands: the probe says so. oneDNN held below the int8 dot products
+    (ONEDNN_MAX_CPU_ISA=AVX2, read when it starts: a process of its own) is such a kernel where
+    torch gives _int_mm to oneDNN, on CPUs with an int8 dot product; natively there _int_mm is
+    exact. (Without one, as on an AMD EPYC Zen 3, torch keeps _int_mm on its own exact loops.)"""
     import os
     import subprocess
     import sys
 
+    monkeypatch.setattr(torch, "_int_mm", _saturating_int_mm)
+    assert int8_mod.int_mm_is_exact.__wrapped__() is False
+    monkeypatch.undo()
+    if not int8_mod.has_int8_dot():
+        return
     code = "from framework.model.int8 import int_mm_is_exact; print(int_mm_is_exact())"
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     capped = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

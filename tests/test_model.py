@@ -842,3 +842,20 @@ def test_default_model_matches_transformers():
     torch.testing.assert_close(out.next_token_logits[0], ref[len(tokens) - 1], atol=1e-3, rtol=0)
     out = runner.forward(_batch(runner, [req], [1], ForwardMode.DECODE))
     torch.testing.assert_close(out.next_token_logits[0], ref[-1], atol=1e-3, rtol=0)
+
+
+def test_bf16_on_a_cpu_without_bf16_arithmetic_is_named(hf_model, monkeypatch, caplog):
+    """A bf16 model on a CPU without avx512_bf16 or amx_bf16 (AVX2 CPUs such as an AMD EPYC Zen 3,
+    where PyTorch's bf16 GEMMs run ~10x slower than float32) starts with a warning that says so;
+    float32 does not warn, nor bf16 where the CPU has bf16 arithmetic."""
+    from framework.model.cpu import has_bf16_arithmetic
+
+    assert has_bf16_arithmetic("fpu avx2 avx512f avx512_bf16") and has_bf16_arithmetic("fpu amx_bf16 amx_tile")
+    assert not has_bf16_arithmetic("fpu fma avx2") and not has_bf16_arithmetic("fpu avx512f avx512_vnni")
+    for available, dtype, warns in ((False, torch.bfloat16, True), (False, torch.float32, False),
+                                    (True, torch.bfloat16, False)):
+        monkeypatch.setattr("framework.model.runner.has_bf16_arithmetic", lambda: available)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="framework.model.runner"):
+            _runner(hf_model, dtype=dtype)
+        assert ("without bf16 arithmetic" in caplog.text) == warns, (available, dtype)

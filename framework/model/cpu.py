@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from framework.model.cpu_kernels import _cpu_id
 from framework.preload import running_allocator
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,18 @@ class HeapTrimmer:
         self.num_trims += 1
         logger.debug("malloc_trim took %.1f ms", (self.last - start) * 1e3)
         return True
+
+
+# CPU flags (/proc/cpuinfo) of bf16 arithmetic: without one, PyTorch's bf16 GEMMs widen to fp32 in
+# loops of their own and run several times slower than float32 (model.dtype = "auto" then picks float32).
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def has_bf16_arithmetic(flags: str | None = None) -> bool:
+    """Whether the CPU has bf16 arithmetic (`flags`: /proc/cpuinfo's flags line; default this machine's)."""
+    if flags is None:
+        flags = _cpu_id()
+    return any(flag in flags.split() for flag in BF16_FLAGS)
 
 
 def packed_linear_supported() -> bool:

@@ -368,13 +368,15 @@ def own_gemm_wanted(flags: str | None = None) -> bool:
     """Whether the int8 GEMMs should run on kernels/int8_ops.c's own kernel rather than
     torch._int_mm: on AVX512-VNNI vectors it gives the same sums with the ends fused, faster than
     oneDNN on a 2-core AMD EPYC Zen 4 (docs/performance.md, issue 17's twenty-first session); where
-    the CPU has AMX, oneDNN runs them on AMX-INT8 tiles, which the vectors do not match."""
+    the CPU has AMX, oneDNN runs them on AMX-INT8 tiles, which the vectors do not match; without
+    AVX512-VNNI the kernel is not built (Int8Ops.packs stays False)."""
     choice = os.environ.get(INT8_GEMM_ENV, "auto")
     if choice not in ("auto", "onednn"):
         raise ValueError(f"{INT8_GEMM_ENV}={choice!r}: expected 'auto' or 'onednn'")
     if flags is None:
         flags = _cpu_id()
-    return choice == "auto" and "amx_int8" not in flags.split()
+    names = flags.split()
+    return choice == "auto" and "avx512_vnni" in names and "amx_int8" not in names
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -11,6 +11,7 @@ import torch
 
 from framework import hookimpl
 from framework.distributed import get_parallel_context, local_device
+from framework.model.cpu import has_bf16_arithmetic
 from framework.model.loader import resolve_model
 from framework.model.lora import parse_lora_paths
 from framework.model.runner import ModelRunner
@@ -21,21 +22,12 @@ PLUGIN_KIND = "worker"
 logger = logging.getLogger(__name__)
 
 
-def cpu_supports_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "float32":
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
-    if device.startswith("cuda") or cpu_supports_bf16():
+    if device.startswith("cuda") or has_bf16_arithmetic():
         return torch.bfloat16
     return torch.float32
 
