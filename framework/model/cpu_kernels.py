@@ -478,6 +478,70 @@ def load_packed_gemm(tiles: bool | None = None) -> PackedGemm | None:
     return PackedGemm(lib, paths == 2 if tiles is None else tiles)
 
 
+class F32Gemm:
+    """fp32 GEMMs on AVX2 + FMA vectors from weights packed in units of 16 output columns
+    (kernels/f32_gemm.c), for float32 models on CPUs without AVX-512, where MKL's float32 GEMM is
+    slow on a decode step's rows: on a 2-core AMD EPYC Zen 3, 200 rows of SmolLM2's shapes at
+    98-172 against MKL's 84-145 GFLOP/s, its LM head (49,152 columns) 59 against 33, and no slower
+    at a prefill tile's 2,048 rows (docs/performance.md, issue 17's thirtieth session). Every pass
+    of fp32 rows takes it; `pack` makes a weight's packed copy once (`use_f32_gemm`)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._floats = lib.f32_gemm_packed_floats
+        self._floats.restype = _I64
+        self._floats.argtypes = [_I64, _I64]
+        self._pack = lib.f32_gemm_pack
+        self._pack.restype = None
+        self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
+        self._gemm = lib.f32_gemm
+        self._gemm.restype = _INT
+        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT]
+
+    @staticmethod
+    def packs(weight: torch.Tensor) -> bool:
+        """Whether `weight` can be packed: a float32 [n, k] on the CPU."""
+        return weight.dtype == torch.float32 and weight.dim() == 2 and weight.device.type == "cpu" and weight.numel() > 0
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of `weight` [n, k] (see `packs`): n rounded up to 16 (zero columns)."""
+        if not self.packs(weight):
+            raise ValueError(f"f32 GEMM: cannot pack a {weight.dtype} weight {tuple(weight.shape)} on "
+                             f"{weight.device} (needs float32 on the CPU)")
+        n, k = weight.shape
+        packed = torch.empty(self._floats(n, k), dtype=torch.float32)
+        self._pack(weight.detach().contiguous().data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def supports(self, x: torch.Tensor, packed: torch.Tensor, k: int) -> bool:
+        """Whether x runs against `packed` (a weight of k inputs): float32 [rows, k] on the CPU with
+        unit stride along its rows."""
+        return (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] == k
+                and x.stride(1) == 1 and x.shape[0] > 0 and packed.numel() % max(k, 1) == 0)
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias) for the weight [n, k] whose packed copy is `packed` (see `supports`)."""
+        rows, k = x.shape
+        out = torch.empty((rows, n), dtype=torch.float32)
+        if bias is not None:
+            bias = bias.detach().float().contiguous()
+        self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), rows, k, n,
+                   out.data_ptr(), n, torch.get_num_threads())
+        return out
+
+
+def load_f32_gemm() -> F32Gemm | None:
+    """The fp32 GEMM kernel where the CPU has AVX2 and FMA but no AVX-512 (there MKL's float32 GEMMs
+    run on 16-float vectors, twice the kernel's width); None where it cannot be built or is not
+    wanted."""
+    if "avx512f" in _cpu_id().split():
+        return None
+    lib = load("f32_gemm")
+    if lib is None:
+        return None
+    lib.f32_gemm_supported.restype = _INT
+    return F32Gemm(lib) if lib.f32_gemm_supported() == 1 else None
+
+
 @dataclass
 class CpuKernels:
     """The kernels a model uses (see `pick`)."""
@@ -491,6 +555,8 @@ class CpuKernels:
     extend_attention: ExtendAttention | None = None
     # bf16 decode attention may take the AMX tiles where the CPU has them (TorchNativeAttention.decode_tiles)
     decode_tiles: bool = True
+    # fp32 GEMMs on AVX2 + FMA, where the CPU has no AVX-512 (use_f32_gemm); None: MKL's
+    f32_gemm: F32Gemm | None = None
 
 
 def kernels_note(kernels: CpuKernels) -> str:
@@ -502,6 +568,8 @@ def kernels_note(kernels: CpuKernels) -> str:
     if kernels.gemm is not None:
         amx_off = "" if kernels.decode_tiles else " (AMX tiles not used: worker.cpu_kernels = 'no_amx')"
         return f", bf16 GEMMs of up to {kernels.gemm.rows} rows{prefill} on AVX512-BF16{amx_off}"
+    if kernels.f32_gemm is not None:
+        return "; no AVX-512: float32 GEMMs on AVX2 + FMA, bf16 GEMMs on oneDNN"
     return "; no AVX512-BF16: oneDNN does every GEMM"
 
 
@@ -517,7 +585,8 @@ def pick(setting: str, device: str) -> CpuKernels | None:
         if decode is not None and fused is not None:
             amx = setting != "no_amx"
             kernels = CpuKernels(decode, FusedOps(fused), load_packed_gemm(None if amx else False),
-                                 load_extend_kernel(None if amx else False), decode_tiles=amx)
+                                 load_extend_kernel(None if amx else False), decode_tiles=amx,
+                                 f32_gemm=load_f32_gemm())
     if kernels is None and setting == "on":
         raise RuntimeError(
             f"worker.cpu_kernels = 'on' but the C kernels are unavailable on {device!r} (they need a CPU "

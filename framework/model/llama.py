@@ -73,16 +73,20 @@ class RMSNorm(nn.Module):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
            kernels: CpuKernels | None = None, tiles: torch.Tensor | None = None, stream: bool = False,
            int8: Int8Weight | None = None, int8_ops: Int8Ops | None = None,
-           int8_fewest: int | None = None) -> torch.Tensor:
+           int8_fewest: int | None = None, f32: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on `packed` (weight's prepacked copy for oneDNN,
     `use_packed_weights`) when there is one and x is bf16. Without a bias, GEMMs of up to
     `kernels.gemm.rows` rows run on the packed GEMM kernel instead, from `tiles` (weight's copy
     in its layout); `stream`: that kernel stores the output past the caches (`PackedGemm.linear`,
     for the LM head). With `int8` (weight's int8 copy, model.quantization = "w8a8"), passes of
-    bf16 rows that `int8.takes` run in int8 (framework/model/int8.py; `int8_fewest`: its `fewest`)."""
+    bf16 rows that `int8.takes` run in int8 (framework/model/int8.py; `int8_fewest`: its `fewest`).
+    With `f32` (weight's copy for the fp32 GEMM kernel, `use_f32_gemm`), fp32 rows run on it."""
     if int8 is not None and (isinstance(x, QuantizedRows) or takes_int8(x, int8.packed is not None, int8_fewest)):
         y = int8_ops.linear(x if isinstance(x, QuantizedRows) else int8_ops.quantize(x, int8.inv), int8)
         return y if bias is None else y.add_(bias)
+    if f32 is not None and kernels is not None and kernels.f32_gemm is not None:
+        if kernels.f32_gemm.supports(x, f32, weight.shape[1]):
+            return kernels.f32_gemm.linear(x, f32, weight.shape[0], bias)
     if packed is not None and x.dtype == torch.bfloat16:
         gemm = kernels.gemm if kernels is not None and bias is None and tiles is not None else None
         if gemm is not None and gemm.supports(x, tiles):
@@ -99,10 +103,11 @@ class Linear(nn.Linear):
     kernels: CpuKernels | None = None  # see use_cpu_kernels
     int8: Int8Weight | None = None  # see framework/model/int8.py's use_int8_weights
     int8_ops: Int8Ops | None = None
+    f32: torch.Tensor | None = None  # the fp32 GEMM kernel's copy, see use_f32_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.kernels, self.tiles, int8=self.int8,
-                      int8_ops=self.int8_ops)
+                      int8_ops=self.int8_ops, f32=self.f32)
 
 
 class RowParallelLinear(nn.Module):
@@ -124,11 +129,12 @@ class RowParallelLinear(nn.Module):
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
         self.int8: Int8Weight | None = None  # see framework/model/int8.py's use_int8_weights
         self.int8_ops: Int8Ops | None = None
+        self.f32: torch.Tensor | None = None  # the fp32 GEMM kernel's copy, see use_f32_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard_size == 1:
             return linear(x, self.weight, self.bias, self.packed, self.kernels, self.tiles, int8=self.int8,
-                          int8_ops=self.int8_ops)
+                          int8_ops=self.int8_ops, f32=self.f32)
         # The bias is added once, after the sum of the ranks' partial products.
         y = self.par.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
@@ -366,6 +372,26 @@ def use_packed_weights(model: "LlamaForCausalLM", enabled: bool) -> int:
     return count + (model.packed_lm_head is not None)
 
 
+def use_f32_gemm(model: "LlamaForCausalLM", enabled: bool) -> int:
+    """Give every fp32 linear layer of `model` whose input is not split over ranks (and the LM
+    head) a copy of its weight packed for the fp32 GEMM kernel, where the model has that kernel
+    (`use_cpu_kernels` first: kernels/f32_gemm.c on CPUs without AVX-512), or drop them (`enabled`
+    False); returns how many weights were packed. The copies cost as much memory as the fp32
+    weights (~540 MB for SmolLM2) and are rebuilt with the model (`update_weights` builds a new one)."""
+    gemm = model.kernels.f32_gemm if enabled and model.kernels is not None else None
+
+    def copy(weight: torch.Tensor) -> torch.Tensor | None:
+        return gemm.pack(weight) if gemm is not None and gemm.packs(weight) else None
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (Linear, RowParallelLinear)):
+            module.f32 = copy(module.weight) if getattr(module, "shard_size", 1) == 1 else None
+            count += module.f32 is not None
+    model.lm_head_f32 = copy(model.lm_head_weight)
+    return count + (model.lm_head_f32 is not None)
+
+
 # Rows of the token-wise part of a layer processed at once (see LlamaDecoderLayer).
 PREFILL_TILE = 2048
 # The LM head runs on one row per sequence (more with logprobs): its kernels are built ahead up to
@@ -407,6 +433,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # see use_packed_weights
         self.lm_head_tiles: torch.Tensor | None = None  # the packed GEMM kernel's copy, see use_packed_weights
+        self.lm_head_f32: torch.Tensor | None = None  # the fp32 GEMM kernel's copy, see use_f32_gemm
         self.kernels: CpuKernels | None = None  # see use_cpu_kernels
         # the LM head's int8 copy and its GEMMs (model.int8_lm_head: int8.use_int8_weights(..., lm_head=True))
         self.lm_head_int8: Int8Weight | None = None
@@ -513,7 +540,8 @@ class LlamaForCausalLM(nn.Module):
         head8, fewest = self.lm_head_int8, self.int8_head_fewest()
         # The logits are read once, by the sampler after the whole GEMM: streamed past the caches.
         logits = linear(hidden, self.lm_head_weight, None, self.packed_lm_head, self.kernels, self.lm_head_tiles,
-                        stream=True, int8=head8, int8_ops=self.lm_head_int8_ops, int8_fewest=fewest)
+                        stream=True, int8=head8, int8_ops=self.lm_head_int8_ops, int8_fewest=fewest,
+                        f32=self.lm_head_f32)
         if head8 is not None and takes_int8(hidden, head8.packed is not None, fewest):
             # the columns that decide the next token get the bf16 head's values back
             rescore_head_top(logits, hidden, self.lm_head_weight, self.kernels.fused if self.kernels else None)

@@ -25,7 +25,7 @@ from framework.model.int8 import HEAD_RESCORE_MARGIN, rescore_head_top
 from framework.model.int8 import min_rows as int8_min_rows
 from framework.model.int8 import (INT8_DOT_FLAGS, QUANTIZATIONS, Int8Ops, has_int8_dot, int_mm_is_exact,
                                   use_int8_weights)
-from framework.model.llama import use_cpu_kernels, use_packed_weights
+from framework.model.llama import use_cpu_kernels, use_f32_gemm, use_packed_weights
 from framework.model.llava import build_model
 from framework.model.loader import (ModelFolderError, iter_safetensors, load_hf_config, load_tokenizer,
                                     resolve_model)
@@ -234,6 +234,8 @@ class ModelRunner:
                            "run ~10x slower than float32 here (a 2-core AMD EPYC Zen 3: 10-18 against 100-135 "
                            "GFLOP/s); model.dtype = 'auto' picks float32 on this CPU", ", ".join(BF16_FLAGS))
         text = getattr(model, "language_model", model)  # llava: the packed and int8 copies are its language model's
+        if self.dtype == torch.float32 and self.cpu_kernels is not None and self.cpu_kernels.f32_gemm is not None:
+            logger.debug("Packed %d float32 weights for the fp32 GEMM kernel", use_f32_gemm(text, True))
         if self.packed_weights and self.dtype == torch.bfloat16:
             logger.debug("Prepacked %d bf16 linear weights for oneDNN", use_packed_weights(text, True))
             warm = getattr(text, "warm_packed_gemms", None)

@@ -1,0 +1,102 @@
+"""The fp32 GEMM kernel (kernels/f32_gemm.c, cpu_kernels.F32Gemm): against float64 products, and
+in the model, where it takes every fp32 linear layer and the LM head on CPUs without AVX-512.
+
+It runs on AVX2 + FMA, which every CPU with AVX-512 has too, so these tests run it wherever it
+builds (the engine itself takes it only where there is no AVX-512: `load_f32_gemm`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework.batch import ForwardMode
+from framework.model import cpu_kernels
+from framework.model.cpu_kernels import F32Gemm
+from tests.test_model import _batch, _new_reqs, _runner, _tiny_hf
+
+
+def _built() -> F32Gemm | None:
+    lib = cpu_kernels.load("f32_gemm")
+    if lib is None:
+        return None
+    lib.f32_gemm_supported.restype = cpu_kernels._INT
+    return F32Gemm(lib) if lib.f32_gemm_supported() == 1 else None
+
+
+GEMM = _built()
+needs_gemm = pytest.mark.skipif(GEMM is None, reason="the fp32 GEMM kernel needs a C compiler and AVX2 + FMA")
+
+
+@needs_gemm
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 16), (5, 300, 40), (6, 576, 576), (13, 257, 100), (200, 1536, 72),
+                                      (611, 576, 960)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_f32_gemm_matches_float64_products(rows, k, n, bias, threads, monkeypatch):
+    """Every output to fp32 rounding of the exact product (k past one block of 256 steps, n past
+    a whole unit of 16 columns, rows past a micro-tile of 6, x rows strided as a view's)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(rows * 7 + k)
+    wide = torch.randn(rows, k + 9, generator=gen)
+    x = wide[:, 3:3 + k]  # (row stride k + 9)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    out = GEMM.linear(x, GEMM.pack(w), n, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_gemm
+def test_f32_gemm_refuses_what_it_cannot_take():
+    w = torch.randn(32, 64)
+    packed = GEMM.pack(w)
+    assert GEMM.supports(torch.randn(4, 64), packed, 64)
+    assert not GEMM.supports(torch.randn(4, 64).bfloat16(), packed, 64)
+    assert not GEMM.supports(torch.randn(64, 4).t(), packed, 64)  # (columns not unit-stride)
+    assert not GEMM.supports(torch.randn(4, 32), packed, 64)
+    with pytest.raises(ValueError, match="cannot pack"):
+        GEMM.pack(w.bfloat16())
+
+
+def test_the_engine_takes_it_only_without_avx512(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_cpu_id", lambda: "flags : fpu avx2 fma avx512f avx512bw")
+    assert cpu_kernels.load_f32_gemm() is None
+    monkeypatch.setattr(cpu_kernels, "_cpu_id", lambda: "flags : fpu avx2 fma")
+    assert (cpu_kernels.load_f32_gemm() is not None) == (GEMM is not None)
+
+
+@needs_gemm
+def test_an_fp32_model_runs_its_gemms_on_it(monkeypatch):
+    """With the kernel (as on an AMD EPYC Zen 3), every linear layer and the LM head have a packed
+    copy and their fp32 passes run on it, prefill and decode, with the logits of MKL's GEMMs to
+    fp32 rounding; bf16 models keep their own GEMMs."""
+    hf_model = _tiny_hf()
+    monkeypatch.setattr(cpu_kernels, "load_f32_gemm", _built)
+    runner = _runner(hf_model, dtype=torch.float32)
+    monkeypatch.setattr(cpu_kernels, "load_f32_gemm", lambda: None)
+    plain = _runner(hf_model, dtype=torch.float32)
+    model = runner.model
+    assert model.kernels.f32_gemm is not None and plain.model.kernels.f32_gemm is None
+    layer = model.model.layers[0]
+    assert all(p.f32 is not None for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                           layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert model.lm_head_f32 is not None
+    calls = []
+    real = F32Gemm.linear
+    monkeypatch.setattr(F32Gemm, "linear", lambda self, x, *a, **kw: calls.append(x.shape[0]) or real(self, x, *a, **kw))
+    lens = [5, 9, 3]
+    got, want = [], []
+    for r, out in ((runner, got), (plain, want)):
+        reqs = _new_reqs(r, [n + 2 for n in lens], seed=4)
+        out.append(r.forward(_batch(r, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone())
+        out.append(r.forward(_batch(r, reqs, [1, 1, 1], ForwardMode.DECODE)).next_token_logits.clone())
+    layers = len(model.model.layers)
+    assert calls.count(sum(lens)) == 4 * layers and calls.count(len(lens)) == 4 * layers + 2  # (the decode step, 2 LM heads)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+    monkeypatch.setattr(cpu_kernels, "load_f32_gemm", _built)
+    bf16 = _runner(hf_model, dtype=torch.bfloat16)
+    assert bf16.model.model.layers[0].self_attn.qkv_proj.f32 is None and bf16.model.lm_head_f32 is None
