@@ -347,6 +347,37 @@ def test_roofline_measures_the_layers_gemms_in_their_precision(monkeypatch):
     assert asked == ["bfloat16", "int8", "bfloat16", "int8", "float32"]
 
 
+def test_roofline_takes_the_faster_of_mkl_and_the_f32_kernel(monkeypatch):
+    """Where the engine runs its float32 GEMMs on kernels/f32_gemm.c (CPUs without AVX-512), the
+    float32 rate is the better of F.linear's and the kernel's at the same shapes."""
+    from types import SimpleNamespace
+
+    from framework.bench import roofline
+    from framework.model import cpu_kernels
+
+    small = SimpleNamespace(hidden_size=64, intermediate_size=128)
+    monkeypatch.setattr(roofline, "GEMM_ROWS", 64)
+    monkeypatch.setattr(roofline, "MIN_SECONDS", 0.01)
+    timed = []
+
+    class Gemm:
+        def pack(self, w):
+            return w
+
+        def linear(self, x, packed, n):
+            timed.append(n)
+            return x @ packed.t()
+
+    monkeypatch.setattr(cpu_kernels, "load_f32_gemm", lambda: Gemm())
+    assert roofline.gemm_rate(small, "float32") > 0
+    assert set(timed) == {256, 64}  # (gate_up's and down's columns)
+    timed.clear()
+    assert roofline.gemm_rate(small, "bfloat16") > 0 and timed == []
+    # the kernel's timings better than F.linear's: the rate is the kernel's
+    monkeypatch.setattr(roofline, "_best_rate", lambda fn, work: (timed.clear(), fn(), 5.0 if timed else 1.0)[-1])
+    assert roofline.gemm_rate(small, "float32") == 5.0
+
+
 def test_offline_roofline_bounds_the_run(bench_model, tmp_path, capsys):
     """`--roofline`: the record's work is the run's (random ids: no prefix from the cache; the tiny
     model's fp32 pool holds 2 layers x K and V x 2 KV heads x 16 x 4 bytes a token), the rates are

@@ -97,6 +97,22 @@ def test_kernel_matches_reference(q_dtype, kv_dtype, atol, threads, tiles, monke
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 3), (8, 2), (8, 1), (12, 1)])
+@pytest.mark.parametrize("kv_dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4), (torch.int8, 1e-4)])
+def test_fp32_queries_in_groups_of_every_size_match_reference(heads, kv_heads, kv_dtype, atol):
+    """fp32 queries, 1-12 query heads a KV head (the vector paths' copies for groups 1-4, the shared
+    one for larger groups, and the portable loops past 8), every length around a 16-token block."""
+    head_dim, lens = 64, [1, 15, 16, 17, 63, 64, 65, 200]
+    k, v, req_to_token, pool_idx = _scattered_pool(lens, kv_heads, head_dim, kv_dtype, seed=2)
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(3))
+    attn = TorchNativeAttention(heads, kv_heads, head_dim)
+    attn.use_decode_kernel(KERNEL)
+    out = attn._kernel_decode(q, k, v, _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens, dtype=torch.int64)))
+    ref = _reference(q, k, v, req_to_token, pool_idx, lens, heads // kv_heads, head_dim**-0.5)
+    torch.testing.assert_close(out.double().view(ref.shape), ref, atol=atol, rtol=0)
+
+
+@needs_kernel
 def test_an_int8_pool_is_read_as_integers_to_within_the_outputs_rounding():
     """Where the decode kernel reads an int8 pool as integers (AVX512-VNNI: the bf16 query rounded
     to int8 per head for the scores, the probabilities as int16 a chunk for P V), its only error
@@ -418,12 +434,46 @@ def test_fused_silu_mul_matches_torch(rows, d):
 
 
 @needs_kernel
-def test_fused_ops_are_used_only_for_bf16():
-    norm = RMSNorm(64, 1e-6)
+@pytest.mark.parametrize("rows,d", [(1, 64), (200, 576), (513, 100)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_fused_fp32_rms_norm_matches_torch(rows, d, residual, monkeypatch):
+    """fp32 rows on their kernel (with the residual add before it: h = x + residual returned too),
+    PyTorch's fp32 values to fp32 rounding."""
+    gen = torch.Generator().manual_seed(rows + d)
+    norm = RMSNorm(d, 1e-5)
+    norm.weight.data = torch.randn(d, generator=gen) * 0.3 + 1
+    x = (torch.randn(rows, 2 * d, generator=gen) * 3)[:, :d]  # strided rows
+    res = torch.randn(rows, d, generator=gen) if residual else None
+    h_ref = x + res if residual else x
+    ref = RMSNorm.forward(norm, h_ref)  # (no kernels: the PyTorch path)
     norm.fused = KERNELS.fused
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(norm(x), RMSNorm(64, 1e-6)(x), atol=0, rtol=0)  # fp32: the PyTorch path
-    assert not KERNELS.fused.supports(x) and KERNELS.fused.supports(x.to(torch.bfloat16))
+    calls = []
+    real = type(KERNELS.fused).rms_norm_f32
+    monkeypatch.setattr(type(KERNELS.fused), "rms_norm_f32", lambda self, *a: calls.append(1) or real(self, *a))
+    out, h = norm.add_and_norm(x.clone(), res) if residual else (norm(x), x)
+    assert calls == [1]
+    torch.testing.assert_close(h, h_ref, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,d", [(1, 16), (200, 1536), (600, 40)])
+def test_fused_fp32_silu_mul_matches_torch(rows, d):
+    gen = torch.Generator().manual_seed(d)
+    gate_up = torch.randn(rows, 2 * d + 3, generator=gen)[:, :2 * d] * 6  # strided rows
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])[: min(4, d)]
+    ref = F.silu(gate_up[:, :d]) * gate_up[:, d:]
+    out = KERNELS.fused.silu_mul_f32(gate_up)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_fused_ops_take_bf16_and_fp32_apart():
+    assert not KERNELS.fused.supports(torch.randn(3, 64)) and KERNELS.fused.supports(torch.randn(3, 64).bfloat16())
+    assert KERNELS.fused.supports_f32(torch.randn(3, 64), torch.ones(64))
+    assert not KERNELS.fused.supports_f32(torch.randn(3, 64).bfloat16())
+    assert not KERNELS.fused.supports_f32(torch.randn(3, 64), torch.ones(64).bfloat16())
+    assert not KERNELS.fused.supports_f32(torch.randn(64, 3).t())
     wide = torch.ones(1, KERNELS.fused.MAX_NORM_WIDTH + 16, dtype=torch.bfloat16)
     assert not KERNELS.fused.supports_norm(wide, wide[0])  # too wide for the kernel: PyTorch path
     wide_norm = RMSNorm(wide.shape[1], 1e-6).to(torch.bfloat16)

@@ -88,22 +88,32 @@ def gemm_shapes(cfg) -> list[tuple[int, int]]:
 
 def gemm_rate(cfg, kind: str) -> float:
     """Best FLOP/s (OP/s for int8) of this machine's GEMMs at the layers' shapes: `kind` is a
-    float dtype's name (F.linear) or "int8" (torch._int_mm)."""
+    float dtype's name (F.linear; for float32, also kernels/f32_gemm.c where the engine runs its
+    float32 GEMMs there, CPUs without AVX-512: whichever is faster) or "int8" (torch._int_mm)."""
     import torch
 
+    f32_gemm = None
+    if kind == "float32":
+        from framework.model.cpu_kernels import load_f32_gemm
+
+        f32_gemm = load_f32_gemm()
     gen = torch.Generator().manual_seed(0)
     best = 0.0
     for k, n in gemm_shapes(cfg):
+        fns = []
         if kind == "int8":
             x = torch.randint(-127, 128, (GEMM_ROWS, k), dtype=torch.int8, generator=gen)
             w = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=gen)
-            fn = lambda x=x, w=w: torch._int_mm(x, w)  # noqa: E731
+            fns.append(lambda x=x, w=w: torch._int_mm(x, w))
         else:
             dtype = getattr(torch, kind)
             x = torch.randn(GEMM_ROWS, k, generator=gen).to(dtype)
             w = torch.randn(n, k, generator=gen).to(dtype)
-            fn = lambda x=x, w=w: torch.nn.functional.linear(x, w)  # noqa: E731
-        best = max(best, _best_rate(fn, 2.0 * GEMM_ROWS * k * n))
+            fns.append(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            if f32_gemm is not None:
+                fns.append(lambda x=x, p=f32_gemm.pack(w), n=n: f32_gemm.linear(x, p, n))
+        for fn in fns:
+            best = max(best, _best_rate(fn, 2.0 * GEMM_ROWS * k * n))
     return best
 
 

@@ -213,6 +213,12 @@ class FusedOps:
         self._head_rescore = lib.head_rescore_bf16
         self._head_rescore.restype = None
         self._head_rescore.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _FLOAT, _PTR, _INT]
+        self._rms_norm_f32 = lib.rms_norm_f32
+        self._rms_norm_f32.restype = None
+        self._rms_norm_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
+        self._silu_mul_f32 = lib.silu_mul_f32
+        self._silu_mul_f32.restype = None
+        self._silu_mul_f32.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _INT]
 
     # The widest row rms_norm takes (its per-thread row buffer, kernels/fused_ops.c).
     MAX_NORM_WIDTH = 8192
@@ -244,6 +250,33 @@ class FusedOps:
         if rc != 0:
             raise ValueError(f"rms_norm kernel: hidden size {d} is larger than it supports")
         return out, h
+
+    @staticmethod
+    def supports_f32(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+        """Whether the fp32 ops take x ([rows, d] fp32 on the CPU, unit stride along d; and an fp32
+        norm weight [d] when given)."""
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+                and (weight is None or (weight.dtype == torch.float32 and weight.is_contiguous())))
+
+    def rms_norm_f32(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * RMSNorm(h), h) of fp32 rows, h = x or x + residual (contiguous, x's shape), in one
+        pass (see `supports_f32`); the values of PyTorch's fp32 path to fp32 rounding."""
+        rows, d = x.shape
+        out = torch.empty((rows, d), dtype=torch.float32)
+        h = x if residual is None else torch.empty((rows, d), dtype=torch.float32)
+        self._rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                           None if residual is None else h.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, d,
+                           eps, torch.get_num_threads())
+        return out, h
+
+    def silu_mul_f32(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * d] = [gate | up] fp32 -> silu(gate) * up, [rows, d] fp32."""
+        rows, d2 = gate_up.shape
+        out = torch.empty((rows, d2 // 2), dtype=torch.float32)
+        self._silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, d2 // 2,
+                           torch.get_num_threads())
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, 2 * d] = [gate | up] -> silu(gate) * up, [rows, d] bf16."""

@@ -43,7 +43,9 @@ logger = logging.getLogger(__name__)
 
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32 and cast back before the weight, as HF llama does (same ops in
-    the same order, so fp32 results are bit-identical); in place where the input is not touched."""
+    the same order, so fp32 results are bit-identical); in place where the input is not touched.
+    With the C kernels (`fused`), bf16 rows take their one-pass kernel with the same roundings, and
+    fp32 rows theirs, whose sum of squares goes in another order (HF's values to fp32 rounding)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -55,6 +57,8 @@ class RMSNorm(nn.Module):
         if self.fused is not None and self.fused.supports_norm(x, self.weight):
             return self.fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
+            if self.fused is not None and self.fused.supports_f32(x, self.weight):
+                return self.fused.rms_norm_f32(x, self.weight, self.eps)[0]
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         xf = to_float32(x)  # a new tensor, normalized in place
         xf.mul_(torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
@@ -66,6 +70,9 @@ class RMSNorm(nn.Module):
         if (fused is not None and fused.supports_norm(x, self.weight) and residual.dtype == torch.bfloat16
                 and residual.is_contiguous()):
             return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        if (fused is not None and fused.supports_f32(x, self.weight) and residual.dtype == torch.float32
+                and residual.is_contiguous() and residual.shape == x.shape):
+            return fused.rms_norm_f32(x, self.weight, self.eps, residual)
         h = x.add_(residual)
         return self(h), h
 
@@ -262,6 +269,8 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.fused is not None and self.fused.supports(gate_up):
             return self.down_proj(self.fused.silu_mul(gate_up))
+        if self.fused is not None and self.fused.supports_f32(gate_up):
+            return self.down_proj(self.fused.silu_mul_f32(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 

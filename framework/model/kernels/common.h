@@ -60,7 +60,7 @@ static inline void run_spans(void *(*fn)(void *), void *spans, size_t span_size,
 }
 #endif
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 

@@ -117,7 +117,7 @@ static inline void load_row(float *dst, const void *p, int d, int fmt) {
 
 /* Prefetch the slot rows (`row_bytes` from `base + slot * row_bytes`) of tokens [t0, t1). */
 static inline void prefetch_rows(const char *base, const int64_t *slots, int64_t t0, int64_t t1, size_t row_bytes) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
     for (int64_t t = t0; t < t1; t++) {
         const char *p = base + (size_t)slots[t] * row_bytes;
         for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
@@ -139,7 +139,7 @@ typedef struct {
 
 /* Prefetch the next `lines` cache lines of the range (all of them: lines < 0). */
 static inline void prefetch_lines(Prefetcher *pf, int lines) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
     while (pf->t < pf->end && lines-- != 0) {
         _mm_prefetch(pf->base + (size_t)pf->slots[pf->t] * pf->row_bytes + pf->off, _MM_HINT_T1);
         pf->off += 64;
@@ -242,6 +242,100 @@ static void group_values_f32(const float *probs, int group, const char *v, size_
                              const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
     BY_GROUP(group, values_f32(probs, G, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf));
 }
+#endif
+
+/* The AVX2 + FMA paths (CPUs without AVX-512: AMD Zen 2 and 3, Intel's client CPUs), head_dim 64,
+ * any q (fp32 rows `qf`) and an fp32, bf16 or int8 pool (e5m2 stays portable): where the portable
+ * loops widened every row to the scratch and summed each score's 16 lanes one score at a time,
+ * these widen a block of 16 K rows to fp32 once for the group's query heads, sum each score in 8
+ * lanes and add 4 scores' lanes up together (hsum4), and take P V a half row (32 columns) at a
+ * time with the group's sums in registers; both prefetch the next chunk as the AVX-512 paths do. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define HAVE_AVX2_PATHS 1
+
+/* 8 elements of a row (fmt: KV_F32, KV_BF16 or KV_I8, integers as themselves) as fp32. */
+static inline __m256 load8(const char *p, int fmt) {
+    if (fmt == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    if (fmt == KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    return _mm256_loadu_ps((const float *)p);
+}
+
+/* The sums of four 8-lane vectors. */
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+static inline __attribute__((always_inline)) void scores_avx2(const float *qf, const int group, const char *k,
+                                                              size_t row_bytes, size_t elem, int fmt,
+                                                              const int64_t *slots, int64_t t0, int64_t t1,
+                                                              int64_t len, float *scores, Prefetcher *pf) {
+    Prefetcher pfl = *pf; /* (a local copy, kept in registers) */
+    float kb[16 * 64] __attribute__((aligned(32)));
+    for (int64_t t = t0; t < t1; t += 16) {
+        const int n = t1 - t < 16 ? (int)(t1 - t) : 16;
+        for (int u = 0; u < n; u++) {
+            const char *p = k + (size_t)slots[t + u] * row_bytes;
+            for (int c = 0; c < 8; c++) _mm256_store_ps(kb + u * 64 + c * 8, load8(p + c * 8 * elem, fmt));
+        }
+        for (int u = n; u < 16; u++) memset(kb + u * 64, 0, 64 * sizeof(float));
+        for (int g = 0; g < group; g++) {
+            __m256 qv[8];
+            for (int c = 0; c < 8; c++) qv[c] = _mm256_loadu_ps(qf + g * 64 + c * 8);
+            if (n == 16) prefetch_next(&pfl);
+            float out[16];
+            for (int u = 0; u < 16; u += 4) {
+                __m256 acc[4];
+                for (int e = 0; e < 4; e++) {
+                    const float *r = kb + (u + e) * 64;
+                    acc[e] = _mm256_mul_ps(qv[0], _mm256_load_ps(r));
+                    for (int c = 1; c < 8; c++) acc[e] = _mm256_fmadd_ps(qv[c], _mm256_load_ps(r + c * 8), acc[e]);
+                }
+                _mm_storeu_ps(out + u, hsum4(acc[0], acc[1], acc[2], acc[3]));
+            }
+            memcpy(scores + g * len + t, out, (size_t)n * sizeof(float));
+        }
+    }
+    *pf = pfl;
+}
+
+static void group_scores_avx2(const float *qf, int group, const char *k, size_t row_bytes, size_t elem, int fmt,
+                              const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *scores, Prefetcher *pf) {
+    BY_GROUP(group, scores_avx2(qf, G, k, row_bytes, elem, fmt, slots, t0, t1, len, scores, pf));
+}
+
+static inline __attribute__((always_inline)) void values_avx2(const float *probs, const int group, const char *v,
+                                                              size_t row_bytes, size_t elem, int fmt,
+                                                              const int64_t *slots, int64_t t0, int64_t t1,
+                                                              int64_t len, float *acc, Prefetcher *pf) {
+    Prefetcher pfl = *pf;
+    for (int half = 0; half < 2; half++) {
+        __m256 av[8][4];
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < 4; c++) av[g][c] = _mm256_loadu_ps(acc + g * 64 + half * 32 + c * 8);
+        for (int64_t t = t0; t < t1; t++) {
+            if (half == 0) prefetch_next(&pfl);
+            const char *p = v + (size_t)slots[t] * row_bytes + (size_t)half * 32 * elem;
+            __m256 vr[4];
+            for (int c = 0; c < 4; c++) vr[c] = load8(p + c * 8 * elem, fmt);
+            for (int g = 0; g < group; g++) {
+                const __m256 pr = _mm256_set1_ps(probs[g * len + t]);
+                for (int c = 0; c < 4; c++) av[g][c] = _mm256_fmadd_ps(pr, vr[c], av[g][c]);
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + g * 64 + half * 32 + c * 8, av[g][c]);
+    }
+    *pf = pfl;
+}
+
+static void group_values_avx2(const float *probs, int group, const char *v, size_t row_bytes, size_t elem, int fmt,
+                              const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
+    BY_GROUP(group, values_avx2(probs, G, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf));
+}
+#else
+#define HAVE_AVX2_PATHS 0
 #endif
 
 #if defined(__AVX512BF16__)
@@ -485,6 +579,12 @@ static void head_scores(const void *q, const float *qf, const QueryI8 *qi8, int 
         return;
     }
 #endif
+#if HAVE_AVX2_PATHS
+    if (d == 64 && group <= 8 && kv_fmt != KV_E5M2) {
+        group_scores_avx2(qf, group, (const char *)k, kv_stride * elem, elem, kv_fmt, slots, t0, t1, len, scores, pf);
+        return;
+    }
+#endif
     (void)q;
     (void)q_bf16;
     for (int64_t t = t0; t < t1; t++) {
@@ -716,6 +816,12 @@ static void head_values(const float *probs, const uint16_t *probs_bf16, const in
 #ifdef __AVX512F__
     if (d == 64 && group <= 8) {
         group_values_f32(probs, group, (const char *)v, kv_stride * elem, elem, fmt, slots, t0, t1, len, acc, pf);
+        return;
+    }
+#endif
+#if HAVE_AVX2_PATHS
+    if (d == 64 && group <= 8 && fmt != KV_E5M2) {
+        group_values_avx2(probs, group, (const char *)v, kv_stride * elem, elem, fmt, slots, t0, t1, len, acc, pf);
         return;
     }
 #endif
@@ -1176,11 +1282,15 @@ static void *run_span(void *arg) {
          * paths for head_dim 64) */
 #if defined(__AVX512BF16__)
         const int spread_k = d == 64 && group <= 8 && a->q_bf16 && a->kv_fmt != KV_F32;
+#elif HAVE_AVX2_PATHS
+        const int spread_k = d == 64 && group <= 8 && a->kv_fmt != KV_E5M2;
 #else
         const int spread_k = 0;
 #endif
 #ifdef __AVX512F__
         const int spread_v = d == 64 && group <= 8;
+#elif HAVE_AVX2_PATHS
+        const int spread_v = d == 64 && group <= 8 && a->kv_fmt != KV_E5M2;
 #else
         const int spread_v = 0;
 #endif

@@ -221,6 +221,105 @@ int silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t ro
     return 0;
 }
 
+/* ---- fp32 rows (float32 models) --------------------------------------------------------------
+ * The same two ops for fp32 activations, one pass each where PyTorch's fp32 path takes 4-6 ops:
+ * loops written so that GCC vectorizes them on any vector ISA (16 partial sums of squares, added
+ * up as sum_lanes16; SiLU's exp by exp_neg_lanes), so the values are PyTorch's to fp32 rounding. */
+typedef struct {
+    const float *x, *w, *residual; /* rms_norm: x [rows, d] (row stride x_stride), w [d], residual optional */
+    float *out, *residual_out;
+    int64_t rows, d, x_stride;
+    float eps;
+    int silu; /* silu_mul instead: x [rows, 2 d] = [gate | up] -> out [rows, d] */
+} JobF32;
+
+typedef struct {
+    const JobF32 *job;
+    int64_t begin, end;
+} RowsF32;
+
+/* out = w * (h * rsqrt(mean(h^2) + eps)), h = x, or x + residual (written to residual_out). */
+static void rms_norm_rows_f32(const JobF32 *j, int64_t begin, int64_t end) {
+    const int64_t d = j->d;
+    for (int64_t r = begin; r < end; r++) {
+        const float *x = j->x + r * j->x_stride, *res = j->residual ? j->residual + r * d : NULL;
+        float *h = res ? j->residual_out + r * d : NULL, *o = j->out + r * d;
+        float part[16] = {0}, sum;
+        int64_t i = 0;
+        if (res) {
+            for (; i + 16 <= d; i += 16)
+                for (int l = 0; l < 16; l++) {
+                    const float v = x[i + l] + res[i + l];
+                    h[i + l] = v;
+                    part[l] += v * v;
+                }
+        } else {
+            for (; i + 16 <= d; i += 16)
+                for (int l = 0; l < 16; l++) part[l] += x[i + l] * x[i + l];
+        }
+        sum = sum_lanes16(part);
+        for (; i < d; i++) {
+            const float v = res ? x[i] + res[i] : x[i];
+            if (h) h[i] = v;
+            sum += v * v;
+        }
+        const float scale = 1.0f / sqrtf(sum / (float)d + j->eps);
+        const float *src = h ? h : x;
+        for (i = 0; i < d; i++) o[i] = j->w[i] * (src[i] * scale);
+    }
+}
+
+/* out = silu(gate) * up, silu(g) = g / (1 + exp(-g)) as g * e' / (1 + e) with e = exp(-|g|) and e'
+ * 1 (g >= 0) or e (g < 0), so that exp only sees values <= 0. */
+static void silu_mul_rows_f32(const JobF32 *j, int64_t begin, int64_t end) {
+    const int64_t d = j->d;
+    for (int64_t r = begin; r < end; r++) {
+        const float *gate = j->x + r * j->x_stride, *up = gate + d;
+        float *o = j->out + r * d;
+        for (int64_t i = 0; i < d; i++) {
+            const float g = gate[i], e = exp_neg_lanes(-fabsf(g));
+            const float pos = 0.5f + copysignf(0.5f, g); /* 1 for g >= 0, else 0 */
+            o[i] = g * (pos + (1.0f - pos) * e) / (1.0f + e) * up[i];
+        }
+    }
+}
+
+static void *run_rows_f32(void *arg) {
+    const RowsF32 *rows = (const RowsF32 *)arg;
+    if (rows->job->silu)
+        silu_mul_rows_f32(rows->job, rows->begin, rows->end);
+    else
+        rms_norm_rows_f32(rows->job, rows->begin, rows->end);
+    return NULL;
+}
+
+static void run_f32(const JobF32 *job, int num_threads) {
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > job->rows / MIN_ROWS_PER_THREAD) num_threads = (int)(job->rows / MIN_ROWS_PER_THREAD);
+    if (num_threads < 1) num_threads = 1;
+    RowsF32 spans[MAX_THREADS];
+    for (int s = 0; s < num_threads; s++) {
+        spans[s].job = job;
+        spans[s].begin = job->rows * s / num_threads;
+        spans[s].end = job->rows * (s + 1) / num_threads;
+    }
+    run_spans(run_rows_f32, spans, sizeof spans[0], num_threads);
+}
+
+/* fp32 RMSNorm of x's rows (with a residual: of x + residual, also written to residual_out; both
+ * [rows, d] contiguous) times w, into out [rows, d]. */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *residual, float *residual_out, const float *w,
+                  float *out, int64_t rows, int64_t d, float eps, int num_threads) {
+    JobF32 job = {x, w, residual, out, residual_out, rows, d, x_stride, eps, 0};
+    run_f32(&job, num_threads);
+}
+
+/* [gate | up] fp32 rows [rows, 2 d] (row stride x_stride) -> silu(gate) * up [rows, d]. */
+void silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t d, int num_threads) {
+    JobF32 job = {x, NULL, NULL, out, NULL, rows, d, x_stride, 0.0f, 1};
+    run_f32(&job, num_threads);
+}
+
 /* Rotary embedding of q and k from the fused qkv projection, q into q_out, k and v into the KV
  * pool at slots loc (the work of RopeTables.apply + TokenToKVPool.set_kv; an int8 pool's scales
  * into k_scale and v_scale, NULL for other pools). */
