@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from framework.batch import ForwardMode
 from framework.model import cpu_kernels
 from framework.model.cpu_kernels import F32Gemm
-from tests.test_model import _batch, _new_reqs, _runner, _tiny_hf
+from tests.test_model import _batch, _new_reqs, _runner, _tiny_config, _tiny_hf
 
 
 def _built() -> F32Gemm | None:
@@ -70,9 +70,11 @@ def test_the_engine_takes_it_only_without_avx512(monkeypatch):
 @needs_gemm
 def test_an_fp32_model_runs_its_gemms_on_it(monkeypatch):
     """With the kernel (as on an AMD EPYC Zen 3), every linear layer and the LM head have a packed
-    copy and their fp32 passes run on it, prefill and decode, with the logits of MKL's GEMMs to
-    fp32 rounding; bf16 models keep their own GEMMs."""
-    hf_model = _tiny_hf()
+    copy and their fp32 passes run on it, prefill and decode, and every prompt's prefill attention
+    runs on its attention kernel, with the logits of MKL's GEMMs and SDPA to fp32 rounding; bf16
+    models keep their own GEMMs."""
+    hf_model = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                            num_key_value_heads=1))  # (head_dim 64: the attention kernel's)
     monkeypatch.setattr(cpu_kernels, "load_f32_gemm", _built)
     runner = _runner(hf_model, dtype=torch.float32)
     monkeypatch.setattr(cpu_kernels, "load_f32_gemm", lambda: None)
@@ -83,16 +85,19 @@ def test_an_fp32_model_runs_its_gemms_on_it(monkeypatch):
     assert all(p.f32 is not None for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                            layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert model.lm_head_f32 is not None
-    calls = []
-    real = F32Gemm.linear
+    assert model.attn_backend.f32_extend_kernel is not None and plain.model.attn_backend.f32_extend_kernel is None
+    calls, attended = [], []
+    real, real_attention = F32Gemm.linear, model.attn_backend.f32_extend_kernel
     monkeypatch.setattr(F32Gemm, "linear", lambda self, x, *a, **kw: calls.append(x.shape[0]) or real(self, x, *a, **kw))
-    lens = [5, 9, 3]
+    model.attn_backend.f32_extend_kernel = lambda *a: attended.append(a[8]) or real_attention(*a)  # (a[8]: seq_len)
+    lens = [21, 33, 17]  # (past _KERNEL_MAX_EXTEND: the prefill attention kernel, not decode rows)
     got, want = [], []
     for r, out in ((runner, got), (plain, want)):
         reqs = _new_reqs(r, [n + 2 for n in lens], seed=4)
         out.append(r.forward(_batch(r, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone())
         out.append(r.forward(_batch(r, reqs, [1, 1, 1], ForwardMode.DECODE)).next_token_logits.clone())
     layers = len(model.model.layers)
+    assert sorted(attended) == sorted(lens * layers)  # (each prompt's prefill attention, every layer)
     assert calls.count(sum(lens)) == 4 * layers and calls.count(len(lens)) == 4 * layers + 2  # (the decode step, 2 LM heads)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -100,3 +105,41 @@ def test_an_fp32_model_runs_its_gemms_on_it(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load_f32_gemm", _built)
     bf16 = _runner(hf_model, dtype=torch.bfloat16)
     assert bf16.model.model.layers[0].self_attn.qkv_proj.f32 is None and bf16.model.lm_head_f32 is None
+
+
+def _extend_reference(q, k, v, slots, prefix_len, group, scale):
+    """[L, heads, 64] float64: query i attends to keys 0..prefix_len + i of `slots` (k, v: the pool's values)."""
+    kk = k[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, D]
+    vv = v[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.einsum("lhd,hsd->hls", q.double(), kk) * scale
+    seen = torch.arange(len(slots))[None, :] <= prefix_len + torch.arange(q.shape[0])[:, None]
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    return torch.einsum("hls,hsd->lhd", probs, vv)
+
+
+@needs_gemm
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("seq_len,prefix_len", [(1, 0), (7, 0), (37, 20), (300, 0), (300, 283), (611, 100)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_f32_prefill_attention_matches_float64(kv_dtype, seq_len, prefix_len, heads, kv_heads, threads, monkeypatch):
+    """fp32 queries (rows of a pass, strided as its q) over a request's scattered slots of an fp32,
+    bf16 or int8 pool (its values: an int8 row's integers times its scale), causal past a prefix."""
+    from framework.model.attention import TorchNativeAttention, _ExtendReq
+    from tests.test_cpu_kernels import _as_pool, _values
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(seq_len + prefix_len)
+    slots_total = seq_len + 50
+    k = _as_pool(torch.randn(slots_total, kv_heads, 64, generator=gen), kv_dtype)
+    v = _as_pool(torch.randn(slots_total, kv_heads, 64, generator=gen), kv_dtype)
+    slots = torch.randperm(slots_total, generator=gen)[:seq_len]
+    ext = seq_len - prefix_len
+    rows = torch.randn(ext + 2, heads * 64 + 5, generator=gen)[1:ext + 1, :heads * 64]  # (a pass's rows, strided)
+    q = rows.view(ext, heads, 64)
+    attn = TorchNativeAttention(heads, kv_heads, 64)
+    attn.use_f32_extend_kernel(GEMM.extend_attention)
+    out = torch.full((ext, heads, 64), float("nan"))
+    assert attn._kernel_extend(q, k, v, _ExtendReq(0, ext, prefix_len, slots, None), out)
+    ref = _extend_reference(q, _values(k), _values(v), slots, prefix_len, heads // kv_heads, 64**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)

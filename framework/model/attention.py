@@ -213,6 +213,7 @@ class TorchNativeAttention:
         self.decode_kernel = None  # see use_decode_kernel
         self.decode_tiles = True  # the decode kernel may use AMX tiles (bf16, where the CPU has them)
         self.extend_kernel = None  # see use_extend_kernel
+        self.f32_extend_kernel = None  # see use_f32_extend_kernel
 
     def use_decode_kernel(self, kernel) -> None:
         """Attend one-token requests with `kernel` (cpu_kernels.CpuKernels.decode_attention; None:
@@ -224,6 +225,11 @@ class TorchNativeAttention:
         """Attend bf16 multi-token requests with `kernel` (cpu_kernels.CpuKernels.extend_attention,
         on AMX tiles or AVX512-BF16 vectors, head_dim 64; None: PyTorch's SDPA)."""
         self.extend_kernel = kernel if self.head_dim == 64 else None
+
+    def use_f32_extend_kernel(self, kernel) -> None:
+        """Attend fp32 multi-token requests with `kernel` (cpu_kernels.F32Gemm.extend_attention, on
+        CPUs without AVX-512, head_dim 64, fp32, bf16 or int8 pools; None: PyTorch's SDPA)."""
+        self.f32_extend_kernel = kernel if self.head_dim == 64 else None
 
     def prepare(self, batch: ModelWorkerBatch, req_to_token_pool: ReqToTokenPool) -> AttentionMetadata:
         """Split the batch into one-token and multi-token requests and build their KV indices.
@@ -547,8 +553,20 @@ class TorchNativeAttention:
         return out
 
     def _kernel_extend(self, q, k_buf, v_buf, req: _ExtendReq, out: torch.Tensor) -> bool:
-        """`_extend_one` by the C kernel (`use_extend_kernel`) into `out` ([L, heads, D] rows of
-        the pass's output); False where the kernel does not take it (PyTorch's turn then)."""
+        """`_extend_one` by the C kernel (`use_extend_kernel`; fp32 rows `use_f32_extend_kernel`)
+        into `out` ([L, heads, D] rows of the pass's output); False where the kernel does not take
+        it (PyTorch's turn then)."""
+        if q.dtype == torch.float32:
+            # (fp32, bf16 or int8 pools: an e5m2 pool's bytes stay with SDPA)
+            if (self.f32_extend_kernel is None or kv_format(k_buf) not in (0, 1, 3) or q.stride(2) != 1
+                    or q.stride(1) != self.head_dim or out.stride(2) != 1 or out.stride(1) != self.head_dim):
+                return False
+            rc = self.f32_extend_kernel(
+                q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), *scale_ptrs(k_buf, v_buf),
+                kv_format(k_buf), req.kv_indices.data_ptr(), req.prefix_len + req.extend_len, req.prefix_len,
+                out.data_ptr(), out.stride(0), self.num_heads, self.num_kv_heads, self.head_dim, self.scaling,
+            )
+            return rc == 0
         if (self.extend_kernel is None or q.dtype != torch.bfloat16 or k_buf.dtype == torch.float32
                 or q.stride(2) != 1 or q.stride(1) != self.head_dim or out.stride(2) != 1
                 or out.stride(1) != self.head_dim):

@@ -515,9 +515,10 @@ class F32Gemm:
     """fp32 GEMMs on AVX2 + FMA vectors from weights packed in units of 16 output columns
     (kernels/f32_gemm.c), for float32 models on CPUs without AVX-512, where MKL's float32 GEMM is
     slow on a decode step's rows: on a 2-core AMD EPYC Zen 3, 200 rows of SmolLM2's shapes at
-    98-172 against MKL's 84-145 GFLOP/s, its LM head (49,152 columns) 59 against 33, and no slower
-    at a prefill tile's 2,048 rows (docs/performance.md, issue 17's thirtieth session). Every pass
-    of fp32 rows takes it; `pack` makes a weight's packed copy once (`use_f32_gemm`)."""
+    126-175 against MKL's 93-149 GFLOP/s, its LM head (49,152 columns) 59-109 against 33-65, and
+    about as fast at a prefill tile's 2,048 rows (docs/performance.md, issue 17's thirtieth
+    session). Every pass of fp32 rows takes it; `pack` makes a weight's packed copy once
+    (`use_f32_gemm`)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._floats = lib.f32_gemm_packed_floats
@@ -529,6 +530,10 @@ class F32Gemm:
         self._gemm = lib.f32_gemm
         self._gemm.restype = _INT
         self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT]
+        self._extend = lib.f32_extend_attention
+        self._extend.restype = _INT
+        self._extend.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT, _PTR, _I64, _I64, _PTR, _I64,
+                                 _INT, _INT, _INT, _FLOAT, _INT]
 
     @staticmethod
     def packs(weight: torch.Tensor) -> bool:
@@ -550,6 +555,12 @@ class F32Gemm:
         unit stride along its rows."""
         return (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] == k
                 and x.stride(1) == 1 and x.shape[0] > 0 and packed.numel() % max(k, 1) == 0)
+
+    def extend_attention(self, *args) -> int:
+        """kernels/f32_gemm.c's `f32_extend_attention` (fp32 prefill attention of one request straight
+        from the pool, head_dim 64, an fp32, bf16 or int8 pool) with the C function's arguments but
+        the thread count; returns its code (0, or -1 where it does not take the call)."""
+        return self._extend(*args, torch.get_num_threads())
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T (+ bias) for the weight [n, k] whose packed copy is `packed` (see `supports`)."""

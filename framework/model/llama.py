@@ -348,6 +348,7 @@ def use_cpu_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
     model.attn_backend.use_decode_kernel(kernels.decode_attention if kernels else None)
     model.attn_backend.decode_tiles = kernels is None or kernels.decode_tiles
     model.attn_backend.use_extend_kernel(kernels.extend_attention if kernels else None)
+    model.attn_backend.use_f32_extend_kernel(kernels.f32_gemm.extend_attention if kernels and kernels.f32_gemm else None)
 
 
 def use_packed_weights(model: "LlamaForCausalLM", enabled: bool) -> int:

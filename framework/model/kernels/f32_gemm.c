@@ -1,8 +1,10 @@
 /* fp32 GEMMs on AVX2 + FMA vectors, from weights packed in units of 16 output columns, for
  * float32 models on CPUs without AVX-512 (model.dtype = "auto" is float32 there: AMD Zen 2 and 3,
  * Intel's client CPUs), where PyTorch's float32 GEMM (MKL) runs well only on large passes: on a
- * 2-core AMD EPYC Zen 3 it reached 138-165 GFLOP/s at a prefill tile's 2,048 rows but 93 at a
- * decode step's 200, and the LM head's rows are a decode step's too.
+ * 2-core AMD EPYC Zen 3 it reached 103-165 GFLOP/s at a prefill tile's 2,048 rows, 93-149 at a
+ * decode step's 200 and 33-65 on the LM head's 49,152 columns there; this kernel 126-175 at the
+ * 200 rows, 59-109 on the LM head, and about MKL's rate at 2,048 rows (82-141, the box varying
+ * +-15 %).
  *
  *   out[m, c] = sum_p x[m, p] w[c, p] (+ bias[c])
  *
@@ -20,6 +22,7 @@
  * Built on first use by framework/model/cpu_kernels.py (cc -O3 -march=native, -fopenmp where it
  * can) and called through ctypes; without AVX2 and FMA it builds but takes nothing
  * (f32_gemm_supported 0). */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -181,6 +184,185 @@ int f32_gemm(const float *x, int64_t x_stride, const float *packed, const float 
     return 0;
 }
 
+/* ---- fp32 prefill attention of one request, from the paged KV pool (f32_extend_attention) -------
+ *
+ * The request's ext_len new tokens sit at positions prefix_len.. of its seq_len KV slots
+ * (kv_indices); query i sees keys 0..prefix_len + i. Both products are GEMMs of the micro-tiles
+ * above: S = Q K^T with K packed as a weight of seq_len columns (K[t] is column t: units of 16
+ * keys, packed[unit][d][16]), and O = P V with V packed as a weight of head_dim columns over k =
+ * the keys (packed[unit][t][16], 4 units of 16 of head_dim 64). Each work item is one query head's
+ * F32_ROWS query rows: their scores against every key the last of them sees, the softmax of each
+ * row (fp32, the probabilities past a row's last key 0), then their P V, divided by the row sums.
+ * The copies of K and V (widened: bf16 to fp32, an int8 pool's integers times their row's scale)
+ * are made once per KV head for all its query heads, by token ranges over the threads; the items,
+ * longest first, go to whichever thread is free next (an atomic counter). */
+#define ATT_DIM 64
+
+typedef struct {
+    const float *q; /* [ext_len, heads, 64], row stride q_stride */
+    const void *k, *v;
+    const float *k_scale, *v_scale;
+    int kv_fmt;
+    const int64_t *kv_indices;
+    float *out; /* [ext_len, heads, 64], row stride out_stride */
+    float *kp, *vp; /* packed K and V, every KV head */
+    int64_t q_stride, out_stride, seq_len, prefix_len, ext_len, keys_pad; /* keys_pad: seq_len in 16s */
+    int heads, kv_heads;
+    float scale;
+    int64_t *next;
+} F32Ext;
+
+typedef struct {
+    const F32Ext *e;
+    int first, step;
+    int failed;
+} F32ExtShare;
+
+/* Slot `slot`'s row of KV head h in the pool (fmt: KV_F32, KV_BF16 or KV_I8 with its scale) as fp32. */
+static void att_row(const void *pool, const float *scales, int fmt, int64_t slot, int h, int kv_heads, float *dst) {
+    const int64_t at = (slot * kv_heads + h) * ATT_DIM;
+    if (fmt == KV_F32) {
+        memcpy(dst, (const float *)pool + at, ATT_DIM * sizeof(float));
+    } else if (fmt == KV_BF16) {
+        const uint16_t *src = (const uint16_t *)pool + at;
+        for (int j = 0; j < ATT_DIM; j++) dst[j] = bf16_to_f32(src[j]);
+    } else {
+        const int8_t *src = (const int8_t *)pool + at;
+        const float sc = scales[slot * kv_heads + h];
+        for (int j = 0; j < ATT_DIM; j++) dst[j] = (float)src[j] * sc;
+    }
+}
+
+/* Share `first` of `step` of the tokens: their K and V rows of every KV head into the packed copies. */
+static void *att_copies(void *arg) {
+    const F32ExtShare *sh = (const F32ExtShare *)arg;
+    const F32Ext *e = sh->e;
+    const int64_t t0 = e->keys_pad * sh->first / sh->step, t1 = e->keys_pad * (sh->first + 1) / sh->step;
+    float row[ATT_DIM];
+    for (int h = 0; h < e->kv_heads; h++) {
+        float *kp = e->kp + (size_t)h * e->keys_pad * ATT_DIM, *vp = e->vp + (size_t)h * e->keys_pad * ATT_DIM;
+        for (int64_t t = t0; t < t1; t++) {
+            if (t < e->seq_len) {
+                att_row(e->k, e->k_scale, e->kv_fmt, e->kv_indices[t], h, e->kv_heads, row);
+            } else {
+                memset(row, 0, sizeof row);
+            }
+            for (int j = 0; j < ATT_DIM; j++) kp[((t / F32_UNIT) * ATT_DIM + j) * F32_UNIT + t % F32_UNIT] = row[j];
+            if (t < e->seq_len) {
+                att_row(e->v, e->v_scale, e->kv_fmt, e->kv_indices[t], h, e->kv_heads, row);
+            }
+            for (int c = 0; c < ATT_DIM / F32_UNIT; c++)
+                memcpy(vp + ((size_t)c * e->keys_pad + t) * F32_UNIT, row + c * F32_UNIT, F32_UNIT * sizeof(float));
+        }
+    }
+    return NULL;
+}
+
+/* Query head hq's rows [r0, r0 + R) (R <= F32_ROWS): scores into `p` (F32_ROWS x keys_pad), softmax,
+ * P V into the output. */
+static void att_item(const F32Ext *e, int hq, int64_t r0, float *p) {
+    const int64_t rows = e->ext_len - r0 < F32_ROWS ? e->ext_len - r0 : F32_ROWS;
+    const int h = hq / (e->heads / e->kv_heads);
+    const int64_t keys = e->prefix_len + r0 + rows; /* the last row's keys */
+    const int64_t keys16 = (keys + F32_UNIT - 1) / F32_UNIT * F32_UNIT;
+    /* S = Q K^T: a GEMM of the rows' q (row stride q_stride) by K's units */
+    F32Gemm s = {.x = e->q + r0 * e->q_stride + (int64_t)hq * ATT_DIM, .x_stride = e->q_stride,
+                 .packed = e->kp + (size_t)h * e->keys_pad * ATT_DIM, .bias = NULL, .rows = rows, .k = ATT_DIM,
+                 .n = keys16, .out = p, .out_stride = e->keys_pad};
+    for (int64_t unit = 0; unit < keys16 / F32_UNIT; unit++)
+        f32_unit_rows(&s, s.packed + unit * ATT_DIM * F32_UNIT, unit * F32_UNIT, 0, rows);
+    float inv[F32_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = p + r * e->keys_pad;
+        const int64_t seen = e->prefix_len + r0 + r + 1;
+        for (int64_t i = 0; i < seen; i++) row[i] *= e->scale;
+        __m256 vmx = _mm256_set1_ps(-INFINITY);
+        int64_t t = 0;
+        for (; t + 8 <= seen; t += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(row + t));
+        float lanes[8], part[8] = {0}, mx = -INFINITY, sum;
+        _mm256_storeu_ps(lanes, vmx);
+        for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+        for (; t < seen; t++) mx = row[t] > mx ? row[t] : mx;
+        /* exp by exp_neg_lanes in 8 partial sums, a loop GCC vectorizes */
+        for (t = 0; t + 8 <= seen; t += 8)
+            for (int l = 0; l < 8; l++) {
+                const float x = exp_neg_lanes(row[t + l] - mx);
+                row[t + l] = x;
+                part[l] += x;
+            }
+        sum = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+        for (; t < seen; t++) {
+            row[t] = exp_neg_lanes(row[t] - mx);
+            sum += row[t];
+        }
+        for (t = seen; t < keys16; t++) row[t] = 0.0f;
+        inv[r] = 1.0f / sum;
+    }
+    /* O = P V: a GEMM of P's rows by V's 4 units over the keys, then / the row sums */
+    float o[F32_ROWS * ATT_DIM];
+    F32Gemm pv = {.x = p, .x_stride = e->keys_pad, .packed = e->vp + (size_t)h * e->keys_pad * ATT_DIM, .bias = NULL,
+                  .rows = rows, .k = keys16, .n = ATT_DIM, .out = o, .out_stride = ATT_DIM};
+    for (int c = 0; c < ATT_DIM / F32_UNIT; c++)
+        f32_unit_rows(&pv, pv.packed + (size_t)c * e->keys_pad * F32_UNIT, c * F32_UNIT, 0, rows);
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = e->out + (r0 + r) * e->out_stride + (int64_t)hq * ATT_DIM;
+        for (int j = 0; j < ATT_DIM; j++) dst[j] = o[r * ATT_DIM + j] * inv[r];
+    }
+}
+
+static void *att_items(void *arg) {
+    F32ExtShare *sh = (F32ExtShare *)arg;
+    const F32Ext *e = sh->e;
+    float *p = (float *)aligned_alloc(64, (size_t)F32_ROWS * e->keys_pad * sizeof(float));
+    if (p == NULL) {
+        sh->failed = 1;
+        return NULL;
+    }
+    const int64_t blocks = (e->ext_len + F32_ROWS - 1) / F32_ROWS, items = blocks * e->heads;
+    for (int64_t n; (n = __atomic_fetch_add(e->next, 1, __ATOMIC_RELAXED)) < items;) {
+        const int64_t block = blocks - 1 - n / e->heads; /* the longest first */
+        att_item(e, (int)(n % e->heads), block * F32_ROWS, p);
+    }
+    free(p);
+    return NULL;
+}
+
+/* Causal attention of one request's new tokens (fp32 q, `heads` heads of head_dim 64) over its
+ * seq_len KV slots (an fp32, bf16 or int8 pool with its scales), into out. Returns 0, or -1 where it
+ * does not take the call (another head_dim or pool, or no memory). */
+int f32_extend_attention(const float *q, int64_t q_stride, const void *k, const void *v, const float *k_scale,
+                         const float *v_scale, int kv_fmt, const int64_t *kv_indices, int64_t seq_len,
+                         int64_t prefix_len, float *out, int64_t out_stride, int heads, int kv_heads, int head_dim,
+                         float scale, int num_threads) {
+    const int64_t ext_len = seq_len - prefix_len;
+    if (head_dim != ATT_DIM || kv_heads < 1 || heads % kv_heads || ext_len < 1 || prefix_len < 0 ||
+        (kv_fmt != KV_F32 && kv_fmt != KV_BF16 && kv_fmt != KV_I8) || (kv_fmt == KV_I8 && (!k_scale || !v_scale)))
+        return -1;
+    const int64_t keys_pad = (seq_len + F32_UNIT - 1) / F32_UNIT * F32_UNIT;
+    const size_t floats = (size_t)kv_heads * keys_pad * ATT_DIM;
+    float *kp = (float *)aligned_alloc(64, floats * sizeof(float)), *vp = (float *)aligned_alloc(64, floats * sizeof(float));
+    if (!kp || !vp) {
+        free(kp);
+        free(vp);
+        return -1;
+    }
+    int64_t next = 0;
+    F32Ext e = {q, k, v, k_scale, v_scale, kv_fmt, kv_indices, out, kp, vp, q_stride, out_stride, seq_len, prefix_len,
+                ext_len, keys_pad, heads, kv_heads, scale, &next};
+    F32ExtShare shares[MAX_THREADS];
+    const int copiers = span_threads(num_threads, keys_pad / 64);
+    for (int s = 0; s < copiers; s++) shares[s] = (F32ExtShare){&e, s, copiers, 0};
+    run_spans(att_copies, shares, sizeof shares[0], copiers);
+    const int threads = span_threads(num_threads, (ext_len + F32_ROWS - 1) / F32_ROWS * heads / 4);
+    for (int s = 0; s < threads; s++) shares[s] = (F32ExtShare){&e, s, threads, 0};
+    run_spans(att_items, shares, sizeof shares[0], threads);
+    free(kp);
+    free(vp);
+    int failed = 0;
+    for (int s = 0; s < threads; s++) failed |= shares[s].failed;
+    return failed ? -1 : 0;
+}
+
 #else /* no AVX2 + FMA: nothing to run */
 
 int f32_gemm_supported(void) { return 0; }
@@ -190,6 +372,16 @@ int f32_gemm(const float *x, int64_t x_stride, const float *packed, const float 
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)rows, (void)k, (void)n, (void)out, (void)out_stride;
     (void)num_threads;
     return -2;
+}
+
+int f32_extend_attention(const float *q, int64_t q_stride, const void *k, const void *v, const float *k_scale,
+                         const float *v_scale, int kv_fmt, const int64_t *kv_indices, int64_t seq_len,
+                         int64_t prefix_len, float *out, int64_t out_stride, int heads, int kv_heads, int head_dim,
+                         float scale, int num_threads) {
+    (void)q, (void)q_stride, (void)k, (void)v, (void)k_scale, (void)v_scale, (void)kv_fmt, (void)kv_indices;
+    (void)seq_len, (void)prefix_len, (void)out, (void)out_stride, (void)heads, (void)kv_heads, (void)head_dim;
+    (void)scale, (void)num_threads;
+    return -1;
 }
 
 #endif
