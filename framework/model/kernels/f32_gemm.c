@@ -49,7 +49,7 @@ void f32_gemm_pack(const float *w, int64_t n, int64_t k, float *packed) {
 
 #define F32_ROWS 6
 #define F32_KC 256 /* k steps a block (f32_unit_rows) */
-#define F32_PANEL_BYTES (384 << 10) /* of x at a time: a share of the L2 */
+#define F32_PANEL_BYTES (480 << 10) /* of x at a time: most of a Zen 3 core's 512 KiB L2, so that a decode step's 200 rows of k = 576 are one panel */
 
 int f32_gemm_supported(void) { return 1; }
 
@@ -120,13 +120,22 @@ static inline __attribute__((always_inline)) void f32_tile(const F32Gemm *g, int
  * the block's sum added to the outputs, as MKL's blocks do; a unit's block of weights, 16 KiB,
  * stays in L1 over the rows), each in micro-tiles of F32_ROWS rows, then the rest (a constant R
  * for each call, so that the sums stay in registers). */
-static void f32_unit_rows(const F32Gemm *g, const float *w, int64_t n0, int64_t first, int64_t last) {
+static void f32_unit_rows(const F32Gemm *g, const float *w, int64_t n0, int64_t first, int64_t last,
+                          const float *next) {
     const int64_t k = g->k;
     for (int64_t p0 = 0; p0 < k; p0 += F32_KC) {
         const int64_t p1 = p0 + F32_KC < k ? p0 + F32_KC : k;
         const int head = p0 == 0, tail = p1 == k;
+        /* the next unit's block of weights on its way into L2, a few lines after each micro-tile */
+        const char *pf = next ? (const char *)(next + p0 * F32_UNIT) : NULL;
+        const char *pf_end = next ? (const char *)(next + p1 * F32_UNIT) : NULL;
+        const int64_t tiles = (last - first + F32_ROWS - 1) / F32_ROWS;
+        const int64_t lines = tiles > 0 ? ((p1 - p0) * F32_UNIT * 4 / 64 + tiles - 1) / tiles : 0;
         int64_t m = first;
-        for (; m + F32_ROWS <= last; m += F32_ROWS) f32_tile(g, m, F32_ROWS, w, n0, p0, p1, head, tail);
+        for (; m + F32_ROWS <= last; m += F32_ROWS) {
+            f32_tile(g, m, F32_ROWS, w, n0, p0, p1, head, tail);
+            for (int64_t l = 0; l < lines && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+        }
         switch (last - m) {
         case 5: f32_tile(g, m, 5, w, n0, p0, p1, head, tail); break;
         case 4: f32_tile(g, m, 4, w, n0, p0, p1, head, tail); break;
@@ -152,7 +161,9 @@ static void *run_f32_units(void *arg) {
             int64_t hi = unit == last_unit ? s->end - unit * rows : rows;
             lo = lo > first ? lo : first;
             hi = hi < last ? hi : last;
-            if (lo < hi) f32_unit_rows(g, g->packed + unit * g->k * F32_UNIT, unit * F32_UNIT, lo, hi);
+            if (lo < hi)
+                f32_unit_rows(g, g->packed + unit * g->k * F32_UNIT, unit * F32_UNIT, lo, hi,
+                              unit < last_unit ? g->packed + (unit + 1) * g->k * F32_UNIT : NULL);
         }
     }
     return NULL;
@@ -270,7 +281,7 @@ static void att_item(const F32Ext *e, int hq, int64_t r0, float *p) {
                  .packed = e->kp + (size_t)h * e->keys_pad * ATT_DIM, .bias = NULL, .rows = rows, .k = ATT_DIM,
                  .n = keys16, .out = p, .out_stride = e->keys_pad};
     for (int64_t unit = 0; unit < keys16 / F32_UNIT; unit++)
-        f32_unit_rows(&s, s.packed + unit * ATT_DIM * F32_UNIT, unit * F32_UNIT, 0, rows);
+        f32_unit_rows(&s, s.packed + unit * ATT_DIM * F32_UNIT, unit * F32_UNIT, 0, rows, NULL);
     float inv[F32_ROWS];
     for (int64_t r = 0; r < rows; r++) {
         float *row = p + r * e->keys_pad;
@@ -303,7 +314,7 @@ static void att_item(const F32Ext *e, int hq, int64_t r0, float *p) {
     F32Gemm pv = {.x = p, .x_stride = e->keys_pad, .packed = e->vp + (size_t)h * e->keys_pad * ATT_DIM, .bias = NULL,
                   .rows = rows, .k = keys16, .n = ATT_DIM, .out = o, .out_stride = ATT_DIM};
     for (int c = 0; c < ATT_DIM / F32_UNIT; c++)
-        f32_unit_rows(&pv, pv.packed + (size_t)c * e->keys_pad * F32_UNIT, c * F32_UNIT, 0, rows);
+        f32_unit_rows(&pv, pv.packed + (size_t)c * e->keys_pad * F32_UNIT, c * F32_UNIT, 0, rows, NULL);
     for (int64_t r = 0; r < rows; r++) {
         float *dst = e->out + (r0 + r) * e->out_stride + (int64_t)hq * ATT_DIM;
         for (int j = 0; j < ATT_DIM; j++) dst[j] = o[r * ATT_DIM + j] * inv[r];
