@@ -192,7 +192,8 @@ def decode_kernel_of(lib: ctypes.CDLL):
 
 
 class FusedOps:
-    """The bf16 element-wise ops of kernels/fused_ops.c, on torch tensors."""
+    """The element-wise ops of kernels/fused_ops.c, on torch tensors: bf16 ones, and fp32 RMSNorm and
+    SiLU * up (`supports_f32`)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._rms_norm = lib.rms_norm_bf16

@@ -191,10 +191,15 @@ static void *run_rows(void *arg) {
  * to 511 requests on one thread. */
 #define MIN_ROWS_PER_THREAD 32
 
-static void run(const Job *job, int num_threads) {
+/* The threads for `rows` rows: at most num_threads, at least MIN_ROWS_PER_THREAD rows each, one at least. */
+static int row_threads(int64_t rows, int num_threads) {
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if (num_threads > job->rows / MIN_ROWS_PER_THREAD) num_threads = (int)(job->rows / MIN_ROWS_PER_THREAD);
-    if (num_threads < 1) num_threads = 1;
+    if (num_threads > rows / MIN_ROWS_PER_THREAD) num_threads = (int)(rows / MIN_ROWS_PER_THREAD);
+    return num_threads < 1 ? 1 : num_threads;
+}
+
+static void run(const Job *job, int num_threads) {
+    num_threads = row_threads(job->rows, num_threads);
     Rows spans[MAX_THREADS];
     for (int s = 0; s < num_threads; s++) {
         spans[s].job = job;
@@ -294,9 +299,7 @@ static void *run_rows_f32(void *arg) {
 }
 
 static void run_f32(const JobF32 *job, int num_threads) {
-    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if (num_threads > job->rows / MIN_ROWS_PER_THREAD) num_threads = (int)(job->rows / MIN_ROWS_PER_THREAD);
-    if (num_threads < 1) num_threads = 1;
+    num_threads = row_threads(job->rows, num_threads);
     RowsF32 spans[MAX_THREADS];
     for (int s = 0; s < num_threads; s++) {
         spans[s].job = job;
