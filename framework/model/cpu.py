@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from framework.model.cpu_kernels import _cpu_id
+from framework.model.cpu_kernels import cpu_has_any
 from framework.preload import running_allocator
 
 logger = logging.getLogger(__name__)
@@ -132,9 +132,7 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 def has_bf16_arithmetic(flags: str | None = None) -> bool:
     """Whether the CPU has bf16 arithmetic (`flags`: /proc/cpuinfo's flags line; default this machine's)."""
-    if flags is None:
-        flags = _cpu_id()
-    return any(flag in flags.split() for flag in BF16_FLAGS)
+    return cpu_has_any(BF16_FLAGS, flags)
 
 
 def packed_linear_supported() -> bool:

@@ -116,6 +116,14 @@ def torch_openmp() -> str | None:
     return next(iter(libs)) if len(libs) == 1 else None
 
 
+def cpu_has_any(names: tuple[str, ...], flags: str | None = None) -> bool:
+    """Whether the CPU has any of the feature flags `names` (`flags`: /proc/cpuinfo's flags line;
+    default this machine's, `_cpu_id`)."""
+    if flags is None:
+        flags = _cpu_id()
+    return any(name in flags.split() for name in names)
+
+
 _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from framework.model.cpu_kernels import _FLOAT, _I64, _INT, _PTR, _cpu_id, load
+from framework.model.cpu_kernels import _FLOAT, _I64, _INT, _PTR, _cpu_id, cpu_has_any, load
 
 # Passes of fewer rows keep the bf16 weights (see the module docstring; measured in
 # docs/performance.md, "Issue 17, eighteenth session"), on torch._int_mm; on the own kernel
@@ -332,11 +332,10 @@ INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 def has_int8_dot(flags: str | None = None) -> bool:
     """Whether the CPU has an int8 dot-product instruction (`flags`: /proc/cpuinfo's flags line;
-    default this machine's). Without one oneDNN multiplies int8 with several instructions a step,
-    and the int8 GEMMs may be no faster than bf16."""
-    if flags is None:
-        flags = _cpu_id()
-    return any(flag in flags.split() for flag in INT8_DOT_FLAGS)
+    default this machine's). Without one the int8 GEMMs are slow: oneDNN multiplies int8 with
+    several instructions a step, and on CPUs with AVX2 only torch keeps torch._int_mm on loops of
+    its own (an AMD EPYC Zen 3: 2-3 GOP/s, ~50x slower than float32)."""
+    return cpu_has_any(INT8_DOT_FLAGS, flags)
 
 
 @lru_cache(maxsize=None)
