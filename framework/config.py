@@ -81,15 +81,18 @@ class ModelSettings(_Section):
         "none",
         description="w8a8: the layers' linear weights as int8 (one scale per output column) and each GEMM's "
         "input rows quantized to int8 as they are made (one scale per token), multiplied by an int8 GEMM "
-        "(our own on AVX512-VNNI without AMX, else oneDNN's through torch._int_mm): about twice bf16's "
-        "multiply-adds per instruction on AVX512-VNNI / AMX-INT8, so prefill and large decode steps run faster. "
+        "(our own on AVX512-VNNI without AMX and on AVX2 without an int8 dot product, else oneDNN's through "
+        "torch._int_mm): about twice bf16's multiply-adds per instruction on AVX512-VNNI / AMX-INT8, and on "
+        "AVX2 more than float32's with a quarter of its weight bytes, so prefill and large decode steps run faster. "
         "The weights are first smoothed (SmoothQuant) by the input ranges of a calibration pass at load (~1.6 s "
         "for SmolLM2). Outputs change: on the embedded model perplexity 11.18 against 11.04 for bf16, the next "
         "token the float32 model's ~94 % of the time against ~97.5 % for bf16 (docs/performance.md). Passes of "
-        "fewer than 8 rows (32 on torch._int_mm) keep bf16. Needs model.dtype bfloat16 (or auto where it "
-        "resolves to it) on the CPU, and exact int8 GEMMs: start-up fails where torch._int_mm saturates (CPUs "
-        "without an int8 dot product: AVX2 only, AVX-512 before VNNI). The embedding stays bf16; the LM head "
-        "goes int8 too unless model.int8_lm_head = false.",
+        "fewer than 8 rows (32 on torch._int_mm) keep the model's dtype. Runs on the CPU with model.dtype "
+        "bfloat16 or float32 (activations and the GEMMs' outputs in it: float32 where the CPU has no bf16 "
+        "arithmetic, as model.dtype = auto picks), and needs exact int8 GEMMs: start-up fails where "
+        "torch._int_mm saturates (oneDNN's kernels for CPUs without an int8 dot product, where torch gives "
+        "them to oneDNN). The embedding keeps the model's dtype; the LM head goes int8 too unless "
+        "model.int8_lm_head = false.",
     )
     int8_lm_head: bool | Literal["auto"] = Field(
         "auto",

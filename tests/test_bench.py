@@ -772,3 +772,27 @@ def test_soak_rates_are_over_each_windows_own_length():
     soak = SimpleNamespace(windows=[Window(100.0, end=108.0, output_tokens=120)], errors=[])
     summary = summarize(soak, [], SimpleNamespace(window=30.0, duration=8.0, request_rate=2.0))
     assert summary["throughput_tok_s_by_window"] == [15.0] and summary["throughput_tok_s_mean"] == 15.0
+
+
+def test_roofline_int8_rate_takes_the_own_int8_gemm_where_the_engine_does(monkeypatch):
+    """Where the engine runs its int8 GEMMs on kernels/int8_ops.c's own kernel (Int8Ops.packs),
+    the int8 rate is the better of torch._int_mm's and that kernel's; elsewhere torch._int_mm's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from framework.bench import roofline
+    from framework.model import int8
+
+    small = SimpleNamespace(hidden_size=64, intermediate_size=128)
+    monkeypatch.setattr(roofline, "GEMM_ROWS", 64)
+    monkeypatch.setattr(roofline, "MIN_SECONDS", 0.01)
+    timed = []
+    real = int8.Int8Ops.linear
+    monkeypatch.setattr(int8.Int8Ops, "linear", lambda self, x, w, **kw: timed.append(w.out_features) or real(self, x, w, **kw))
+    own = int8.Int8Ops.load(torch.float32).packs
+    assert roofline.gemm_rate(small, "int8") > 0
+    assert set(timed) == ({256, 64} if own else set())  # (gate_up's and down's columns)
+    monkeypatch.setattr(int8, "own_gemm_wanted", lambda: False)
+    timed.clear()
+    assert roofline.gemm_rate(small, "int8") > 0 and timed == []

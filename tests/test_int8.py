@@ -43,8 +43,10 @@ def _mul(width: int, seed: int = 11) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows,width", SHAPES)
-def test_quantized_rows_are_within_half_a_step_and_match_pytorch(c_ops, rows, width):
-    x = _rows(rows, width)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantized_rows_are_within_half_a_step_and_match_pytorch(c_ops, rows, width, dtype):
+    x = _rows(rows, width).to(dtype)
+    kept = x.clone()
     got, want = c_ops.quantize(x), TORCH_OPS.quantize(x)
     assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
     mul = _mul(width)
@@ -58,6 +60,7 @@ def test_quantized_rows_are_within_half_a_step_and_match_pytorch(c_ops, rows, wi
         assert (got.q[1:].abs().amax(dim=1) == 127).all()  # each row's largest value is +-127
     err = (got.q.float() * got.scale[:, None] - x.float()).abs()
     assert (err <= got.scale[:, None] * 0.5001 + 1e-30).all()
+    assert torch.equal(x, kept)  # (the rows are read, not changed)
 
 
 @pytest.mark.parametrize("rows,width", SHAPES)
@@ -350,7 +353,7 @@ def test_the_pytorch_ends_give_what_the_kernels_give(hf_model, monkeypatch):
     c = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
     if c.model.model.layers[0].int8_ops.lib is None:
         pytest.skip("the int8 kernels do not build here")
-    monkeypatch.setattr(Int8Ops, "load", classmethod(lambda cls: cls(None)))
+    monkeypatch.setattr(Int8Ops, "load", classmethod(lambda cls, dtype=torch.bfloat16: cls(None, dtype)))
     pt = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
     assert pt.model.model.layers[0].int8_ops.lib is None
     lens = [30, 12, 7]
@@ -360,11 +363,20 @@ def test_the_pytorch_ends_give_what_the_kernels_give(hf_model, monkeypatch):
 
 @pytest.fixture(scope="module")
 def packing_ops() -> Int8Ops:
-    """Int8Ops that pack weights for the own GEMM wherever it is built (AVX512-VNNI), AMX CPUs
-    included, where the engine leaves the GEMMs to oneDNN (own_gemm_wanted) but the kernel runs."""
+    """Int8Ops that pack weights for the own GEMM wherever it is built (AVX512-VNNI, or AVX2 and
+    FMA), AMX CPUs included, where the engine leaves the GEMMs to oneDNN (own_gemm_wanted) but the
+    kernel runs."""
     ops = Int8Ops.load()
     if ops.lib is None or ops.lib.int8_gemm_packed_bytes(4, 16, 0) <= 0:
-        pytest.skip("the own int8 GEMM is not built here (no AVX512-VNNI)")
+        pytest.skip("the own int8 GEMM is not built here (no AVX512-VNNI, nor AVX2 and FMA)")
+    ops.packs = True
+    return ops
+
+
+@pytest.fixture(scope="module")
+def packing_ops_f32(packing_ops) -> Int8Ops:
+    """The same for fp32 activations (models in float32)."""
+    ops = Int8Ops(packing_ops.lib, torch.float32)
     ops.packs = True
     return ops
 
@@ -387,6 +399,30 @@ def test_own_int8_gemm_gives_int_mm_and_the_ends_bits(packing_ops, rows, width, 
     big = torch.zeros(rows, n + 16, dtype=torch.bfloat16)
     got = ops.linear(x, packed, add=other, out=big[:, 8 : 8 + n])
     assert torch.equal(got, want) and not big[:, :8].any() and not big[:, 8 + n :].any()
+
+
+@needs_exact_int_mm
+@pytest.mark.parametrize("rows", [1, 5, 37, 200])
+@pytest.mark.parametrize("width,n", [(576, 960), (64, 48), (8, 80)])
+def test_own_int8_gemm_in_fp32_gives_int_mm_times_the_scales(packing_ops_f32, rows, width, n):
+    """For float32 models (int8_gemm_f32): the int32 sums times x_scale * w_scale in fp32, the
+    values of torch._int_mm's sums scaled in PyTorch, bit for bit; with an fp32 add, that add in the
+    same rounding (fused: within one rounding of PyTorch's product-then-sum); into rows of a larger
+    tensor too."""
+    ops = packing_ops_f32
+    x = ops.quantize(_rows(rows, width, 3).float() * 7)
+    w8 = quantize_weight(torch.randn(n, width, generator=torch.Generator().manual_seed(4)) * 0.05)
+    packed = ops.pack(dataclasses.replace(w8))
+    assert packed.packed is not None
+    got, want = ops.linear(x, packed), ops.linear(x, w8)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    other = torch.randn(rows, n, generator=torch.Generator().manual_seed(5))
+    big = torch.zeros(rows, n + 16)
+    fused = ops.linear(x, packed, add=other, out=big[:, 8 : 8 + n])
+    assert fused.data_ptr() == big[:, 8:].data_ptr() and not big[:, :8].any() and not big[:, 8 + n :].any()
+    separate = ops.linear(x, w8, add=other)
+    assert ((fused - separate).abs() <= (want.abs() + separate.abs()) * 2**-23).all()
+    assert not torch.equal(fused, want)  # (the add is there)
 
 
 @needs_exact_int_mm
@@ -474,11 +510,51 @@ def test_the_own_gemm_takes_passes_from_8_rows(hf_model, monkeypatch):
     assert torch.equal(_prefill_logits(w8, [4, 3]), _prefill_logits(bf16, [4, 3])) and calls == []
 
 
+@needs_exact_int_mm
+def test_w8a8_in_float32_runs_int8_gemms_close_to_float32(tied_model, monkeypatch):
+    """A float32 model in w8a8 (the AVX2 CPUs' way, where bf16 is slow): fp32 rows quantized as they
+    are made, every layer's four GEMMs and the LM head in int8 on the own kernel where it is wanted,
+    their outputs fp32; prefill and decode logits close to float32's; a pass of fewer rows than
+    min_rows keeps the float32 GEMMs, bit for bit."""
+    monkeypatch.delenv(int8_mod.INT8_GEMM_ENV, raising=False)
+    fp32 = _runner(tied_model, dtype=torch.float32, max_running_requests=48)
+    w8 = _runner(tied_model, dtype=torch.float32, quantization="w8a8", int8_lm_head=True, max_running_requests=48)
+    own = int8_mod.own_gemm_wanted() and w8.model.model.layers[0].int8_ops.lib is not None
+    qkv = w8.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.int8 is not None and (qkv.int8.packed is not None) == own
+    assert w8.model.lm_head_int8 is not None and w8.model.lm_head_int8_ops.dtype == torch.float32
+    calls = []
+    real = Int8Ops.linear
+    monkeypatch.setattr(Int8Ops, "linear", lambda self, x, w, **kw: calls.append(x.shape[0]) or real(self, x, w, **kw))
+    int_mm = count_int_mm_rows(monkeypatch)
+    n = int8_mod.MIN_ROWS + 3
+    lens = [3 + i % 6 for i in range(n)]
+    logits = []
+    for runner in (w8, fp32):
+        reqs = _new_reqs(runner, [k + 2 for k in lens], seed=3)
+        prefill = runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone()
+        step = runner.forward(_batch(runner, reqs, [1] * n, ForwardMode.DECODE)).next_token_logits.clone()
+        logits.append((prefill, step))
+    layers = len(w8.model.model.layers)
+    # per pass: qkv, o, down per layer (gate-up gives int8 rows) and the LM head
+    assert calls == [sum(lens)] * (3 * layers) + [n] + [n] * (3 * layers) + [n]
+    assert (int_mm == []) == own
+    for got, want in zip(logits[0], logits[1]):
+        assert got.dtype == torch.float32 and not torch.equal(got, want)
+        assert F.cosine_similarity(got, want, dim=1).min() > 0.99
+    calls.clear()
+    few = int8_mod.min_rows(own) - 1  # (the int8 LM head on the own kernel takes every pass: without it here)
+    layers_only = _runner(tied_model, dtype=torch.float32, quantization="w8a8")
+    assert torch.equal(_prefill_logits(layers_only, [few]), _prefill_logits(fp32, [few])) and calls == []
+
+
 def test_own_int8_gemm_is_wanted_on_vnni_without_amx(monkeypatch):
     monkeypatch.delenv(int8_mod.INT8_GEMM_ENV, raising=False)
     assert int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni avx512_bf16")
     assert not int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni amx_bf16 amx_int8 amx_tile")
-    assert not int8_mod.own_gemm_wanted("fpu fma avx2")  # (an AMD EPYC Zen 3's: the kernel is not built)
+    assert int8_mod.own_gemm_wanted("fpu fma avx2")  # (an AMD EPYC Zen 3's: the AVX2 build)
+    assert not int8_mod.own_gemm_wanted("fpu fma avx2 avx_vnni")  # (oneDNN's 256-bit dot products)
+    assert not int8_mod.own_gemm_wanted("fpu sse4_2")
     monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "onednn")
     assert not int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni avx512_bf16")
     monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "fast")
@@ -497,8 +573,8 @@ def test_w8a8_without_the_c_kernels_runs_its_ends_in_pytorch(hf_model, monkeypat
 
 
 def test_w8a8_is_refused_where_it_cannot_run(hf_model):
-    with pytest.raises(ValueError, match="model.dtype = 'bfloat16'"):
-        _runner(hf_model, dtype=torch.float32, quantization="w8a8")
+    with pytest.raises(ValueError, match="runs on the CPU.*worker.device = 'cpu'"):
+        _runner(hf_model, dtype=torch.float32, quantization="w8a8", device="meta")
     with pytest.raises(ValueError, match="quantization must be one of none, w8a8"):
         _runner(hf_model, dtype=torch.bfloat16, quantization="int4")
     from framework.config import Settings, SettingsError
@@ -508,14 +584,15 @@ def test_w8a8_is_refused_where_it_cannot_run(hf_model):
 
 
 @needs_exact_int_mm
-def test_w8a8_engine_serves_and_reloads(make_engine, tiny_model_folder):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_w8a8_engine_serves_and_reloads(make_engine, tiny_model_folder, dtype):
     """Through the settings: greedy requests of a batch large enough for the int8 GEMMs, leak-checked
     (the fixture); reloaded weights get their int8 copies again."""
-    engine = make_engine(model={"dtype": "bfloat16", "quantization": "w8a8"})
+    engine = make_engine(model={"dtype": dtype, "quantization": "w8a8"})
     outs = engine.generate(input_ids=[[5 + i, 7, 9 + i, 11] for i in range(40)],
                            sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert all(len(o["output_ids"]) == 6 for o in outs)
-    runner = ModelRunner(tiny_model_folder, dtype=torch.bfloat16, max_total_tokens=512, quantization="w8a8")
+    runner = ModelRunner(tiny_model_folder, dtype=getattr(torch, dtype), max_total_tokens=512, quantization="w8a8")
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.int8 is not None and qkv.int8_ops is not None and qkv.int8.inv is not None
     before = qkv.int8
@@ -537,9 +614,17 @@ def test_cpus_without_an_int8_dot_product_are_named(hf_model, monkeypatch, caplo
     assert int8_mod.has_int8_dot("fpu avx2 amx_bf16 amx_int8") and int8_mod.has_int8_dot("avx2 avx_vnni")
     assert not int8_mod.has_int8_dot("fpu avx2 avx512f avx512_bf16")
     monkeypatch.setattr("framework.model.runner.has_int8_dot", lambda: False)
+    monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "onednn")  # (the own AVX2 GEMM is fast: no warning with it)
     with caplog.at_level("WARNING", logger="framework.model.runner"):
         _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
     assert "without an int8 dot product" in caplog.text
+    if int8_mod.Int8Ops.load().lib is not None and int8_mod.Int8Ops.load().lib.int8_gemm_packed_bytes(4, 16, 0) > 0:
+        caplog.clear()
+        monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "auto")
+        monkeypatch.setattr(int8_mod, "own_gemm_wanted", lambda: True)
+        with caplog.at_level("WARNING", logger="framework.model.runner"):
+            _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
+        assert "without an int8 dot product" not in caplog.text
 
 
 def _saturating_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

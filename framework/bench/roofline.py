@@ -11,8 +11,9 @@ and the model's shapes:
 
 The rates are measured on this machine right after the run, with the engine's threads: the best
 GEMM rate at the layers' own shapes (2,048 rows; `F.linear` in the model's dtype, and
-`torch._int_mm` for the int8 layers of model.quantization = "w8a8", whose LM head stays in the
-model's dtype unless model.int8_lm_head), and the memory's read rate (a sum over 256 MiB of fp32). So:
+`torch._int_mm` or kernels/int8_ops.c's own int8 GEMM, the faster, for the int8 layers of
+model.quantization = "w8a8", whose LM head stays in the model's dtype unless model.int8_lm_head),
+and the memory's read rate (a sum over 256 MiB of fp32). So:
 
 * the **GEMM-bound limit** is the run's GEMM FLOPs at those rates: no engine doing the same GEMMs
   in the same precision is faster on this machine (issue 17's "GEMM-bound limit");
@@ -89,14 +90,22 @@ def gemm_shapes(cfg) -> list[tuple[int, int]]:
 def gemm_rate(cfg, kind: str) -> float:
     """Best FLOP/s (OP/s for int8) of this machine's GEMMs at the layers' shapes: `kind` is a
     float dtype's name (F.linear; for float32, also kernels/f32_gemm.c where the engine runs its
-    float32 GEMMs there, CPUs without AVX-512: whichever is faster) or "int8" (torch._int_mm)."""
+    float32 GEMMs there, CPUs without AVX-512: whichever is faster) or "int8" (torch._int_mm, and
+    kernels/int8_ops.c's own GEMM where the engine runs its int8 GEMMs there, `own_gemm_wanted`:
+    whichever is faster; the own GEMM's time includes its end, fp32 out)."""
     import torch
 
-    f32_gemm = None
+    f32_gemm = own_int8 = None
     if kind == "float32":
         from framework.model.cpu_kernels import load_f32_gemm
 
         f32_gemm = load_f32_gemm()
+    if kind == "int8":
+        from framework.model.int8 import Int8Ops, quantize_weight
+
+        own_int8 = Int8Ops.load(torch.float32)
+        if not own_int8.packs:
+            own_int8 = None
     gen = torch.Generator().manual_seed(0)
     best = 0.0
     for k, n in gemm_shapes(cfg):
@@ -105,6 +114,11 @@ def gemm_rate(cfg, kind: str) -> float:
             x = torch.randint(-127, 128, (GEMM_ROWS, k), dtype=torch.int8, generator=gen)
             w = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=gen)
             fns.append(lambda x=x, w=w: torch._int_mm(x, w))
+            if own_int8 is not None:
+                rows = own_int8.quantize(torch.randn(GEMM_ROWS, k, generator=gen))
+                weight = own_int8.pack(quantize_weight(torch.randn(n, k, generator=gen)))
+                if weight.packed is not None:
+                    fns.append(lambda rows=rows, weight=weight: own_int8.linear(rows, weight))
         else:
             dtype = getattr(torch, kind)
             x = torch.randn(GEMM_ROWS, k, generator=gen).to(dtype)

@@ -23,7 +23,14 @@ GEMMs run on kernels/int8_ops.c's own kernel instead of torch._int_mm (`Int8Ops.
 weight a packed copy at load; `own_gemm_wanted`, BATCHYARD_INT8_GEMM): the same int32 sums and
 the same ends, so the same bits, with the dequantize and SiLU ends fused into the GEMM, ~10-30 %
 faster than oneDNN's on a 2-core AMD EPYC Zen 4 (not measured on Intel CPUs with VNNI and no AMX).
-With AMX, oneDNN's AMX-INT8 tiles keep them.
+With AMX, oneDNN's AMX-INT8 tiles keep them. On CPUs with AVX2 and no int8 dot product (AMD Zen 3)
+the kernel's AVX2 build takes them (exact sums by `vpmaddubsw` with the sign trick), where
+torch._int_mm runs on torch's own slow loops.
+
+A model in float32 (the fast dtype where the CPU has no bf16 arithmetic) runs the same way with
+fp32 activations (`Int8Ops(dtype=torch.float32)`): its rows are quantized from fp32 (the norms
+are the model's fp32 RMSNorms, then `quantize`), and the GEMMs give fp32 (`int8_gemm_f32`, the
+residual add fused); the int8 rows between gate-up and down are the same as in bf16.
 
 It changes the outputs: docs/performance.md has what it costs in perplexity and agreement with
 float32 on the embedded model, and what it gains in speed. Passes of fewer than `min_rows` rows
@@ -185,25 +192,31 @@ def quantize_rows(x: torch.Tensor) -> QuantizedRows:
 
 class Int8Ops:
     """The int8 GEMMs and their ends, on the C kernels of kernels/int8_ops.c (`lib`) or, with
-    `lib` None, the same arithmetic in PyTorch. Activations are bf16 2-D tensors with unit stride
-    along their rows; int8 rows come with their fp32 scales (QuantizedRows)."""
+    `lib` None, the same arithmetic in PyTorch. Activations are 2-D tensors of `dtype` (the
+    model's: bf16, or fp32) with unit stride along their rows; int8 rows come with their fp32
+    scales (QuantizedRows). In fp32, `rms_norm_quantize` is the model's RMSNorm then `quantize`."""
 
     packs = False  # whether `pack` gives weights their packed copy (see own_gemm_wanted)
     gate_up_block = 0  # rows the packed gate-up GEMM takes at a time (the rows of its fp32 scratch)
 
-    def __init__(self, lib: ctypes.CDLL | None):
+    def __init__(self, lib: ctypes.CDLL | None, dtype: torch.dtype = torch.bfloat16):
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"int8 GEMMs take bf16 or fp32 activations, not {dtype}")
         self.lib = lib
+        self.dtype = dtype
         if lib is None:
             return
         self._quantize = lib.quantize_bf16
         self._quantize.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT]
+        self._quantize_f32 = lib.quantize_f32
+        self._quantize_f32.argtypes = self._quantize.argtypes
         self._rms_quantize = lib.rms_norm_quantize
         self._rms_quantize.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _FLOAT, _PTR, _PTR, _PTR, _I64, _I64, _INT]
         self._dequantize = lib.dequantize_bf16
         self._dequantize.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]
         self._silu_mul_quantize = lib.silu_mul_quantize
         self._silu_mul_quantize.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT]
-        for fn in (self._quantize, self._rms_quantize, self._dequantize, self._silu_mul_quantize):
+        for fn in (self._quantize, self._quantize_f32, self._rms_quantize, self._dequantize, self._silu_mul_quantize):
             fn.restype = _INT
         lib.int8_gemm_packed_bytes.argtypes = [_I64, _I64, _INT]
         lib.int8_gemm_packed_bytes.restype = _I64
@@ -211,9 +224,11 @@ class Int8Ops:
         self._pack.argtypes = [_PTR, _I64, _I64, _INT, _PTR]
         self._gemm = lib.int8_gemm_bf16
         self._gemm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
+        self._gemm_f32 = lib.int8_gemm_f32
+        self._gemm_f32.argtypes = self._gemm.argtypes
         self._gemm_gate_up = lib.int8_gemm_gate_up
         self._gemm_gate_up.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT]
-        for fn in (self._pack, self._gemm, self._gemm_gate_up):
+        for fn in (self._pack, self._gemm, self._gemm_f32, self._gemm_gate_up):
             fn.restype = _INT
         lib.int8_gemm_gate_up_block.restype = _I64
         self.gate_up_block = lib.int8_gemm_gate_up_block()
@@ -234,9 +249,9 @@ class Int8Ops:
         return w
 
     @classmethod
-    def load(cls) -> "Int8Ops":
-        """On the C kernels where they build, else in PyTorch."""
-        return cls(load("int8_ops"))
+    def load(cls, dtype: torch.dtype = torch.bfloat16) -> "Int8Ops":
+        """On the C kernels where they build, else in PyTorch; activations of `dtype`."""
+        return cls(load("int8_ops"), dtype)
 
     @staticmethod
     def _check(rc: int, op: str) -> None:
@@ -252,12 +267,14 @@ class Int8Ops:
         return x if mul is None else x * mul
 
     def quantize(self, x: torch.Tensor, mul: torch.Tensor | None = None) -> QuantizedRows:
-        """bf16 rows [m, k] (times `mul` [k] when given: the next weight's `inv`) as int8 rows."""
+        """bf16 or fp32 rows [m, k] (times `mul` [k] when given: the next weight's `inv`) as int8
+        rows; x is not changed."""
         if self.lib is None:
             return quantize_rows(self._times(x.float(), mul))
         m, k = x.shape
         q, s = self._empty_rows(m, k)
-        self._check(self._quantize(x.data_ptr(), x.stride(0), _ptr(mul), q.data_ptr(), s.data_ptr(), m, k,
+        fn = self._quantize_f32 if x.dtype == torch.float32 else self._quantize
+        self._check(fn(x.data_ptr(), x.stride(0), _ptr(mul), q.data_ptr(), s.data_ptr(), m, k,
                                    torch.get_num_threads()), "quantize")
         return QuantizedRows(q, s)
 
@@ -278,23 +295,25 @@ class Int8Ops:
 
     def linear(self, x: QuantizedRows, w: Int8Weight, add: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """bf16(x @ W^T [+ add]) for int8 rows x; `add`: bf16 [m, n] (unit stride along rows), added
-        before the one rounding; `out`: a bf16 [m, n] with unit stride along rows to write into."""
+        """x @ W^T [+ add] in `dtype` for int8 rows x; `add`: [m, n] in `dtype` (unit stride along
+        rows), added before the one rounding; `out`: an [m, n] in `dtype` with unit stride along
+        rows to write into."""
         q, s = x
         m, n = q.shape[0], w.out_features
         if w.packed is not None and not w.gate_up and q.is_contiguous():
             if out is None:
-                out = torch.empty((m, n), dtype=torch.bfloat16)
-            self._check(self._gemm(q.data_ptr(), s.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), m, q.shape[1],
+                out = torch.empty((m, n), dtype=self.dtype)
+            gemm = self._gemm_f32 if self.dtype == torch.float32 else self._gemm
+            self._check(gemm(q.data_ptr(), s.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), m, q.shape[1],
                                    n, None if add is None else add.data_ptr(), 0 if add is None else add.stride(0),
                                    out.data_ptr(), out.stride(0), torch.get_num_threads()), "GEMM")
             return out
         acc = torch._int_mm(q, w.q)
-        if self.lib is None:
+        if self.lib is None or self.dtype == torch.float32:
             y = acc.float() * (s[:, None] * w.scale[None, :])
             if add is not None:
                 y += add.float()
-            return y.to(torch.bfloat16) if out is None else out.copy_(y)
+            return y.to(self.dtype) if out is None else out.copy_(y)
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16)
         self._check(self._dequantize(acc.data_ptr(), s.data_ptr(), w.scale.data_ptr(),
@@ -359,7 +378,7 @@ def int_mm_is_exact() -> bool:
 
 
 # BATCHYARD_INT8_GEMM: "auto" (kernels/int8_ops.c's own GEMM where the CPU has AVX512-VNNI and
-# no AMX) or "onednn" (torch._int_mm always; for comparisons).
+# no AMX, or AVX2 and no int8 dot product at all) or "onednn" (torch._int_mm always; for comparisons).
 INT8_GEMM_ENV = "BATCHYARD_INT8_GEMM"
 
 
@@ -367,15 +386,19 @@ def own_gemm_wanted(flags: str | None = None) -> bool:
     """Whether the int8 GEMMs should run on kernels/int8_ops.c's own kernel rather than
     torch._int_mm: on AVX512-VNNI vectors it gives the same sums with the ends fused, faster than
     oneDNN on a 2-core AMD EPYC Zen 4 (docs/performance.md, issue 17's twenty-first session); where
-    the CPU has AMX, oneDNN runs them on AMX-INT8 tiles, which the vectors do not match; without
-    AVX512-VNNI the kernel is not built (Int8Ops.packs stays False)."""
+    the CPU has AMX, oneDNN runs them on AMX-INT8 tiles, which the vectors do not match. On CPUs
+    with AVX2 and no int8 dot product (AMD Zen 3: torch keeps torch._int_mm on loops of its own,
+    2-3 GOP/s) its AVX2 build (`vpmaddubsw` with the sign trick) takes them; with AVX-VNNI (256-bit
+    dot products, no AVX-512) oneDNN keeps them. Where the kernel is not built (no AVX2 and FMA)
+    Int8Ops.packs stays False."""
     choice = os.environ.get(INT8_GEMM_ENV, "auto")
     if choice not in ("auto", "onednn"):
         raise ValueError(f"{INT8_GEMM_ENV}={choice!r}: expected 'auto' or 'onednn'")
     if flags is None:
         flags = _cpu_id()
     names = flags.split()
-    return choice == "auto" and "avx512_vnni" in names and "amx_int8" not in names
+    avx2_only = "avx2" in names and "fma" in names and not {"avx_vnni", "avx512_vnni"} & set(names)
+    return choice == "auto" and ("avx512_vnni" in names or avx2_only) and "amx_int8" not in names
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -388,12 +411,13 @@ def min_rows(own_gemm: bool) -> int:
 
 
 def takes(x: torch.Tensor, own_gemm: bool = False, fewest: int | None = None) -> bool:
-    """Whether a layer's pass of activations x runs its GEMMs in int8 (bf16 rows, at least `fewest`
-    of them, by default `min_rows(own_gemm)`; `own_gemm`: the weights have the own kernel's packed
-    copies)."""
+    """Whether a layer's pass of activations x runs its GEMMs in int8 (bf16 or fp32 rows, at least
+    `fewest` of them, by default `min_rows(own_gemm)`; `own_gemm`: the weights have the own
+    kernel's packed copies)."""
     if fewest is None:
         fewest = min_rows(own_gemm)
-    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= fewest and x.stride(1) == 1
+    return (x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2 and x.shape[0] >= fewest
+            and x.stride(1) == 1)
 
 
 # How far below a row's largest int8-head logit a column may lie and still be recomputed in bf16

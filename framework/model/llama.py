@@ -329,6 +329,11 @@ class LlamaDecoderLayer(nn.Module):
             return self.input_layernorm, self.post_attention_layernorm.add_and_norm
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
         qkv_inv, gate_up_inv = attn.qkv_proj.int8.inv, mlp.gate_up_proj.int8.inv  # (each for its weight's rows)
+        if hidden.dtype == torch.float32:  # (the fp32 norms, then their rows quantized)
+            def post(x, residual):
+                normed, h = norm_post.add_and_norm(x, residual)
+                return ops.quantize(normed, gate_up_inv), h
+            return lambda x: ops.quantize(norm_in(x), qkv_inv), post
         return (lambda x: ops.rms_norm_quantize(x, norm_in.weight, norm_in.eps, mul=qkv_inv)[0],
                 lambda x, residual: ops.rms_norm_quantize(x, norm_post.weight, norm_post.eps, residual,
                                                           mul=gate_up_inv))

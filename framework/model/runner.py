@@ -168,9 +168,9 @@ class ModelRunner:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-        if quantization == "w8a8" and (dtype != torch.bfloat16 or device != "cpu"):
-            raise ValueError(f"model.quantization = 'w8a8' runs bf16 activations on the CPU, but the model is {dtype} "
-                             f"on {device!r}: set model.dtype = 'bfloat16' and worker.device = 'cpu'")
+        if quantization == "w8a8" and device != "cpu":
+            raise ValueError(f"model.quantization = 'w8a8' runs on the CPU, but the model is on {device!r}: "
+                             "set worker.device = 'cpu'")
         if quantization == "w8a8" and not int_mm_is_exact():
             capped = os.environ.get("ONEDNN_MAX_CPU_ISA")
             cause = f"ONEDNN_MAX_CPU_ISA={capped} in the environment, or " if capped else ""
@@ -248,18 +248,20 @@ class ModelRunner:
                 else:  # the packed GEMM kernel takes every GEMM of a prefill tile
                     logger.debug("No oneDNN GEMM kernels to build ahead")
         if self.quantization == "w8a8":
-            ops = Int8Ops.load() if self.cpu_kernels is not None else Int8Ops(None)  # (worker.cpu_kernels = off)
+            # (worker.cpu_kernels = off: in PyTorch)
+            ops = Int8Ops.load(self.dtype) if self.cpu_kernels is not None else Int8Ops(None, self.dtype)
             start = time.perf_counter()
             # a decoder without LM head (an embedding model) would keep an int8 copy it never runs
             head = self.int8_lm_head and not model_config.is_embedding
             count = use_int8_weights(text, ops, lm_head=head)
-            where = ("kernels/int8_ops.c's own GEMM on AVX512-VNNI, ends inside it" if ops.packs
+            isa = "AVX512-VNNI" if has_int8_dot() else "AVX2"
+            where = (f"kernels/int8_ops.c's own GEMM on {isa}, ends inside it" if ops.packs
                      else "torch._int_mm, ends in C" if ops.lib is not None else "torch._int_mm, ends in PyTorch")
             logger.info("model.quantization = 'w8a8': %d linear weights in int8%s (smoothed by a calibration pass, "
                         "%.1f s), passes of %d+ rows on int8 GEMMs (%s)", count,
                         ", the LM head's among them" if head else "", time.perf_counter() - start,
                         int8_min_rows(ops.packs), where)
-            if not has_int8_dot():
+            if not has_int8_dot() and not ops.packs:
                 logger.warning("model.quantization = 'w8a8' on a CPU without an int8 dot product (%s): its int8 "
                                "GEMMs run on PyTorch's own loops, far slower than float32 (a 2-core AMD EPYC Zen 3: "
                                "2-3 GOP/s against 100-135 GFLOP/s); model.quantization = 'none' with model.dtype = "

@@ -3,8 +3,9 @@
  * A W8A8 linear layer multiplies int8 activations, one scale per row (token), by int8 weights,
  * one scale per output column: y[r, c] = acc[r, c] * x_scale[r] * w_scale[c], acc the int32 sum
  * torch._int_mm computes. These functions make the int8 rows from what the layer before gives
- * (bf16 rows, an RMSNorm, the gate and up products) and turn the int32 sums back into bf16, each
- * in one pass with the op around it, so no bf16 or fp32 copy of an activation is written between.
+ * (bf16 rows, an RMSNorm, the gate and up products; fp32 rows for models in float32) and turn the
+ * int32 sums back into bf16 (or fp32), each in one pass with the op around it, so no bf16 or fp32
+ * copy of an activation is written between.
  *
  * A row's scale is max|x| / 127 and its values round(x / scale) (to nearest even), so they lie in
  * [-127, 127]; a row of zeros has scale 0 and all values 0. A row may first be multiplied by a
@@ -24,6 +25,7 @@ typedef struct {
     int op;
     int64_t rows, d; /* d: the width of an input row (the gate's width for SILU_MUL_QUANTIZE) */
     const uint16_t *x; /* QUANTIZE, RMS_QUANTIZE: bf16 [rows, d] with row stride x_stride */
+    const float *xf;   /* QUANTIZE: fp32 rows in place of x (same stride), when set */
     int64_t x_stride;
     const uint16_t *residual; /* RMS_QUANTIZE: optional bf16 [rows, d], added first */
     uint16_t *residual_out;  /* and bf16(x + residual) written here */
@@ -55,6 +57,9 @@ static void quantize_row(float *row, int64_t d, const float *mul, int8_t *q, flo
 #ifdef __AVX512F__
         for (; i + 16 <= d; i += 16)
             _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(mul + i)));
+#elif defined(__AVX2__)
+        for (; i + 8 <= d; i += 8)
+            _mm256_storeu_ps(row + i, _mm256_mul_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(mul + i)));
 #endif
         for (; i < d; i++) row[i] *= mul[i];
         i = 0;
@@ -63,6 +68,13 @@ static void quantize_row(float *row, int64_t d, const float *mul, int8_t *q, flo
     __m512 m = _mm512_setzero_ps();
     for (; i + 16 <= d; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
     amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (; i + 8 <= d; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(row + i), magnitude));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
 #endif
     for (; i < d; i++) amax = fmaxf(amax, fabsf(row[i]));
     *scale = amax / 127.0f;
@@ -74,6 +86,18 @@ static void quantize_row(float *row, int64_t d, const float *mul, int8_t *q, flo
         __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + i), vinv)); /* (to nearest even) */
         _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(v));
     }
+#elif defined(__AVX2__)
+    /* 32 values at a time: four vectors of int32 (to nearest even, each within +-127) narrowed by
+     * two saturating packs, which interleave 4-value groups across the 128-bit halves; the
+     * permute puts them back in order */
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (; i + 32 <= d; i += 32) {
+        __m256i v[4];
+        for (int b = 0; b < 4; b++) v[b] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i + 8 * b), vinv));
+        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(bytes, order));
+    }
 #endif
     for (; i < d; i++) {
         float v = nearbyintf(row[i] * inv); /* (to nearest even, as the vector conversion) */
@@ -84,6 +108,11 @@ static void quantize_row(float *row, int64_t d, const float *mul, int8_t *q, flo
 static void quantize_rows(const Job *j, int64_t begin, int64_t end, float *row) {
     int64_t d = j->d;
     for (int64_t r = begin; r < end; r++) {
+        if (j->xf) {
+            memcpy(row, j->xf + r * j->x_stride, (size_t)d * sizeof(float));
+            quantize_row(row, d, j->mul, j->q + r * d, j->q_scale + r);
+            continue;
+        }
         const uint16_t *x = j->x + r * j->x_stride;
         int64_t i = 0;
 #ifdef __AVX512F__
@@ -156,6 +185,16 @@ static inline __m512 silu_mul16(__m512i gate, __m512 gate_scale, __m512i up, __m
 }
 #endif
 
+/* silu(g) * u of a gate and an up sum and their scales (x_scale * w_scale), one lane: silu(g) =
+ * g / (1 + exp(-g)) as g * e' / (1 + e) with e = exp(-|g|) and e' 1 (g >= 0) or e (g < 0), so that
+ * exp only sees values <= 0 (exp_neg_lanes: a loop of them vectorizes). Where there is no AVX-512
+ * the end of silu_mul_quantize_rows and of the int8 GEMM's gate_up, so both give the same bits. */
+static inline float silu_mul_lane(int32_t gate, float gate_scale, int32_t up, float up_scale) {
+    const float g = (float)gate * gate_scale, e = exp_neg_lanes(-fabsf(g));
+    const float pos = 0.5f + copysignf(0.5f, g); /* 1 for g >= 0, else 0 */
+    return g * (pos + (1.0f - pos) * e) / (1.0f + e) * ((float)up * up_scale);
+}
+
 /* acc [rows, 2d] = the sums of [gate | up] -> silu(gate) * up in fp32, quantized to [rows, d]. */
 static void silu_mul_quantize_rows(const Job *j, int64_t begin, int64_t end, float *row) {
     int64_t d = j->d;
@@ -170,10 +209,7 @@ static void silu_mul_quantize_rows(const Job *j, int64_t begin, int64_t end, flo
             _mm512_storeu_ps(row + i, silu_mul16(_mm512_loadu_si512(gate + i), _mm512_mul_ps(vxs, _mm512_loadu_ps(gs + i)),
                                                  _mm512_loadu_si512(up + i), _mm512_mul_ps(vxs, _mm512_loadu_ps(us + i))));
 #endif
-        for (; i < d; i++) {
-            float g = (float)gate[i] * (xs * gs[i]), u = (float)up[i] * (xs * us[i]);
-            row[i] = g / (1.0f + expf(-g)) * u;
-        }
+        for (; i < d; i++) row[i] = silu_mul_lane(gate[i], xs * gs[i], up[i], xs * us[i]);
         quantize_row(row, d, j->mul, j->q + r * d, j->q_scale + r);
     }
 }
@@ -224,26 +260,45 @@ static int run(const Job *job, int num_threads) {
     return 0;
 }
 
-/* ---- int8 GEMMs with their ends on AVX512-VNNI (int8_gemm) ------------------------------------
+/* ---- int8 GEMMs with their ends (int8_gemm): AVX512-VNNI, or AVX2 -----------------------------
  *
  * The same int32 sums as torch._int_mm, and the same ends as the functions above, in one kernel.
  * The weight is packed once at load (int8_gemm_pack) in units of I8_BLOCKS blocks of 16 output
- * columns (gate_up: two gate blocks and the same two blocks of the up half), k quad by k quad:
- * packed[unit][p][c][j][e] = w[4 p + e] of the unit's block c, column j, so that a micro-tile's
- * weights for one k quad are four consecutive 64-byte vectors, which `vpdpbusd` multiplies with a
- * broadcast quad of a row of x. `vpdpbusd` takes unsigned bytes on one side, so the packed weight
- * holds w + 128 (0..255) and a sum loses 128 times its row's sum of x again; every sum is exact
- * in int32 (|sum| <= k 255 127). Micro-tiles of I8_ROWS rows x I8_BLOCKS blocks keep 24 sums in
- * registers; a unit passes over every row of a panel of x (its weights in L1/L2), and threads
- * take spans of units by rows (I8Units). Ends:
- *   dequantize: out = bf16(acc x_scale w_scale [+ add]), as dequantize_rows (dequantize16);
+ * columns (gate_up: the gate half's blocks, then the same blocks of the up half), k quad by k
+ * quad: packed[unit][p][c][j][e] = w[4 p + e] of the unit's block c, column j, so that a block's
+ * weights for one k quad are one 64-byte vector (two 32-byte ones on AVX2). Two builds:
+ *  - AVX512-VNNI (I8_GEMM 1): `vpdpbusd` multiplies the quad with a broadcast quad of a row of x;
+ *    it takes unsigned bytes on one side, so the packed weight holds w + 128 (0..255) and a sum
+ *    loses 128 times its row's sum of x again (I8_OFFSET). Micro-tiles of 6 rows x 4 blocks keep
+ *    24 sums in registers.
+ *  - AVX2 (I8_GEMM 2; AMD Zen 3, Intel before Ice Lake): `vpmaddubsw` multiplies unsigned by
+ *    signed bytes and adds pairs into 16 bits, which would saturate for w + 128; so it takes |w|
+ *    (unsigned) against x with w's sign (`vpsignb`), pairs of at most 2 x 127 x 127 = 32,258, then
+ *    `vpmaddwd` by ones adds the pairs of a quad into 32 bits: exact, for x within +-127 (as
+ *    quantize_row makes every row; w is +-127 too). The packed weight holds w itself. Micro-tiles
+ *    of 4 rows x 1 block (8 sums, 16 registers in all), block by block of a unit of 2.
+ * Every sum is exact in int32 (|sum| <= k 255 127). A unit passes over every row of a panel of x
+ * (its weights in L1/L2), and threads take spans of units by rows (I8Units). Ends:
+ *   dequantize: out = bf16(acc x_scale w_scale [+ add]), as dequantize_rows; or, for fp32 models
+ *               (int8_gemm_f32), out = acc x_scale w_scale [+ add] in fp32, the add fused;
  *   gate_up: silu(gate) * up to an fp32 buffer as silu_mul_quantize_rows makes it, then each row
  *            quantized (quantize_row) by a second pass over the rows.
  * So the bits are those of torch._int_mm followed by dequantize_bf16 or silu_mul_quantize. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define I8_GEMM 1
 #define I8_ROWS 6
 #define I8_BLOCKS 4
+#define I8_OFFSET 128
 #define I8_PANEL_BYTES (768 << 10) /* of x at a time: a share of the L2 */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define I8_GEMM 2
+#define I8_ROWS 4
+#define I8_BLOCKS 2
+#define I8_OFFSET 0
+#define I8_PANEL_BYTES (384 << 10) /* (an AMD Zen 3's L2 is 512 KiB) */
+#endif
+
+#ifdef I8_GEMM
 /* Rows of x a gate_up GEMM takes at a time (int8_gemm_gate_up), so that their part of h is
  * quantized from the caches: with all of a prefill pass's 8,192 rows at once, h (48 MiB for
  * SmolLM2) went to DRAM and back, 0.69 against 0.76 TOP/s (2-core AMD EPYC Zen 4, alternated,
@@ -283,7 +338,7 @@ int int8_gemm_pack(const int8_t *q, int64_t k, int64_t n, int gate_up, uint8_t *
                 for (int64_t j = 0; j < 16; j++)
                     for (int64_t e = 0; e < 4; e++)
                         packed[(((unit * quads + p) * I8_BLOCKS + c) * 16 + j) * 4 + e] =
-                            block < half ? (uint8_t)(q[(4 * p + e) * n + col0 + j] + 128) : 0;
+                            block < half ? (uint8_t)(q[(4 * p + e) * n + col0 + j] + I8_OFFSET) : 0;
         }
     return 0;
 }
@@ -299,6 +354,8 @@ typedef struct {
     int64_t add_stride;
     uint16_t *out; /* dequantize: bf16 [rows, n] with row stride out_stride */
     int64_t out_stride;
+    const float *add_f32; /* dequantize to fp32 (out_f32 set): optional fp32 add, stride add_stride */
+    float *out_f32;       /* in place of out: fp32 [rows, n] with row stride out_stride */
     float *h; /* gate_up: fp32 [rows, n / 2], silu(gate) * up */
 } I8Gemm;
 
@@ -311,6 +368,7 @@ typedef struct {
     int failed;
 } I8Units;
 
+#if I8_GEMM == 1
 /* sum of x over k, as int32 */
 static inline int32_t row_sum_i8(const int8_t *x, int64_t k) {
     const __m512i ones = _mm512_set1_epi8(1);
@@ -363,6 +421,14 @@ static inline __attribute__((always_inline)) void i8_tile(const I8Gemm *g, int64
         }
         for (int c = 0; c < I8_BLOCKS; c++) {
             if (n0[c] >= g->n) continue;
+            if (g->out_f32) {
+                const __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][c], lost));
+                const __m512 scale = _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c]));
+                const float *add = g->add_f32 ? g->add_f32 + m * g->add_stride + n0[c] : NULL;
+                _mm512_storeu_ps(g->out_f32 + m * g->out_stride + n0[c],
+                                 add ? _mm512_fmadd_ps(y, scale, _mm512_loadu_ps(add)) : _mm512_mul_ps(y, scale));
+                continue;
+            }
             store16_bf16(g->out + m * g->out_stride + n0[c],
                          dequantize16(_mm512_sub_epi32((__m512i)acc[r][c], lost),
                                       _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c])),
@@ -370,6 +436,95 @@ static inline __attribute__((always_inline)) void i8_tile(const I8Gemm *g, int64
         }
     }
 }
+
+#else /* I8_GEMM == 2 */
+/* 8 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN), as f32_to_bf16. */
+static inline __m128i to_bf16x8(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+    const __m256i words = _mm256_srli_epi32(rounded, 16); /* (each <= 0xffff: the pack keeps it) */
+    return _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+}
+
+/* The sums of R rows of x (from x, rows k apart) by one block of a unit (w: its first quad,
+ * quads I8_BLOCKS * 64 bytes apart), into sums[r][16]. */
+static inline __attribute__((always_inline)) void i8_block_sums(const int8_t *x, int64_t k, const int R,
+                                                                const uint8_t *w, int32_t sums[][16]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[I8_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int64_t quads = k / 4;
+    for (int64_t p = 0; p < quads; p++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + p * I8_BLOCKS * 64));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + p * I8_BLOCKS * 64 + 32));
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        for (int r = 0; r < R; r++) {
+            int32_t quad;
+            memcpy(&quad, x + r * k + 4 * p, 4);
+            const __m256i xb = _mm256_set1_epi32(quad);
+            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones));
+            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_si256((__m256i *)sums[r], acc[r][0]);
+        _mm256_storeu_si256((__m256i *)(sums[r] + 8), acc[r][1]);
+    }
+}
+
+/* Rows m0..m0+R of x by a unit (as the AVX-512 i8_tile; `sums` unused: no offset to take back),
+ * block by block into a small buffer of int32 sums, then the end from it. */
+static inline __attribute__((always_inline)) void i8_tile(const I8Gemm *g, int64_t m0, const int R,
+                                                          const uint8_t *w, const int64_t n0[I8_BLOCKS],
+                                                          const int32_t *sums) {
+    (void)sums;
+    int32_t acc[I8_BLOCKS][I8_ROWS][16];
+    const int64_t k = g->k, limit = g->gate_up ? g->n / 2 : g->n;
+    const int8_t *x = g->x + m0 * k;
+    for (int c = 0; c < I8_BLOCKS; c++)
+        if (n0[c] < limit) i8_block_sums(x, k, R, w + c * 64, acc[c]);
+    for (int r = 0; r < R; r++) {
+        const int64_t m = m0 + r;
+        const float xs = g->x_scale[m];
+        if (g->gate_up) {
+            const int64_t d = g->n / 2;
+            for (int c = 0; c < I8_BLOCKS / 2; c++) {
+                if (n0[c] >= d) continue;
+                const float *gs = g->w_scale + n0[c], *us = g->w_scale + d + n0[c];
+                float *h = g->h + m * d + n0[c];
+                const int32_t *gate = acc[c][r], *up = acc[I8_BLOCKS / 2 + c][r];
+                for (int i = 0; i < 16; i++) h[i] = silu_mul_lane(gate[i], xs * gs[i], up[i], xs * us[i]);
+            }
+            continue;
+        }
+        const __m256 vxs = _mm256_set1_ps(xs);
+        for (int c = 0; c < I8_BLOCKS; c++) {
+            if (n0[c] >= g->n) continue;
+            for (int half = 0; half < 16; half += 8) {
+                const int64_t col = n0[c] + half;
+                const __m256 y = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(acc[c][r] + half)));
+                const __m256 scale = _mm256_mul_ps(vxs, _mm256_loadu_ps(g->w_scale + col));
+                if (g->out_f32) {
+                    const float *add = g->add_f32 ? g->add_f32 + m * g->add_stride + col : NULL;
+                    _mm256_storeu_ps(g->out_f32 + m * g->out_stride + col,
+                                     add ? _mm256_fmadd_ps(y, scale, _mm256_loadu_ps(add)) : _mm256_mul_ps(y, scale));
+                    continue;
+                }
+                const uint16_t *add = g->add ? g->add + m * g->add_stride + col : NULL;
+                __m256 v = _mm256_mul_ps(y, scale);
+                if (add) { /* bf16 widened: the 16-bit words shifted into the upper halves */
+                    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)add));
+                    v = _mm256_fmadd_ps(y, scale, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+                }
+                _mm_storeu_si128((__m128i *)(g->out + m * g->out_stride + col), to_bf16x8(v));
+            }
+        }
+    }
+}
+#endif
 
 /* A unit over rows [first, last): micro-tiles of I8_ROWS rows, then the rest (a constant R for
  * each call, so that the sums stay in registers). (A unit's weights are one sequential stream,
@@ -380,8 +535,12 @@ static void i8_unit_rows(const I8Gemm *g, const uint8_t *w, const int64_t n0[I8_
     int64_t m = first;
     for (; m + I8_ROWS <= last; m += I8_ROWS) i8_tile(g, m, I8_ROWS, w, n0, sums + (m - first));
     switch (last - m) {
+#if I8_ROWS > 5
     case 5: i8_tile(g, m, 5, w, n0, sums + (m - first)); break;
+#endif
+#if I8_ROWS > 4
     case 4: i8_tile(g, m, 4, w, n0, sums + (m - first)); break;
+#endif
     case 3: i8_tile(g, m, 3, w, n0, sums + (m - first)); break;
     case 2: i8_tile(g, m, 2, w, n0, sums + (m - first)); break;
     case 1: i8_tile(g, m, 1, w, n0, sums + (m - first)); break;
@@ -405,7 +564,9 @@ static void *run_i8_units(void *arg) {
     const int64_t rows = g->rows, first_unit = u->begin / rows, last_unit = (u->end - 1) / rows;
     for (int64_t first = 0; first < rows; first += panel) {
         const int64_t last = first + panel < rows ? first + panel : rows;
+#if I8_OFFSET
         for (int64_t m = first; m < last; m++) sums[m - first] = row_sum_i8(g->x + m * g->k, g->k);
+#endif
         for (int64_t unit = first_unit; unit <= last_unit; unit++) {
             /* this thread's rows of the unit, within the panel */
             int64_t lo = unit == first_unit ? u->begin - unit * rows : 0;
@@ -461,6 +622,16 @@ int int8_gemm_bf16(const int8_t *x, const float *x_scale, const uint8_t *packed,
     return run_i8(&g, num_threads);
 }
 
+/* x @ W^T [+ add] in fp32 (models in float32): as int8_gemm_bf16, with fp32 `add` and `out`. */
+int int8_gemm_f32(const int8_t *x, const float *x_scale, const uint8_t *packed, const float *w_scale, int64_t rows,
+                  int64_t k, int64_t n, const float *add, int64_t add_stride, float *out, int64_t out_stride,
+                  int num_threads) {
+    if (n < 16 || n % 16 || k < 4 || k % 4) return -2;
+    I8Gemm g = {.x = x, .x_scale = x_scale, .packed = packed, .w_scale = w_scale, .rows = rows, .k = k, .n = n,
+                .add_f32 = add, .add_stride = add_stride, .out_f32 = out, .out_stride = out_stride};
+    return run_i8(&g, num_threads);
+}
+
 /* The rows of x a gate_up GEMM takes at a time (its scratch h needs no more, int8_gemm_gate_up). */
 int64_t int8_gemm_gate_up_block(void) { return I8_GATE_UP_BLOCK; }
 
@@ -506,6 +677,13 @@ int int8_gemm_bf16(const int8_t *x, const float *x_scale, const uint8_t *packed,
     (void)out, (void)out_stride, (void)num_threads;
     return -2;
 }
+int int8_gemm_f32(const int8_t *x, const float *x_scale, const uint8_t *packed, const float *w_scale, int64_t rows,
+                  int64_t k, int64_t n, const float *add, int64_t add_stride, float *out, int64_t out_stride,
+                  int num_threads) {
+    (void)x, (void)x_scale, (void)packed, (void)w_scale, (void)rows, (void)k, (void)n, (void)add, (void)add_stride;
+    (void)out, (void)out_stride, (void)num_threads;
+    return -2;
+}
 int int8_gemm_gate_up(const int8_t *x, const float *x_scale, const uint8_t *packed, const float *w_scale,
                       int64_t rows, int64_t k, int64_t d, const float *mul, float *h, int8_t *q, float *q_scale,
                       int num_threads) {
@@ -522,6 +700,14 @@ int int8_gemm_gate_up(const int8_t *x, const float *x_scale, const uint8_t *pack
 int quantize_bf16(const uint16_t *x, int64_t x_stride, const float *mul, int8_t *q, float *q_scale, int64_t rows,
                   int64_t d, int num_threads) {
     Job job = {.op = QUANTIZE, .rows = rows, .d = d, .x = x, .x_stride = x_stride, .q = q, .q_scale = q_scale,
+               .mul = mul};
+    return run(&job, num_threads);
+}
+
+/* The same of fp32 rows (models in float32): x is read, not changed. */
+int quantize_f32(const float *x, int64_t x_stride, const float *mul, int8_t *q, float *q_scale, int64_t rows,
+                 int64_t d, int num_threads) {
+    Job job = {.op = QUANTIZE, .rows = rows, .d = d, .xf = x, .x_stride = x_stride, .q = q, .q_scale = q_scale,
                .mul = mul};
     return run(&job, num_threads);
 }
