@@ -372,11 +372,12 @@ def test_portable_rms_norm_gives_the_vector_codes_bits(portable_libs, rows, d):
 
 
 @pytest.mark.parametrize("build", ["pytorch", "native", "portable", "no_bf16"])
-def test_rescore_head_top_recomputes_the_columns_near_each_rows_top(build, request):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rescore_head_top_recomputes_the_columns_near_each_rows_top(build, request, dtype):
     """int8.rescore_head_top (model.int8_lm_head): in each row exactly the columns within the margin
-    of the row's largest value get hidden . weight (the exact products' fp32 sum, rounded to bf16)
-    and the others keep their values; a row with a NaN is left as it is. The kernel's builds (with
-    and without AVX-512, without AVX512_BF16) and PyTorch agree."""
+    of the row's largest value get hidden . weight (the exact products' fp32 sum, rounded to bf16; in
+    fp32 for a float32 model) and the others keep their values; a row with a NaN is left as it is.
+    The kernel's builds (with and without AVX-512, without AVX512_BF16) and PyTorch agree."""
     from framework.model.cpu_kernels import FusedOps
     from framework.model.int8 import rescore_head_top
 
@@ -389,11 +390,11 @@ def test_rescore_head_top_recomputes_the_columns_near_each_rows_top(build, reque
         fused = FusedOps(request.getfixturevalue(f"{build}_libs")["fused_ops"])
     gen = torch.Generator().manual_seed(5)
     rows, vocab, width = 9, 1000, 100  # (a vocabulary and a width off the kernel's 16 and 32 lanes)
-    weight = torch.randn(vocab, width, generator=gen).bfloat16()
-    hidden = torch.randn(rows, width, generator=gen).bfloat16()
+    weight = torch.randn(vocab, width, generator=gen).to(dtype)
+    hidden = torch.randn(rows, width, generator=gen).to(dtype)
     exact = hidden.double() @ weight.double().t()
     noisy = torch.cat([exact + torch.randn(rows, vocab, generator=gen, dtype=torch.float64),
-                       torch.zeros(rows, 24, dtype=torch.float64)], dim=1).bfloat16()
+                       torch.zeros(rows, 24, dtype=torch.float64)], dim=1).to(dtype)
     noisy[3, 17] = float("nan")
     logits = noisy[:, :vocab]  # rows with a stride past their length
     before = logits.clone()
@@ -401,8 +402,9 @@ def test_rescore_head_top_recomputes_the_columns_near_each_rows_top(build, reque
     top = before.float().max(dim=1, keepdim=True).values
     near = before.float() >= top - 1.5
     assert torch.equal(counts, near.sum(dim=1)) and counts[3] == 0 and (counts[torch.arange(rows) != 3] > 0).all()
-    assert torch.equal(logits.view(torch.int16)[~near], before.view(torch.int16)[~near])  # (bits: NaN included)
-    within = dict(rtol=2 ** -8, atol=1e-6)  # bf16's rounding
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(logits.view(bits)[~near], before.view(bits)[~near])  # (bits: NaN included)
+    within = dict(rtol=2 ** -8, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     assert torch.allclose(logits[near].double(), exact[near], **within)
     assert not torch.allclose(before[near].double(), exact[near], **within)
 

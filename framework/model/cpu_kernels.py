@@ -222,6 +222,9 @@ class FusedOps:
         self._head_rescore = lib.head_rescore_bf16
         self._head_rescore.restype = None
         self._head_rescore.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _FLOAT, _PTR, _INT]
+        self._head_rescore_f32 = lib.head_rescore_f32
+        self._head_rescore_f32.argtypes = self._head_rescore.argtypes
+        self._head_rescore_f32.restype = None
         self._rms_norm_f32 = lib.rms_norm_f32
         self._rms_norm_f32.restype = None
         self._rms_norm_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
@@ -306,10 +309,12 @@ class FusedOps:
     def head_rescore(self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                      margin: float) -> torch.Tensor:
         """int8.rescore_head_top in place on bf16 logits [n, vocab] and hidden [n, k] (see `supports`)
-        with the bf16 head weight [vocab, k] contiguous; returns how many columns each row took."""
+        with the bf16 head weight [vocab, k] contiguous, or the same three in fp32 (`supports_f32`,
+        a float32 model); returns how many columns each row took."""
         rows, vocab = logits.shape
         counts = torch.empty(rows, dtype=torch.int64)
-        self._head_rescore(logits.data_ptr(), logits.stride(0), hidden.data_ptr(), hidden.stride(0),
+        fn = self._head_rescore_f32 if logits.dtype == torch.float32 else self._head_rescore
+        fn(logits.data_ptr(), logits.stride(0), hidden.data_ptr(), hidden.stride(0),
                            weight.data_ptr(), rows, vocab, hidden.shape[1], margin, counts.data_ptr(),
                            torch.get_num_threads())
         return counts

@@ -438,9 +438,11 @@ def rescore_head_top(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.T
     the int8 logits are off by more than margin / 2 at both columns, so greedy rows take the bf16
     head's token, and sampling's most likely tokens get its values; the rest keep the int8 values.
     A row with a NaN is left as it is. `fused` (FusedOps, or None) runs it on kernels/fused_ops.c
-    where it takes the tensors. Returns how many columns each row recomputed (int64 [n])."""
-    if (fused is not None and fused.supports(logits) and fused.supports(hidden) and weight.is_contiguous()
-            and weight.dtype == torch.bfloat16):
+    where it takes the tensors (bf16, or all three fp32 for a float32 model: there "bf16" above
+    reads "fp32"). Returns how many columns each row recomputed (int64 [n])."""
+    if fused is not None and weight.is_contiguous() and (
+            (fused.supports(logits) and fused.supports(hidden) and weight.dtype == torch.bfloat16)
+            or (fused.supports_f32(logits, weight) and fused.supports_f32(hidden, weight))):
         return fused.head_rescore(logits, hidden, weight, margin)
     wide = logits.float()
     top = wide.max(dim=1, keepdim=True).values

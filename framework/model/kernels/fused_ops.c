@@ -518,21 +518,77 @@ static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t k) {
     return s;
 }
 
+/* The same over fp32 values (16 partial sums, added up as sum_lanes16). */
+static inline float dot_f32(const float *a, const float *b, int64_t k) {
+    float part[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16)
+        for (int l = 0; l < 16; l++) part[l] += a[i + l] * b[i + l];
+    float s = sum_lanes16(part);
+    for (; i < k; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* The largest of d fp32 values, or NaN where there is one (16 partial maxima: a loop that
+ * vectorizes). */
+static float row_max_f32(const float *row, int64_t d) {
+    float part[16], top = -INFINITY;
+    int nan = 0;
+    for (int l = 0; l < 16; l++) part[l] = -INFINITY;
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16)
+        for (int l = 0; l < 16; l++) {
+            const float v = row[i + l];
+            nan |= v != v;
+            part[l] = v > part[l] ? v : part[l];
+        }
+    for (int l = 0; l < 16; l++) top = part[l] > top ? part[l] : top;
+    for (; i < d; i++) {
+        nan |= row[i] != row[i];
+        top = row[i] > top ? row[i] : top;
+    }
+    return nan ? NAN : top;
+}
+
 typedef struct {
-    uint16_t *logits;
-    const uint16_t *hidden, *weight;
+    void *logits; /* bf16, or fp32 (f32) */
+    const void *hidden, *weight;
     int64_t l_stride, h_stride, begin, end, vocab, k;
     float margin;
     int64_t *counts;
+    int f32;
 } HeadRescore;
+
+/* Rows [begin, end) of head_rescore_f32 (as run_head_rescore's over bf16). */
+static void head_rescore_rows_f32(const HeadRescore *a) {
+    for (int64_t r = a->begin; r < a->end; r++) {
+        float *row = (float *)a->logits + r * a->l_stride;
+        const float *h = (const float *)a->hidden + r * a->h_stride, *weight = (const float *)a->weight;
+        const float top = row_max_f32(row, a->vocab);
+        int64_t count = 0;
+        if (top == top) {
+            const float lowest = top - a->margin;
+            for (int64_t i = 0; i < a->vocab; i++)
+                if (row[i] >= lowest) {
+                    row[i] = dot_f32(h, weight + i * a->k, a->k);
+                    count++;
+                }
+        }
+        if (a->counts) a->counts[r] = count;
+    }
+}
 
 /* Rows [begin, end) of head_rescore_bf16: each row read once for its largest value, then again
  * (from the caches) for the columns within the margin of it, 16 at a time. */
 static void *run_head_rescore(void *arg) {
     const HeadRescore *a = (const HeadRescore *)arg;
+    if (a->f32) {
+        head_rescore_rows_f32(a);
+        return NULL;
+    }
     for (int64_t r = a->begin; r < a->end; r++) {
-        uint16_t *row = a->logits + r * a->l_stride;
-        const uint16_t *h = a->hidden + r * a->h_stride;
+        uint16_t *row = (uint16_t *)a->logits + r * a->l_stride;
+        const uint16_t *h = (const uint16_t *)a->hidden + r * a->h_stride, *weight = (const uint16_t *)a->weight;
         const float top = row_max_bf16(row, a->vocab);
         int64_t count = 0;
         if (top == top) { /* (a row with a NaN is left as it is) */
@@ -545,14 +601,14 @@ static void *run_head_rescore(void *arg) {
                 while (hit) {
                     const int64_t c = i + __builtin_ctz(hit);
                     hit &= (__mmask16)(hit - 1);
-                    row[c] = f32_to_bf16(dot_bf16(h, a->weight + c * a->k, a->k));
+                    row[c] = f32_to_bf16(dot_bf16(h, weight + c * a->k, a->k));
                     count++;
                 }
             }
 #endif
             for (; i < a->vocab; i++)
                 if (bf16_to_f32(row[i]) >= lowest) {
-                    row[i] = f32_to_bf16(dot_bf16(h, a->weight + i * a->k, a->k));
+                    row[i] = f32_to_bf16(dot_bf16(h, weight + i * a->k, a->k));
                     count++;
                 }
         }
@@ -567,13 +623,26 @@ static void *run_head_rescore(void *arg) {
  * h_stride; weight [vocab, k] contiguous: the bf16 head) and stored rounded to bf16. How many
  * columns each row recomputed goes to counts [rows] (or nowhere, NULL). Rows split evenly over
  * `num_threads` threads. */
-void head_rescore_bf16(uint16_t *logits, int64_t l_stride, const uint16_t *hidden, int64_t h_stride,
-                       const uint16_t *weight, int64_t rows, int64_t vocab, int64_t k, float margin, int64_t *counts,
-                       int num_threads) {
+static void head_rescore(void *logits, int64_t l_stride, const void *hidden, int64_t h_stride, const void *weight,
+                         int64_t rows, int64_t vocab, int64_t k, float margin, int64_t *counts, int num_threads,
+                         int f32) {
     num_threads = span_threads(num_threads, rows);
     HeadRescore spans[MAX_THREADS];
     for (int s = 0; s < num_threads; s++)
         spans[s] = (HeadRescore){logits, hidden, weight, l_stride, h_stride, rows * s / num_threads,
-                                 rows * (s + 1) / num_threads, vocab, k, margin, counts};
+                                 rows * (s + 1) / num_threads, vocab, k, margin, counts, f32};
     run_spans(run_head_rescore, spans, sizeof spans[0], num_threads);
+}
+
+void head_rescore_bf16(uint16_t *logits, int64_t l_stride, const uint16_t *hidden, int64_t h_stride,
+                       const uint16_t *weight, int64_t rows, int64_t vocab, int64_t k, float margin, int64_t *counts,
+                       int num_threads) {
+    head_rescore(logits, l_stride, hidden, h_stride, weight, rows, vocab, k, margin, counts, num_threads, 0);
+}
+
+/* The same for a float32 model: fp32 logits, hidden and head weight, each value recomputed as an
+ * fp32 dot product (sum_lanes16 of 16 partial sums) and stored as it is. */
+void head_rescore_f32(float *logits, int64_t l_stride, const float *hidden, int64_t h_stride, const float *weight,
+                      int64_t rows, int64_t vocab, int64_t k, float margin, int64_t *counts, int num_threads) {
+    head_rescore(logits, l_stride, hidden, h_stride, weight, rows, vocab, k, margin, counts, num_threads, 1);
 }
