@@ -80,6 +80,15 @@ def test_rms_norm_quantize_quantizes_the_norm(c_ops, rows, width, residual):
     assert ((q.float() * scale[:, None] - normed).abs() <= scale[:, None] * 0.51 + 1e-6).all()
 
 
+def test_rms_norm_quantize_refuses_fp32_rows():
+    """In fp32 the layers run the model's RMSNorm, then quantize: the bf16 op says so rather than
+    rounding the residual to bf16."""
+    x = torch.randn(3, 64)
+    for ops in (TORCH_OPS, Int8Ops(None, torch.float32)):
+        with pytest.raises(ValueError, match="bf16 rows.*RMSNorm, then quantize"):
+            ops.rms_norm_quantize(x, torch.ones(64), 1e-5)
+
+
 @needs_exact_int_mm
 @pytest.mark.parametrize("rows,width,n", [(2, 64, 48), (37, 576, 960), (200, 1536, 576)])
 @pytest.mark.parametrize("add", [False, True])

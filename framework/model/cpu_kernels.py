@@ -314,9 +314,8 @@ class FusedOps:
         rows, vocab = logits.shape
         counts = torch.empty(rows, dtype=torch.int64)
         fn = self._head_rescore_f32 if logits.dtype == torch.float32 else self._head_rescore
-        fn(logits.data_ptr(), logits.stride(0), hidden.data_ptr(), hidden.stride(0),
-                           weight.data_ptr(), rows, vocab, hidden.shape[1], margin, counts.data_ptr(),
-                           torch.get_num_threads())
+        fn(logits.data_ptr(), logits.stride(0), hidden.data_ptr(), hidden.stride(0), weight.data_ptr(), rows, vocab,
+           hidden.shape[1], margin, counts.data_ptr(), torch.get_num_threads())
         return counts
 
     @staticmethod

@@ -194,7 +194,8 @@ class Int8Ops:
     """The int8 GEMMs and their ends, on the C kernels of kernels/int8_ops.c (`lib`) or, with
     `lib` None, the same arithmetic in PyTorch. Activations are 2-D tensors of `dtype` (the
     model's: bf16, or fp32) with unit stride along their rows; int8 rows come with their fp32
-    scales (QuantizedRows). In fp32, `rms_norm_quantize` is the model's RMSNorm then `quantize`."""
+    scales (QuantizedRows). `rms_norm_quantize` takes bf16 rows only: in fp32 the layers run the
+    model's RMSNorm, then `quantize`."""
 
     packs = False  # whether `pack` gives weights their packed copy (see own_gemm_wanted)
     gate_up_block = 0  # rows the packed gate-up GEMM takes at a time (the rows of its fp32 scratch)
@@ -282,6 +283,8 @@ class Int8Ops:
                           residual: torch.Tensor | None = None, mul: torch.Tensor | None = None):
         """(int8 rows of RMSNorm(h) * weight [* mul], h), h = x, or bf16(x + residual) with a
         residual (contiguous, x's shape); the normed rows are quantized from fp32."""
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"rms_norm_quantize takes bf16 rows, not {x.dtype} (fp32: RMSNorm, then quantize)")
         if self.lib is None:
             h = x if residual is None else (x.float() + residual.float()).to(torch.bfloat16)
             return quantize_rows(self._times(rms_norm_fp32(h.float(), weight, eps), mul)), h

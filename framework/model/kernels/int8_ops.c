@@ -610,26 +610,30 @@ static int run_i8(const I8Gemm *g, int num_threads) {
     return 0;
 }
 
+/* A dequantizing GEMM (not gate_up) of the operands and end in g, where the packing takes its shape. */
+static int run_i8_dequantize(const I8Gemm *g, int num_threads) {
+    if (g->n < 16 || g->n % 16 || g->k < 4 || g->k % 4) return -2;
+    return run_i8(g, num_threads);
+}
+
 /* bf16(x @ W^T [+ add]) as torch._int_mm then dequantize_bf16: x int8 [rows, k] (contiguous) with
  * scales x_scale, the weight packed by int8_gemm_pack (n columns, not gate_up) with scales
  * w_scale. Returns 0, -1 (no memory), or -2 (a shape the packing does not take). */
 int int8_gemm_bf16(const int8_t *x, const float *x_scale, const uint8_t *packed, const float *w_scale, int64_t rows,
                    int64_t k, int64_t n, const uint16_t *add, int64_t add_stride, uint16_t *out, int64_t out_stride,
                    int num_threads) {
-    if (n < 16 || n % 16 || k < 4 || k % 4) return -2;
     I8Gemm g = {.x = x, .x_scale = x_scale, .packed = packed, .w_scale = w_scale, .rows = rows, .k = k, .n = n,
                 .add = add, .add_stride = add_stride, .out = out, .out_stride = out_stride};
-    return run_i8(&g, num_threads);
+    return run_i8_dequantize(&g, num_threads);
 }
 
 /* x @ W^T [+ add] in fp32 (models in float32): as int8_gemm_bf16, with fp32 `add` and `out`. */
 int int8_gemm_f32(const int8_t *x, const float *x_scale, const uint8_t *packed, const float *w_scale, int64_t rows,
                   int64_t k, int64_t n, const float *add, int64_t add_stride, float *out, int64_t out_stride,
                   int num_threads) {
-    if (n < 16 || n % 16 || k < 4 || k % 4) return -2;
     I8Gemm g = {.x = x, .x_scale = x_scale, .packed = packed, .w_scale = w_scale, .rows = rows, .k = k, .n = n,
                 .add_f32 = add, .add_stride = add_stride, .out_f32 = out, .out_stride = out_stride};
-    return run_i8(&g, num_threads);
+    return run_i8_dequantize(&g, num_threads);
 }
 
 /* The rows of x a gate_up GEMM takes at a time (its scratch h needs no more, int8_gemm_gate_up). */
