@@ -227,10 +227,10 @@ class FusedOps:
         self._head_rescore_f32.restype = None
         self._rms_norm_f32 = lib.rms_norm_f32
         self._rms_norm_f32.restype = None
-        self._rms_norm_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
+        self._rms_norm_f32.argtypes = self._rms_norm.argtypes  # (the bf16 op's, over fp32 rows)
         self._silu_mul_f32 = lib.silu_mul_f32
         self._silu_mul_f32.restype = None
-        self._silu_mul_f32.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _INT]
+        self._silu_mul_f32.argtypes = self._silu_mul.argtypes
 
     # The widest row rms_norm takes (its per-thread row buffer, kernels/fused_ops.c).
     MAX_NORM_WIDTH = 8192

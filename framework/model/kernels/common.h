@@ -319,6 +319,24 @@ static inline __m512 hsum16(const __m512 v[16]) {
 }
 #endif
 
+#ifdef __AVX2__
+/* 8 bf16 values at p as fp32 lanes (exact): the words shifted into the upper halves. */
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* 8 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN), as f32_to_bf16 and to_bf16x16. */
+static inline __m128i to_bf16x8(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+    const __m256i words = _mm256_srli_epi32(rounded, 16); /* (each <= 0xffff: the pack keeps it) */
+    return _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+}
+#endif
+
 /* The sum of 16 partial sums in _mm512_reduce_add_ps's order (lanes i and i + 8, then i and
  * i + 4, i and i + 2, the last two): with partial sums kept per lane as the AVX-512 code keeps them,
  * the portable paths give its bits. */

@@ -255,8 +255,7 @@ static void group_values_f32(const float *probs, int group, const char *v, size_
 
 /* 8 elements of a row (fmt: KV_F32, KV_BF16 or KV_I8, integers as themselves) as fp32. */
 static inline __m256 load8(const char *p, int fmt) {
-    if (fmt == KV_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    if (fmt == KV_BF16) return load8_bf16((const uint16_t *)p);
     if (fmt == KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
     return _mm256_loadu_ps((const float *)p);
 }

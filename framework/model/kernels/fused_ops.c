@@ -29,8 +29,9 @@ typedef struct {
     float *k_scale, *v_scale; /* an int8 pool's [slots, kv_heads] scales */
 } Job;
 
+/* A thread's rows [begin, end) of a job (a Job, or a JobF32 for the fp32 ops): run_row_spans. */
 typedef struct {
-    const Job *job;
+    const void *job;
     int64_t begin, end;
 } Rows;
 
@@ -175,12 +176,13 @@ static void rope_kv_rows(const Job *j, int64_t begin, int64_t end) {
 
 static void *run_rows(void *arg) {
     const Rows *rows = (const Rows *)arg;
-    if (rows->job->op == RMS_NORM)
-        rms_norm_rows(rows->job, rows->begin, rows->end);
-    else if (rows->job->op == SILU_MUL)
-        silu_mul_rows(rows->job, rows->begin, rows->end);
+    const Job *job = (const Job *)rows->job;
+    if (job->op == RMS_NORM)
+        rms_norm_rows(job, rows->begin, rows->end);
+    else if (job->op == SILU_MUL)
+        silu_mul_rows(job, rows->begin, rows->end);
     else
-        rope_kv_rows(rows->job, rows->begin, rows->end);
+        rope_kv_rows(job, rows->begin, rows->end);
     return NULL;
 }
 
@@ -198,16 +200,15 @@ static int row_threads(int64_t rows, int num_threads) {
     return num_threads < 1 ? 1 : num_threads;
 }
 
-static void run(const Job *job, int num_threads) {
-    num_threads = row_threads(job->rows, num_threads);
+/* fn over `rows` rows of `job`, split evenly over row_threads(rows, num_threads) threads. */
+static void run_row_spans(void *(*fn)(void *), const void *job, int64_t rows, int num_threads) {
+    num_threads = row_threads(rows, num_threads);
     Rows spans[MAX_THREADS];
-    for (int s = 0; s < num_threads; s++) {
-        spans[s].job = job;
-        spans[s].begin = job->rows * s / num_threads;
-        spans[s].end = job->rows * (s + 1) / num_threads;
-    }
-    run_spans(run_rows, spans, sizeof spans[0], num_threads);
+    for (int s = 0; s < num_threads; s++) spans[s] = (Rows){job, rows * s / num_threads, rows * (s + 1) / num_threads};
+    run_spans(fn, spans, sizeof spans[0], num_threads);
 }
+
+static void run(const Job *job, int num_threads) { run_row_spans(run_rows, job, job->rows, num_threads); }
 
 /* Returns 0, or -1 when d is larger than the row buffer. */
 int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, uint16_t *residual_out,
@@ -237,11 +238,6 @@ typedef struct {
     float eps;
     int silu; /* silu_mul instead: x [rows, 2 d] = [gate | up] -> out [rows, d] */
 } JobF32;
-
-typedef struct {
-    const JobF32 *job;
-    int64_t begin, end;
-} RowsF32;
 
 /* out = w * (h * rsqrt(mean(h^2) + eps)), h = x, or x + residual (written to residual_out). */
 static void rms_norm_rows_f32(const JobF32 *j, int64_t begin, int64_t end) {
@@ -290,24 +286,16 @@ static void silu_mul_rows_f32(const JobF32 *j, int64_t begin, int64_t end) {
 }
 
 static void *run_rows_f32(void *arg) {
-    const RowsF32 *rows = (const RowsF32 *)arg;
-    if (rows->job->silu)
-        silu_mul_rows_f32(rows->job, rows->begin, rows->end);
+    const Rows *rows = (const Rows *)arg;
+    const JobF32 *job = (const JobF32 *)rows->job;
+    if (job->silu)
+        silu_mul_rows_f32(job, rows->begin, rows->end);
     else
-        rms_norm_rows_f32(rows->job, rows->begin, rows->end);
+        rms_norm_rows_f32(job, rows->begin, rows->end);
     return NULL;
 }
 
-static void run_f32(const JobF32 *job, int num_threads) {
-    num_threads = row_threads(job->rows, num_threads);
-    RowsF32 spans[MAX_THREADS];
-    for (int s = 0; s < num_threads; s++) {
-        spans[s].job = job;
-        spans[s].begin = job->rows * s / num_threads;
-        spans[s].end = job->rows * (s + 1) / num_threads;
-    }
-    run_spans(run_rows_f32, spans, sizeof spans[0], num_threads);
-}
+static void run_f32(const JobF32 *job, int num_threads) { run_row_spans(run_rows_f32, job, job->rows, num_threads); }
 
 /* fp32 RMSNorm of x's rows (with a residual: of x + residual, also written to residual_out; both
  * [rows, d] contiguous) times w, into out [rows, d]. */

@@ -438,17 +438,6 @@ static inline __attribute__((always_inline)) void i8_tile(const I8Gemm *g, int64
 }
 
 #else /* I8_GEMM == 2 */
-/* 8 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN), as f32_to_bf16. */
-static inline __m128i to_bf16x8(__m256 x) {
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
-    const __m256i words = _mm256_srli_epi32(rounded, 16); /* (each <= 0xffff: the pack keeps it) */
-    return _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
-}
-
 /* The sums of R rows of x (from x, rows k apart) by one block of a unit (w: its first quad,
  * quads I8_BLOCKS * 64 bytes apart), into sums[r][16]. */
 static inline __attribute__((always_inline)) void i8_block_sums(const int8_t *x, int64_t k, const int R,
@@ -507,19 +496,15 @@ static inline __attribute__((always_inline)) void i8_tile(const I8Gemm *g, int64
                 const int64_t col = n0[c] + half;
                 const __m256 y = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(acc[c][r] + half)));
                 const __m256 scale = _mm256_mul_ps(vxs, _mm256_loadu_ps(g->w_scale + col));
+                const int64_t at = m * g->add_stride + col;
                 if (g->out_f32) {
-                    const float *add = g->add_f32 ? g->add_f32 + m * g->add_stride + col : NULL;
                     _mm256_storeu_ps(g->out_f32 + m * g->out_stride + col,
-                                     add ? _mm256_fmadd_ps(y, scale, _mm256_loadu_ps(add)) : _mm256_mul_ps(y, scale));
-                    continue;
+                                     g->add_f32 ? _mm256_fmadd_ps(y, scale, _mm256_loadu_ps(g->add_f32 + at))
+                                                : _mm256_mul_ps(y, scale));
+                } else {
+                    const __m256 v = g->add ? _mm256_fmadd_ps(y, scale, load8_bf16(g->add + at)) : _mm256_mul_ps(y, scale);
+                    _mm_storeu_si128((__m128i *)(g->out + m * g->out_stride + col), to_bf16x8(v));
                 }
-                const uint16_t *add = g->add ? g->add + m * g->add_stride + col : NULL;
-                __m256 v = _mm256_mul_ps(y, scale);
-                if (add) { /* bf16 widened: the 16-bit words shifted into the upper halves */
-                    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)add));
-                    v = _mm256_fmadd_ps(y, scale, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-                }
-                _mm_storeu_si128((__m128i *)(g->out + m * g->out_stride + col), to_bf16x8(v));
             }
         }
     }
