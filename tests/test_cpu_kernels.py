@@ -113,28 +113,36 @@ def test_fp32_queries_in_groups_of_every_size_match_reference(heads, kv_heads, k
 
 
 @needs_kernel
-def test_an_int8_pool_is_read_as_integers_to_within_the_outputs_rounding():
-    """Where the decode kernel reads an int8 pool as integers (AVX512-VNNI: the bf16 query rounded
-    to int8 per head for the scores, the probabilities as int16 a chunk for P V), its only error
-    against float64 attention with that same query and the pool's exact values (value x scale) is
-    the bf16 output's rounding: as far off on average as that reference rounded to bf16 (P rounded
-    to bf16 instead, as on a bf16 pool, was 1.38x as far). Long rows take several chunks."""
-    if not cpu_kernels.decode_int8_dot():
-        pytest.skip("the decode kernel widens an int8 pool's rows here (no AVX512-VNNI)")
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_an_int8_pool_is_read_as_integers_to_within_the_outputs_rounding(q_dtype):
+    """Where the decode kernel reads an int8 pool as integers (decode_int_query_bits: the query
+    rounded per head to int8 on AVX512-VNNI, bf16 queries only; to int16 on AVX2, any queries; the
+    probabilities as int16 a chunk for P V), its only error against float64 attention with that
+    same query and the pool's exact values (value x scale) is about the output's own rounding: with
+    bf16 outputs as far off on average as that reference rounded to bf16 (P rounded to bf16 instead,
+    as on a bf16 pool, was 1.38x as far); with fp32 outputs within 2^-14 of the outputs' mean size
+    (P's int16 rounding, 2^-16 of a chunk's largest). Long rows take several chunks."""
+    bits = cpu_kernels.decode_int_query_bits()
+    if bits == 0 or (bits == 8 and q_dtype == torch.float32):
+        pytest.skip(f"the decode kernel widens an int8 pool's rows for {q_dtype} queries here")
     heads, kv_heads, head_dim = 9, 3, 64
     lens = [1, 2, 37, 300, 5, 129, 64, 1000, 700, 250]
     k, v, req_to_token, pool_idx = _scattered_pool(lens, kv_heads, head_dim, torch.int8)
-    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).to(q_dtype)
     attn = TorchNativeAttention(heads, kv_heads, head_dim)
     attn.use_decode_kernel(KERNEL)
     attn.decode_tiles = False
     plan = _KernelDecode(None, req_to_token, pool_idx, torch.tensor(lens, dtype=torch.int64))
     out = attn._kernel_decode(q, k, v, plan).double().view(q.shape)
-    scale = q.float().abs().amax(-1, keepdim=True) / 127  # in fp32, as the kernel rounds it
-    q_int8 = torch.round(q.float() / scale).double() * scale.double()
-    ref = _reference(q_int8, k, v, req_to_token, pool_idx, lens, heads // kv_heads, head_dim**-0.5)
-    rounding = (ref.to(torch.bfloat16).double() - ref).abs().mean()
-    assert (out - ref).abs().mean() < 1.1 * rounding
+    top = 2 ** (bits - 1) - 1
+    scale = q.float().abs().amax(-1, keepdim=True) / top  # in fp32, as the kernel rounds it
+    q_int = torch.round(q.float() / scale).double() * scale.double()
+    ref = _reference(q_int, k, v, req_to_token, pool_idx, lens, heads // kv_heads, head_dim**-0.5)
+    if q_dtype == torch.bfloat16:
+        rounding = (ref.to(torch.bfloat16).double() - ref).abs().mean()
+        assert (out - ref).abs().mean() < 1.1 * rounding
+    else:
+        assert (out - ref).abs().mean() < 2**-14 * ref.abs().mean()  # (measured: 2^-16.1)
 
 
 @needs_kernel
@@ -485,11 +493,15 @@ def test_fused_ops_take_bf16_and_fp32_apart():
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 40)])  # 40: half not a multiple of 16
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2, torch.int8])
-def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim, kv_dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e5m2),
+                                             (torch.bfloat16, torch.int8), (torch.float32, torch.float32),
+                                             (torch.float32, torch.bfloat16), (torch.float32, torch.float8_e5m2),
+                                             (torch.float32, torch.int8)])
+def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim, dtype, kv_dtype):
     """q, and k and v as a pool stores them (TokenToKVPool.set_kv: an fp8 pool's bytes rounded to
     nearest even, e5m2 subnormals, values past 57344 clamped, NaN kept; an int8 pool's values and
-    scales, rows of zeros among them), bit for bit."""
+    scales, rows of zeros among them), bit for bit, from bf16 rows and from fp32 rows (whose
+    products RopeTables.apply rounds before adding them: no fused multiply-add)."""
     from types import SimpleNamespace
 
     from framework.memory import TokenToKVPool
@@ -498,16 +510,18 @@ def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim, kv_dtype):
     tokens, slots = 100, 160  # 100 rows: split over two threads
     gen = torch.Generator().manual_seed(head_dim)
     config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_type="default", context_len=512)
-    rope = RotaryEmbedding(config).tables(torch.randint(0, 500, (tokens,), generator=gen), torch.bfloat16)
+    rope = RotaryEmbedding(config).tables(torch.randint(0, 500, (tokens,), generator=gen), dtype)
     width = (heads + 2 * kv_heads) * head_dim
     scales = torch.tensor([1.0, 1e-5, 3e-5, 1e5, 5e4, 1.0])[torch.randint(0, 6, (width + 8,), generator=gen)]
-    qkv = (torch.randn(tokens, width + 8, generator=gen) * scales).to(torch.bfloat16)[:, :width]  # strided rows
+    qkv = (torch.randn(tokens, width + 8, generator=gen) * scales).to(dtype)[:, :width]  # strided rows
     qkv[3, -1] = float("nan")
     qkv[5, -head_dim:] = 0.0  # a V row of zeros: scale 0
     loc = torch.randperm(slots, generator=gen)[:tokens]
     ours = TokenToKVPool(slots - 1, kv_dtype, kv_heads, head_dim, 1)
     ref = TokenToKVPool(slots - 1, kv_dtype, kv_heads, head_dim, 1)
+    assert KERNELS.fused.supports_rope_kv(ours.k_buffer[0], dtype)
     q = KERNELS.fused.rope_kv(qkv, rope.cos, rope.sin, loc, ours.k_buffer[0], ours.v_buffer[0], heads, kv_heads)
+    assert q.dtype == dtype
 
     qk = rope.apply(qkv[:, : (heads + kv_heads) * head_dim].reshape(tokens, heads + kv_heads, head_dim))
     ref.set_kv(0, loc, qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim))

@@ -180,15 +180,16 @@ def load_decode_kernel():
     return None if lib is None else decode_kernel_of(lib)
 
 
-def decode_int8_dot() -> bool:
-    """Whether the decode kernel reads an int8 pool's rows as integers (AVX512-VNNI: the scores on
-    `vpdpbusd` with the bf16 queries rounded to int8, P V on `vpdpwssd` with P as int16); elsewhere
-    it widens them to bf16. False without the kernel."""
+def decode_int_query_bits() -> int:
+    """The bits the decode kernel rounds an int8 pool's query heads to, reading the pool's rows as
+    integers: 8 on AVX512-VNNI (bf16 queries; the scores on `vpdpbusd`), 16 on AVX2 without AVX-512
+    (any queries; `vpmaddwd`), P V then with P as int16 a chunk; 0 where it widens the rows (and
+    without the kernel)."""
     lib = load("decode_attention")
     if lib is None:
-        return False
-    lib.decode_attention_int8_dot.restype = _INT
-    return bool(lib.decode_attention_int8_dot())
+        return 0
+    lib.decode_attention_int_query_bits.restype = _INT
+    return int(lib.decode_attention_int_query_bits())
 
 
 def decode_kernel_of(lib: ctypes.CDLL):
@@ -231,6 +232,9 @@ class FusedOps:
         self._silu_mul_f32 = lib.silu_mul_f32
         self._silu_mul_f32.restype = None
         self._silu_mul_f32.argtypes = self._silu_mul.argtypes
+        self._rope_kv_f32 = lib.rope_kv_f32
+        self._rope_kv_f32.restype = _INT
+        self._rope_kv_f32.argtypes = self._rope_kv.argtypes  # (the bf16 op's, over fp32 rows)
 
     # The widest row rms_norm takes (its per-thread row buffer, kernels/fused_ops.c).
     MAX_NORM_WIDTH = 8192
@@ -337,39 +341,47 @@ class FusedOps:
                             mask.data_ptr(), mask.stride(0), rows, d, out.data_ptr())
         return out
 
-    # The widest slot row (kv_heads * head_dim) rope_kv writes into a pool of one byte a value,
-    # float8_e5m2 or int8 (kernels/fused_ops.c's BYTE_ROW_MAX).
+    # The widest slot row (kv_heads * head_dim) rope_kv writes from bf16 rows into a pool of one byte
+    # a value (float8_e5m2 or int8), and from fp32 rows into any pool (kernels/fused_ops.c's BYTE_ROW_MAX).
     BYTE_ROW_MAX = 4096
 
-    def supports_rope_kv(self, k_pool: torch.Tensor) -> bool:
-        """Whether rope_kv writes into this pool buffer: bf16, or float8_e5m2 bytes or int8 values
-        (with their scales) of rows up to BYTE_ROW_MAX values."""
-        return k_pool.dtype == torch.bfloat16 or (
-            (k_pool.dtype == torch.uint8 or (k_pool.dtype == torch.int8 and kv_scales(k_pool) is not None))
-            and k_pool.shape[-2] * k_pool.shape[-1] <= self.BYTE_ROW_MAX)
+    def supports_rope_kv(self, k_pool: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> bool:
+        """Whether rope_kv writes `dtype` rows (bf16 or fp32) into this pool buffer: for bf16 rows a
+        bf16 pool, or float8_e5m2 bytes or int8 values (with their scales) of rows up to
+        BYTE_ROW_MAX values; for fp32 rows any of those or an fp32 pool, rows up to BYTE_ROW_MAX."""
+        small = k_pool.shape[-2] * k_pool.shape[-1] <= self.BYTE_ROW_MAX
+        byte_pool = k_pool.dtype == torch.uint8 or (k_pool.dtype == torch.int8 and kv_scales(k_pool) is not None)
+        if dtype == torch.float32:
+            return small and (byte_pool or k_pool.dtype in (torch.float32, torch.bfloat16))
+        return dtype == torch.bfloat16 and (k_pool.dtype == torch.bfloat16 or (byte_pool and small))
 
     def rope_kv(self, qkv, cos, sin, loc, k_pool, v_pool, heads: int, kv_heads: int,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """From the fused projection qkv [T, (heads + 2 kv_heads) * D]: rotate q and k by the
-        bf16 tables cos/sin ([T, 1, D/2], contiguous), write k and v into the pools ([slots,
-        kv_heads, D], bf16, float8_e5m2 bytes or int8 values and scales, as TokenToKVPool.set_kv
-        makes them) at `loc` [T] int64; returns q [T, heads * D], written into `out` when given
-        (contiguous bf16 of that shape, e.g. some rows of a larger q)."""
+        """From the fused projection qkv [T, (heads + 2 kv_heads) * D], bf16 or fp32: rotate q and k
+        by the tables cos/sin of qkv's dtype ([T, 1, D/2], contiguous), write k and v into the pools
+        ([slots, kv_heads, D]; see supports_rope_kv) as TokenToKVPool.set_kv makes them, at `loc` [T]
+        int64; returns q [T, heads * D] in qkv's dtype, written into `out` when given (contiguous, of
+        that dtype and shape, e.g. some rows of a larger q). The same bits as RopeTables.apply and
+        set_kv."""
         rows = qkv.shape[0]
         head_dim = k_pool.shape[-1]
         if out is None:
-            q = torch.empty((rows, heads * head_dim), dtype=torch.bfloat16)
-        elif out.dtype != torch.bfloat16 or out.shape != (rows, heads * head_dim) or not out.is_contiguous():
-            raise ValueError(f"rope_kv: q goes into contiguous bf16 {(rows, heads * head_dim)}, not {out.dtype} "
+            q = torch.empty((rows, heads * head_dim), dtype=qkv.dtype)
+        elif out.dtype != qkv.dtype or out.shape != (rows, heads * head_dim) or not out.is_contiguous():
+            raise ValueError(f"rope_kv: q goes into contiguous {qkv.dtype} {(rows, heads * head_dim)}, not {out.dtype} "
                              f"{tuple(out.shape)} with strides {out.stride()}")
         else:
             q = out
+        if cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
+            raise ValueError(f"rope_kv: the tables are {cos.dtype}, the rows {qkv.dtype}")
+        fn = self._rope_kv_f32 if qkv.dtype == torch.float32 else self._rope_kv
         loc = loc.to(torch.int64).contiguous()
-        rc = self._rope_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), q.data_ptr(),
-                           k_pool.data_ptr(), v_pool.data_ptr(), *scale_ptrs(k_pool, v_pool), kv_format(k_pool),
-                           rows, heads, kv_heads, head_dim, torch.get_num_threads())
+        rc = fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), loc.data_ptr(), q.data_ptr(),
+                k_pool.data_ptr(), v_pool.data_ptr(), *scale_ptrs(k_pool, v_pool), kv_format(k_pool),
+                rows, heads, kv_heads, head_dim, torch.get_num_threads())
         if rc != 0:
-            raise ValueError(f"rope_kv cannot write into a {k_pool.dtype} pool of rows {tuple(k_pool.shape[1:])}")
+            raise ValueError(f"rope_kv cannot write {qkv.dtype} rows into a {k_pool.dtype} pool of rows "
+                             f"{tuple(k_pool.shape[1:])}")
         return q
 
 

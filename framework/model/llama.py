@@ -175,8 +175,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         fused = self.fused
         k_buf, v_buf = kv_pool.k_buffer[self.layer_id], kv_pool.v_buffer[self.layer_id]
-        if (fused is not None and fused.supports(qkv) and fused.supports_rope_kv(k_buf) and rope.cos.is_contiguous()
-                and (out is None or out.dtype == torch.bfloat16)):
+        if (fused is not None and (fused.supports(qkv) or fused.supports_f32(qkv))
+                and fused.supports_rope_kv(k_buf, qkv.dtype) and rope.cos.is_contiguous()
+                and rope.cos.dtype == qkv.dtype and (out is None or out.dtype == qkv.dtype)):
             return fused.rope_kv(qkv, rope.cos, rope.sin, out_cache_loc, k_buf, v_buf, self.num_heads,
                                  self.num_kv_heads, out=out)
         # q and k heads are rotated together: [T, heads + kv_heads, D] is a view of qkv.

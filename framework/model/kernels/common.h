@@ -337,6 +337,17 @@ static inline __m128i to_bf16x8(__m256 x) {
 }
 #endif
 
+/* v as it is, but out of the compiler's sight: a product passed through KEEP_ROUNDED is rounded to
+ * its type on its own and never contracted with a following add into one fused multiply-add
+ * (GCC contracts across statements, intrinsics included, at -O3 unless told not to). */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define KEEP_ROUNDED(v) __asm__("" : "+x"(v))
+#elif defined(__GNUC__) && defined(__aarch64__)
+#define KEEP_ROUNDED(v) __asm__("" : "+w"(v))
+#else
+#define KEEP_ROUNDED(v) ((void)(v))
+#endif
+
 /* The sum of 16 partial sums in _mm512_reduce_add_ps's order (lanes i and i + 8, then i and
  * i + 4, i and i + 2, the last two): with partial sums kept per lane as the AVX-512 code keeps them,
  * the portable paths give its bits. */

@@ -68,13 +68,14 @@ typedef struct {
     int amx; /* bf16 requests go on the AMX tiles (amx_request) */
 } Args;
 
-/* One request's query heads as int8 (quantize_queries), from the group's first head on: `q`
- * [heads, 64], their scales, and 128 times each one's sum. */
+/* One request's query heads as integers (quantize_queries: int8 on AVX512-VNNI, int16 on AVX2),
+ * from the group's first head on: `q` [heads, 64], their scales, and (int8) 128 times each one's
+ * sum. */
 typedef struct {
-    const int8_t *q;
+    const void *q;
     const float *scale;
     const int32_t *corr;
-} QueryI8;
+} QueryInt;
 
 typedef struct {
     const Args *a;
@@ -333,6 +334,194 @@ static void group_values_avx2(const float *probs, int group, const char *v, size
                               const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
     BY_GROUP(group, values_avx2(probs, G, v, row_bytes, elem, fmt, slots, t0, t1, len, acc, pf));
 }
+
+/* An int8 pool on AVX2 (head_dim 64, group <= 8, q fp32 or bf16) is read as integers: AVX2 has
+ * no int8 dot product, but vpmaddwd multiplies 16 pairs of int16 and sums each pair into 32 bits,
+ * and vpmovsxbw widens 16 int8 values to int16 in one instruction (to fp32 took two for 8). So
+ * the query heads are rounded to int16, round(q / s) with s = max |q| / 32767 per head (2^-16 of
+ * the head's largest, against the int8 rows' own 2^-8), and q . k is the exact integer sum (at
+ * most 64 x 32767 x 128 < 2^31) times s: 4 vpmaddwd a token and query head where the fp32 path
+ * took 8 multiply-adds after widening each row to fp32 and storing it. P V takes the
+ * probabilities as int16 a chunk (probs_to_i16, as on AVX512-VNNI) and two tokens' V rows
+ * interleaved, each pair's two products summed by one vpmaddwd. With the KV in the caches (60
+ * requests of 124-464 tokens, 2-core AMD EPYC Zen 3): see docs/performance.md. */
+#define INT_QUERY_BITS 16
+
+static void quantize_queries(const float *qf, int heads, void *q_int, float *qs, int32_t *qcorr) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int r = 0; r < heads; r++) {
+        const float *x = qf + r * 64;
+        __m256 m = _mm256_setzero_ps();
+        for (int c = 0; c < 8; c++) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + c * 8), abs_mask));
+        float lanes[8], amax = 0.0f;
+        _mm256_storeu_ps(lanes, m);
+        for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
+        const float s = amax / 32767.0f;
+        const __m256 vs = _mm256_set1_ps(s);
+        qs[r] = s;
+        qcorr[r] = 0; /* (int16 queries need no correction) */
+        for (int c = 0; c < 4; c++) {
+            const __m256i lo = s > 0.0f ? _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + c * 16), vs))
+                                        : _mm256_setzero_si256(); /* (to nearest even) */
+            const __m256i hi = s > 0.0f ? _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + c * 16 + 8), vs))
+                                        : _mm256_setzero_si256();
+            /* (packs works within 128-bit lanes: the 64-bit permute puts the 16 values in order) */
+            _mm256_storeu_si256((__m256i *)((int16_t *)q_int + r * 64 + c * 16),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+        }
+    }
+}
+
+/* The sums of eight 8-lane int32 vectors, lane u the sum of a[u]. */
+static inline __m256i hsum8_epi32(const __m256i a[8]) {
+    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+/* head_scores of an int8 pool from the int16 query heads `q16`: 8 tokens at a time, each K row
+ * widened once for the group, each dot product's 8 lanes summed with the other 7 tokens'
+ * (hsum8_epi32), then times the query head's scale (the row's own is the softmax's). */
+static inline __attribute__((always_inline)) void scores_i16(const int16_t *q16, const float *qs, const int group,
+                                                             const int8_t *k, int64_t kv_stride, const int64_t *slots,
+                                                             int64_t t0, int64_t t1, int64_t len, float *scores,
+                                                             Prefetcher *pf) {
+    Prefetcher p = *pf; /* (a local copy, kept in registers) */
+    for (int64_t t = t0; t < t1; t += 8) {
+        const int n = t1 - t < 8 ? (int)(t1 - t) : 8;
+        __m256i dots[8][8]; /* [query head][token] */
+        for (int u = 0; u < 8; u++) {
+            __m256i kr[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                             _mm256_setzero_si256()};
+            if (u < n) {
+                const int8_t *row = k + (size_t)slots[t + u] * kv_stride;
+                for (int c = 0; c < 4; c++) kr[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + c * 16)));
+            }
+            for (int g = 0; g < group; g++) {
+                const __m256i *qg = (const __m256i *)(q16 + g * 64);
+                dots[g][u] = _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_madd_epi16(kr[0], _mm256_loadu_si256(qg)),
+                                     _mm256_madd_epi16(kr[1], _mm256_loadu_si256(qg + 1))),
+                    _mm256_add_epi32(_mm256_madd_epi16(kr[2], _mm256_loadu_si256(qg + 2)),
+                                     _mm256_madd_epi16(kr[3], _mm256_loadu_si256(qg + 3))));
+            }
+        }
+        /* one prefetch_next per query head and 16 tokens, as run_span counts them */
+        if (n == 8 && ((t - t0) & 8))
+            for (int g = 0; g < group; g++) prefetch_next(&p);
+        for (int g = 0; g < group; g++) {
+            const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(dots[g])), _mm256_set1_ps(qs[g]));
+            if (n == 8) {
+                _mm256_storeu_ps(scores + g * len + t, sc);
+            } else {
+                float out[8];
+                _mm256_storeu_ps(out, sc);
+                memcpy(scores + g * len + t, out, (size_t)n * sizeof(float));
+            }
+        }
+    }
+    *pf = p;
+}
+
+static void group_scores_int(const void *q_int, const float *qs, const int32_t *qcorr, int group, const int8_t *k,
+                             int64_t kv_stride, const int64_t *slots, int64_t t0, int64_t t1, int64_t len,
+                             float *scores, Prefetcher *pf) {
+    (void)qcorr;
+    BY_GROUP(group, scores_i16((const int16_t *)q_int, qs, G, k, kv_stride, slots, t0, t1, len, scores, pf));
+}
+
+/* Tokens t and t + 1 (`pair` 0: a zero row in its place) of an int8 pool's V rows, the 32 columns
+ * from `col` on, interleaved for vpmaddwd: x[2b] holds columns 16b + 0..3 and 16b + 8..11, x[2b + 1]
+ * 16b + 4..7 and 16b + 12..15, each as the pair (v_t, v_t+1). */
+static inline void v_pairs_i16(const char *v, size_t row_bytes, const int64_t *slots, int64_t t, int pair, int col,
+                               __m256i x[4]) {
+    const int8_t *a = (const int8_t *)v + (size_t)slots[t] * row_bytes + col;
+    const int8_t *b = pair ? (const int8_t *)v + (size_t)slots[t + 1] * row_bytes + col : NULL;
+    for (int blk = 0; blk < 2; blk++) {
+        const __m256i va = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(a + blk * 16)));
+        const __m256i vb = b ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + blk * 16)))
+                             : _mm256_setzero_si256();
+        x[2 * blk] = _mm256_unpacklo_epi16(va, vb);
+        x[2 * blk + 1] = _mm256_unpackhi_epi16(va, vb);
+    }
+}
+
+/* P V of an int8 pool on AVX2 from the chunk's probabilities as int16 (probs_to_i16): half a row (32
+ * columns) at a time, two tokens' rows interleaved (v_pairs_i16), each pair (P_t, P_t+1) broadcast
+ * against them, the int32 sums (at most 64 x 32767 x 128 < 2^31 a chunk) added to the fp32 sums
+ * times the chunk's scale, in column order. */
+static inline __attribute__((always_inline)) void values_i16(const int16_t *p16, const float *p_scale, const int group,
+                                                             const char *v, size_t row_bytes, const int64_t *slots,
+                                                             int64_t t0, int64_t t1, int64_t len, float *acc,
+                                                             Prefetcher *pf) {
+    Prefetcher p = *pf;
+    for (int half = 0; half < 2; half++) {
+        __m256i sums[8][4];
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < 4; c++) sums[g][c] = _mm256_setzero_si256();
+        for (int64_t t = t0; t < t1; t += 2) {
+            const int pair = t + 1 < t1;
+            if (half == 0) { /* one prefetch_next per token, as run_span counts them */
+                prefetch_next(&p);
+                if (pair) prefetch_next(&p);
+            }
+            __m256i x[4];
+            v_pairs_i16(v, row_bytes, slots, t, pair, half * 32, x);
+            for (int g = 0; g < group; g++) {
+                int32_t pr = (uint16_t)p16[g * len + t]; /* (P_t, P_t+1), P_t+1 = 0 past the end */
+                if (pair) memcpy(&pr, p16 + g * len + t, sizeof pr);
+                const __m256i b = _mm256_set1_epi32(pr);
+                for (int c = 0; c < 4; c++) sums[g][c] = _mm256_add_epi32(sums[g][c], _mm256_madd_epi16(x[c], b));
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            const __m256 s = _mm256_set1_ps(p_scale[g]);
+            for (int blk = 0; blk < 2; blk++) {
+                const __m256i lo = sums[g][2 * blk], hi = sums[g][2 * blk + 1];
+                float *o = acc + g * 64 + half * 32 + blk * 16;
+                const __m256 first = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x20)); /* columns 0..7 */
+                const __m256 second = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x31)); /* 8..15 */
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(first, s, _mm256_loadu_ps(o)));
+                _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(second, s, _mm256_loadu_ps(o + 8)));
+            }
+        }
+    }
+    *pf = p;
+}
+
+static void values_i16_group(const int16_t *p16, const float *p_scale, int group, const char *v, size_t row_bytes,
+                             const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
+    BY_GROUP(group, values_i16(p16, p_scale, G, v, row_bytes, slots, t0, t1, len, acc, pf));
+}
+
+/* probs_to_i16 of the AVX512-VNNI build (below), on 8 lanes: the same products and roundings. */
+static void probs_to_i16(const float *probs, const float *v_scale, int heads, int group, int64_t len, int16_t *p16,
+                         float *p_scale) {
+    for (int r = 0; r < heads; r++) {
+        const float *p = probs + (size_t)r * len, *vs = v_scale + (size_t)(r / group) * len;
+        int16_t *q = p16 + (size_t)r * len;
+        for (int64_t t0 = 0, chunk = 0; t0 < len; t0 += CHUNK, chunk++) {
+            const int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
+            __m256 m = _mm256_setzero_ps();
+            int64_t t = t0;
+            for (; t + 8 <= t1; t += 8) m = _mm256_max_ps(m, _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(vs + t)));
+            float lanes[8], top = 0.0f;
+            _mm256_storeu_ps(lanes, m);
+            for (int l = 0; l < 8; l++) top = fmaxf(top, lanes[l]);
+            for (; t < t1; t++) top = fmaxf(top, p[t] * vs[t]);
+            p_scale[chunk * heads + r] = top / 32767.0f;
+            const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
+            const __m256 vinv = _mm256_set1_ps(inv);
+            for (t = t0; t + 8 <= t1; t += 8) {
+                const __m256i x = _mm256_cvtps_epi32(
+                    _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(vs + t)), vinv));
+                _mm_storeu_si128((__m128i *)(q + t),
+                                 _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+            }
+            for (; t < t1; t++) q[t] = (int16_t)lrintf(p[t] * vs[t] * inv); /* (to nearest even) */
+        }
+    }
+}
 #else
 #define HAVE_AVX2_PATHS 0
 #endif
@@ -417,10 +606,12 @@ static inline void transpose16(__m512i r[16]) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define HAVE_I8_SCORES 1
+#define INT_QUERY_BITS 8
 /* The query rows of an int8 pool's requests (bf16 q) as int8 for vpdpbusd: per query head of 64
  * values, s = max |q| / 127 and round(q / s) (to nearest even), with 128 times their sum (see
  * scores_i8). */
-static void quantize_queries(const float *qf, int heads, int8_t *qi8, float *qs, int32_t *qcorr) {
+static void quantize_queries(const float *qf, int heads, void *q_int, float *qs, int32_t *qcorr) {
+    int8_t *qi8 = (int8_t *)q_int;
     for (int r = 0; r < heads; r++) {
         const float *x = qf + r * 64;
         __m512 m = _mm512_setzero_ps();
@@ -490,13 +681,20 @@ static inline __attribute__((always_inline)) void scores_i8(const int8_t *qi8, c
     *pf = p;
 }
 
-static void group_scores_i8(const int8_t *qi8, const float *qs, const int32_t *qcorr, int group, const int8_t *k,
-                            int64_t kv_stride, const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *scores,
-                            Prefetcher *pf) {
-    BY_GROUP(group, scores_i8(qi8, qs, qcorr, G, k, kv_stride, slots, t0, t1, len, scores, pf));
+static void group_scores_int(const void *q_int, const float *qs, const int32_t *qcorr, int group, const int8_t *k,
+                             int64_t kv_stride, const int64_t *slots, int64_t t0, int64_t t1, int64_t len,
+                             float *scores, Prefetcher *pf) {
+    BY_GROUP(group, scores_i8((const int8_t *)q_int, qs, qcorr, G, k, kv_stride, slots, t0, t1, len, scores, pf));
 }
 #else
 #define HAVE_I8_SCORES 0
+#endif
+
+/* The bits an int8 pool's query heads are rounded to where its rows are read as integers
+ * (quantize_queries, group_scores_int, values_i16_group, probs_to_i16): 8 on AVX512-VNNI (bf16
+ * q), 16 on AVX2 (any q); 0: the rows are widened. */
+#ifndef INT_QUERY_BITS
+#define INT_QUERY_BITS 0
 #endif
 
 /* The portable paths (no AVX-512: AVX2, NEON) keep LANES partial sums or maxima, each in its own
@@ -519,15 +717,15 @@ static inline float dot_lanes(const float *a, const float *b, int d) {
 /* scores[g * len + t] = q[g] . k_t for t in [t0, t1), the group's query heads over one KV head;
  * `q` is the query rows in their own dtype (`qf` the same rows as fp32); `row`: d floats of
  * scratch for the portable path. */
-static void head_scores(const void *q, const float *qf, const QueryI8 *qi8, int group, const void *k,
+static void head_scores(const void *q, const float *qf, const QueryInt *q_int, int group, const void *k,
                         int64_t kv_stride, int d, int q_bf16, int kv_fmt, const int64_t *slots, int64_t t0,
                         int64_t t1, int64_t len, float *scores, Prefetcher *pf, float *row) {
-    (void)pf, (void)qi8; /* used by the AVX-512 paths only */
+    (void)pf, (void)q_int; /* used by the vector paths only */
     size_t elem = kv_elem_size(kv_fmt);
-#if HAVE_I8_SCORES
-    if (qi8) {
-        group_scores_i8(qi8->q, qi8->scale, qi8->corr, group, (const int8_t *)k, kv_stride, slots, t0, t1, len, scores,
-                        pf);
+#if INT_QUERY_BITS
+    if (q_int) {
+        group_scores_int(q_int->q, q_int->scale, q_int->corr, group, (const int8_t *)k, kv_stride, slots, t0, t1, len,
+                         scores, pf);
         return;
     }
 #endif
@@ -784,16 +982,16 @@ static void values_columns_in_order(float *acc, int rows) {
 /* acc[g] += sum over t in [t0, t1) of probs[g * len + t] * v_t; `probs_bf16`: the same
  * probabilities rounded to bf16, for a bf16 pool and q on AVX512-BF16 (NULL elsewhere), where
  * head_dim 64 leaves `acc` in values_bf16's lane order (values_columns_in_order puts it back);
- * `probs_i16` and `p_scale`: for an int8 pool and bf16 q on AVX512-VNNI, the same probabilities
+ * `probs_i16` and `p_scale`: where an int8 pool is read as integers (INT_QUERY_BITS), the same probabilities
  * as int16 and the scales of the chunk [t0, t1) (values_i16, the same lane order; NULL elsewhere);
  * `row`: d floats of scratch for the portable path */
 static void head_values(const float *probs, const uint16_t *probs_bf16, const int16_t *probs_i16,
                         const float *p_scale, int group, const void *v, int64_t kv_stride, int d, int fmt,
                         const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf,
                         float *row) {
-    (void)pf, (void)probs_bf16, (void)probs_i16, (void)p_scale; /* used by the AVX-512 paths only */
+    (void)pf, (void)probs_bf16, (void)probs_i16, (void)p_scale; /* used by the vector paths only */
     size_t elem = kv_elem_size(fmt);
-#if HAVE_I8_SCORES
+#if INT_QUERY_BITS
     if (probs_i16) { /* an int8 pool, head_dim 64, group <= 8 (run_span) */
         values_i16_group(probs_i16, p_scale, group, (const char *)v, kv_stride * elem, slots, t0, t1, len, acc, pf);
         return;
@@ -1200,9 +1398,12 @@ static void *run_span(void *arg) {
     int16_t *probs_i16 = NULL; /* an int8 pool's: as int16, with their scales a chunk (probs_to_i16) */
     float *p_scale = NULL;
     float *tok_scale = NULL; /* an int8 pool's scales of the request's tokens (gather_scales) */
-    int8_t *q_i8 = NULL; /* an int8 pool's bf16 queries as int8, their scales and sums (quantize_queries) */
-    float *q_i8_scale = NULL;
-    int32_t *q_i8_corr = NULL;
+    void *q_int = NULL; /* an int8 pool's queries as integers, their scales and sums (quantize_queries) */
+    float *q_int_scale = NULL;
+    int32_t *q_int_corr = NULL;
+    /* whether the span reads an int8 pool as integers (INT_QUERY_BITS; AVX512-VNNI: bf16 q only) */
+    const int int_pool = INT_QUERY_BITS && a->kv_fmt == KV_I8 && d == 64 && group <= 8 &&
+                         (a->q_bf16 || INT_QUERY_BITS == 16);
 #if HAVE_AMX
     TileScratch tiles = {0};
     int max_queries = 1;
@@ -1233,25 +1434,18 @@ static void *run_span(void *arg) {
             const size_t tokens = (size_t)(span->max_len > 0 ? span->max_len : 1);
             tok_scale = (float *)malloc(tokens * 2 * a->kv_heads * sizeof(float));
             span->failed |= !tok_scale;
-#if HAVE_I8_SCORES
-            if (a->q_bf16 && d == 64 && group <= 8) {
-                q_i8 = (int8_t *)malloc((size_t)heads * 64);
-                q_i8_scale = (float *)malloc((size_t)heads * sizeof(float));
-                q_i8_corr = (int32_t *)malloc((size_t)heads * sizeof(int32_t));
-                span->failed |= !q_i8 || !q_i8_scale || !q_i8_corr;
-            }
-#endif
         }
-#if HAVE_I8_SCORES
-        if (a->q_bf16 && a->kv_fmt == KV_I8 && d == 64 && group <= 8) { /* (fp32 q keeps fp32 P) */
+        if (int_pool) {
             const size_t tokens = (size_t)(span->max_len > 0 ? span->max_len : 1);
+            q_int = malloc((size_t)heads * 64 * (INT_QUERY_BITS / 8));
+            q_int_scale = (float *)malloc((size_t)heads * sizeof(float));
+            q_int_corr = (int32_t *)malloc((size_t)heads * sizeof(int32_t));
             probs_i16 = (int16_t *)malloc(tokens * heads * sizeof(int16_t));
             p_scale = (float *)malloc((tokens + CHUNK - 1) / CHUNK * heads * sizeof(float));
-            span->failed |= !probs_i16 || !p_scale;
-        } else
-#endif
+            span->failed |= !q_int || !q_int_scale || !q_int_corr || !probs_i16 || !p_scale;
+        }
 #if defined(__AVX512BF16__)
-        if (a->q_bf16 && (a->kv_fmt == KV_BF16 || a->kv_fmt == KV_I8)) {
+        else if (a->q_bf16 && (a->kv_fmt == KV_BF16 || a->kv_fmt == KV_I8)) {
             probs_bf16 = (uint16_t *)malloc((size_t)(span->max_len > 0 ? span->max_len : 1) * heads * 2);
             span->failed |= !probs_bf16;
         }
@@ -1271,8 +1465,8 @@ static void *run_span(void *arg) {
         }
 #endif
         load_row(qf, q, heads * d, a->q_bf16);
-#if HAVE_I8_SCORES
-        if (q_i8) quantize_queries(qf, heads, q_i8, q_i8_scale, q_i8_corr);
+#if INT_QUERY_BITS
+        if (q_int) quantize_queries(qf, heads, q_int, q_int_scale, q_int_corr);
 #endif
         /* q . k for every head, chunk by chunk, the next chunk's K rows on their way (after the
          * last chunk, the first chunk of V), spread over the loops (Prefetcher) */
@@ -1311,9 +1505,11 @@ static void *run_span(void *arg) {
                 prefetch_start(&pf, (const char *)a->v, slots, 0, first, slot_bytes, calls);
             for (int h = 0; h < a->kv_heads; h++) {
                 const int first_head = h * group;
-                QueryI8 qh = {NULL, NULL, NULL};
-                if (q_i8) qh = (QueryI8){q_i8 + (size_t)first_head * 64, q_i8_scale + first_head, q_i8_corr + first_head};
-                head_scores(q + (size_t)first_head * d * q_elem, qf + (size_t)first_head * d, q_i8 ? &qh : NULL, group,
+                QueryInt qh = {NULL, NULL, NULL};
+                if (q_int)
+                    qh = (QueryInt){(const char *)q_int + (size_t)first_head * 64 * (INT_QUERY_BITS / 8),
+                                    q_int_scale + first_head, q_int_corr + first_head};
+                head_scores(q + (size_t)first_head * d * q_elem, qf + (size_t)first_head * d, q_int ? &qh : NULL, group,
                             (const char *)a->k + (size_t)h * d * kv_elem, kv_stride, d, a->q_bf16, a->kv_fmt, slots,
                             t0, t1, len, scores + (size_t)first_head * len, &pf, kv_row);
             }
@@ -1337,7 +1533,7 @@ static void *run_span(void *arg) {
             for (; j < all; j++) probs_bf16[j] = f32_to_bf16(scores[j]);
         }
 #endif
-#if HAVE_I8_SCORES
+#if INT_QUERY_BITS
         if (probs_i16) probs_to_i16(scores, tok_scale + (size_t)a->kv_heads * len, heads, group, len, probs_i16, p_scale);
 #endif
         memset(acc, 0, (size_t)heads * d * sizeof(float));
@@ -1397,16 +1593,17 @@ static void *run_span(void *arg) {
     free(probs_i16);
     free(p_scale);
     free(tok_scale);
-    free(q_i8);
-    free(q_i8_scale);
-    free(q_i8_corr);
+    free(q_int);
+    free(q_int_scale);
+    free(q_int_corr);
     return NULL;
 }
 
-/* Whether an int8 pool's rows are read as integers here (AVX512-VNNI): the scores on vpdpbusd with
- * the bf16 queries rounded to int8 (scores_i8), P V on vpdpwssd with the probabilities as int16
- * (values_i16). Elsewhere the rows are widened to bf16. */
-int decode_attention_int8_dot(void) { return HAVE_I8_SCORES; }
+/* The bits an int8 pool's query heads are rounded to where its rows are read as integers
+ * (INT_QUERY_BITS): 8 on AVX512-VNNI (bf16 q; the scores on vpdpbusd, scores_i8), 16 on AVX2 (any q;
+ * vpmaddwd, scores_i16), P V then with the probabilities as int16 (values_i16); 0 where the rows
+ * are widened. */
+int decode_attention_int_query_bits(void) { return INT_QUERY_BITS; }
 
 /* Whether decode_attention (amx = 1) attends these requests on the AMX tiles (amx_request). */
 int decode_attention_tiles(int heads, int kv_heads, int head_dim, int q_bf16, int kv_fmt) {

@@ -13,6 +13,11 @@
 
 #include "common.h"
 
+/* The widest slot row (kv_heads * head_dim) rope_kv_bf16 takes into a pool of one byte a value
+ * (float8_e5m2 or int8), and rope_kv_f32 into any pool: k is rotated into a scratch row of this
+ * many values before it is rounded. */
+#define BYTE_ROW_MAX 4096
+
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 typedef struct {
@@ -111,17 +116,24 @@ static void store_e5m2(uint8_t *dst, const uint16_t *src, size_t n) {
     for (; i < n; i++) dst[i] = f32_to_e5m2(bf16_to_f32(src[i]));
 }
 
-/* A head row of n bf16 values as an int8 pool keeps it (memory.quantize_kv_rows, the same bits):
+/* A head row of n fp32 values as an int8 pool keeps it (memory.quantize_kv_rows, the same bits):
  * s = max |x| / 127 into *scale, the values round(x / s) to nearest even (0 where s is 0). */
-static void store_i8(int8_t *dst, float *scale, const uint16_t *src, int n) {
+static void store_i8(int8_t *dst, float *scale, const float *src, int n) {
     float amax = 0.0f;
     int i = 0;
 #ifdef __AVX512F__
     __m512 m = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(src + i, KV_BF16)));
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
     amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(src + i), abs_mask));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
 #endif
-    for (; i < n; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(src[i])));
+    for (; i < n; i++) amax = fmaxf(amax, fabsf(src[i]));
     const float s = amax / 127.0f;
     *scale = s;
     if (s == 0.0f) {
@@ -129,20 +141,32 @@ static void store_i8(int8_t *dst, float *scale, const uint16_t *src, int n) {
         return;
     }
     i = 0;
+    /* x / s is within [-127, 127] up to its rounding, which rounds into it */
 #ifdef __AVX512F__
     const __m512 vs = _mm512_set1_ps(s);
-    for (; i + 16 <= n; i += 16) { /* x / s is within [-127, 127] up to its rounding, which rounds into it */
-        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16(src + i, KV_BF16), vs),
+    for (; i + 16 <= n; i += 16) {
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(src + i), vs),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
     }
+#elif defined(__AVX2__)
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(src + i), vs)); /* (to nearest even) */
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)(dst + i), _mm_packs_epi16(words, words));
+    }
 #endif
-    for (; i < n; i++) dst[i] = (int8_t)nearbyintf(bf16_to_f32(src[i]) / s);
+    for (; i < n; i++) dst[i] = (int8_t)nearbyintf(src[i] / s);
 }
 
-/* The widest slot row (kv_heads * head_dim) rope_kv_bf16 takes into a pool of one byte a value
- * (float8_e5m2 or int8): k is rotated into a scratch row of this many bf16 before it is rounded. */
-#define BYTE_ROW_MAX 4096
+/* store_i8 of a head row of n bf16 values (at most a slot row, BYTE_ROW_MAX). */
+static void store_i8_bf16(int8_t *dst, float *scale, const uint16_t *src, int n) {
+    float row[BYTE_ROW_MAX];
+    for (int i = 0; i < n; i++) row[i] = bf16_to_f32(src[i]);
+    store_i8(dst, scale, row, n);
+}
+
 
 /* q rotated into out [rows, heads * head_dim]; k rotated and v copied into the pool at loc (into
  * an e5m2 or int8 pool k is rotated in bf16 first, then both are rounded as TokenToKVPool.set_kv
@@ -165,8 +189,8 @@ static void rope_kv_rows(const Job *j, int64_t begin, int64_t end) {
         } else if (j->kv_fmt == KV_I8) {
             size_t s = (size_t)j->loc[r] * j->kv_heads;
             for (int h = 0; h < j->kv_heads; h++) {
-                store_i8((int8_t *)j->k_pool + at + (size_t)h * d, j->k_scale + s + h, rotated + (size_t)h * d, d);
-                store_i8((int8_t *)j->v_pool + at + (size_t)h * d, j->v_scale + s + h, v + (size_t)h * d, d);
+                store_i8_bf16((int8_t *)j->k_pool + at + (size_t)h * d, j->k_scale + s + h, rotated + (size_t)h * d, d);
+                store_i8_bf16((int8_t *)j->v_pool + at + (size_t)h * d, j->v_scale + s + h, v + (size_t)h * d, d);
             }
         } else {
             memcpy((uint16_t *)j->v_pool + at, v, kv_row * sizeof(uint16_t));
@@ -285,6 +309,82 @@ static void silu_mul_rows_f32(const JobF32 *j, int64_t begin, int64_t end) {
     }
 }
 
+/* One head of `half`-pairs rotated as RopeTables.apply does in fp32: first half x1 c - x2 s,
+ * second half x2 c + x1 s, each product rounded to fp32 before the add (KEEP_ROUNDED: never one
+ * fused multiply-add, which would round once and differ from PyTorch's bits). */
+static void rotate_head_f32(const float *x, const float *cos, const float *sin, int half, float *out) {
+    int i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= half; i += 8) {
+        const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+        const __m256 c = _mm256_loadu_ps(cos + i), s = _mm256_loadu_ps(sin + i);
+        __m256 x1c = _mm256_mul_ps(x1, c), x2s = _mm256_mul_ps(x2, s), x2c = _mm256_mul_ps(x2, c),
+               x1s = _mm256_mul_ps(x1, s);
+        KEEP_ROUNDED(x1c);
+        KEEP_ROUNDED(x2s);
+        KEEP_ROUNDED(x2c);
+        KEEP_ROUNDED(x1s);
+        _mm256_storeu_ps(out + i, _mm256_sub_ps(x1c, x2s));
+        _mm256_storeu_ps(out + half + i, _mm256_add_ps(x2c, x1s));
+    }
+#endif
+    for (; i < half; i++) {
+        float x1c = x[i] * cos[i], x2s = x[half + i] * sin[i], x2c = x[half + i] * cos[i], x1s = x[i] * sin[i];
+        KEEP_ROUNDED(x1c);
+        KEEP_ROUNDED(x2s);
+        KEEP_ROUNDED(x2c);
+        KEEP_ROUNDED(x1s);
+        out[i] = x1c - x2s;
+        out[half + i] = x2c + x1s;
+    }
+}
+
+typedef struct {
+    const float *qkv, *cos, *sin; /* qkv [rows, (heads + 2 kv_heads) * head_dim] (row stride qkv_stride); cos/sin [rows, head_dim / 2] */
+    const int64_t *loc;
+    float *q_out;                 /* [rows, heads * head_dim] */
+    void *k_pool, *v_pool;        /* [slots, kv_heads, head_dim]: fp32, bf16, float8_e5m2 or int8 (kv_fmt) */
+    float *k_scale, *v_scale;     /* an int8 pool's [slots, kv_heads] scales */
+    int64_t qkv_stride;
+    int heads, kv_heads, head_dim, kv_fmt;
+} RopeF32;
+
+/* A slot row of n fp32 values (kv_heads heads of d) into a pool of format fmt at `at` (an int8
+ * pool's scales from scale on), rounded as TokenToKVPool.set_kv rounds it. */
+static void store_slot_f32(void *pool, size_t at, float *scale, const float *row, int n, int d, int fmt) {
+    if (fmt == KV_F32) {
+        memcpy((float *)pool + at, row, (size_t)n * sizeof(float));
+    } else if (fmt == KV_BF16) {
+        uint16_t *dst = (uint16_t *)pool + at;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(row[i]);
+    } else if (fmt == KV_E5M2) {
+        uint8_t *dst = (uint8_t *)pool + at;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_e5m2(row[i]);
+    } else {
+        for (int h = 0; h < n / d; h++) store_i8((int8_t *)pool + at + (size_t)h * d, scale + h, row + (size_t)h * d, d);
+    }
+}
+
+static void *rope_kv_rows_f32(void *arg) {
+    const Rows *rows = (const Rows *)arg;
+    const RopeF32 *j = (const RopeF32 *)rows->job;
+    const int d = j->head_dim, half = d / 2, kv_row = j->kv_heads * d;
+    float rotated[BYTE_ROW_MAX];
+    for (int64_t r = rows->begin; r < rows->end; r++) {
+        const float *qkv = j->qkv + r * j->qkv_stride, *v = qkv + (size_t)(j->heads + j->kv_heads) * d;
+        const float *cos = j->cos + r * half, *sin = j->sin + r * half;
+        for (int h = 0; h < j->heads; h++)
+            rotate_head_f32(qkv + (size_t)h * d, cos, sin, half, j->q_out + (r * j->heads + h) * d);
+        for (int h = 0; h < j->kv_heads; h++) rotate_head_f32(qkv + (size_t)(j->heads + h) * d, cos, sin, half, rotated + h * d);
+        const size_t slot = (size_t)j->loc[r];
+        float *k_scale = j->k_scale ? j->k_scale + slot * j->kv_heads : NULL;
+        float *v_scale = j->v_scale ? j->v_scale + slot * j->kv_heads : NULL;
+        store_slot_f32(j->k_pool, slot * kv_row, k_scale, rotated, kv_row, d, j->kv_fmt);
+        store_slot_f32(j->v_pool, slot * kv_row, v_scale, v, kv_row, d, j->kv_fmt);
+    }
+    return NULL;
+}
+
 static void *run_rows_f32(void *arg) {
     const Rows *rows = (const Rows *)arg;
     const JobF32 *job = (const JobF32 *)rows->job;
@@ -323,6 +423,22 @@ int rope_kv_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos, c
     Job job = {ROPE_KV, qkv, NULL, NULL, q_out, NULL, rows, 0, qkv_stride, 0.0f, cos, sin, loc, k_pool, v_pool,
                heads, kv_heads, head_dim, kv_fmt, k_scale, v_scale};
     run(&job, num_threads);
+    return 0;
+}
+
+/* rope_kv_bf16 for fp32 rows: q rotated into q_out (fp32), k rotated and v copied into an fp32,
+ * bf16, float8_e5m2 or int8 pool at loc, with RopeTables.apply's and TokenToKVPool.set_kv's
+ * roundings (the same bits). Returns 0, or -1 for a pool it does not write (an int8 pool without
+ * its scales, a slot row over BYTE_ROW_MAX values). */
+int rope_kv_f32(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, const int64_t *loc,
+                float *q_out, void *k_pool, void *v_pool, float *k_scale, float *v_scale, int kv_fmt, int64_t rows,
+                int heads, int kv_heads, int head_dim, int num_threads) {
+    if (kv_fmt < KV_F32 || kv_fmt > KV_I8 || kv_heads * head_dim > BYTE_ROW_MAX || head_dim % 2 ||
+        (kv_fmt == KV_I8 && (!k_scale || !v_scale)))
+        return -1;
+    RopeF32 job = {qkv, cos, sin, loc, q_out, k_pool, v_pool, kv_fmt == KV_I8 ? k_scale : NULL,
+                   kv_fmt == KV_I8 ? v_scale : NULL, qkv_stride, heads, kv_heads, head_dim, kv_fmt};
+    run_row_spans(rope_kv_rows_f32, &job, rows, num_threads);
     return 0;
 }
 
