@@ -540,6 +540,32 @@ def test_fused_rope_kv_matches_torch(heads, kv_heads, head_dim, dtype, kv_dtype)
 
 
 @needs_kernel
+def test_fused_rope_kv_says_which_pools_it_writes():
+    """fp32 rows go into fp32, bf16, fp8 and int8 pools; bf16 rows not into an fp32 pool (the
+    layers keep PyTorch's path there); an int8 buffer without its scales, tables of another dtype
+    than the rows, or a q buffer of another dtype are refused by name rather than written wrong."""
+    from framework.memory import TokenToKVPool
+
+    pools = {dtype: TokenToKVPool(15, dtype, 3, 64, 1) for dtype in (torch.float32, torch.bfloat16, torch.int8)}
+    fused = KERNELS.fused
+    assert all(fused.supports_rope_kv(p.k_buffer[0], torch.float32) for p in pools.values())
+    assert not fused.supports_rope_kv(pools[torch.float32].k_buffer[0], torch.bfloat16)
+    assert fused.supports_rope_kv(pools[torch.int8].k_buffer[0], torch.bfloat16)
+    assert not fused.supports_rope_kv(torch.zeros(16, 3, 64, dtype=torch.int8), torch.float32)  # no scales
+    assert not fused.supports_rope_kv(pools[torch.float32].k_buffer[0], torch.float16)
+    qkv, loc = torch.randn(4, 15 * 64), torch.arange(4)
+    cos, sin = torch.ones(4, 1, 32), torch.zeros(4, 1, 32)
+    k_buf, v_buf = pools[torch.float32].k_buffer[0], pools[torch.float32].v_buffer[0]
+    with pytest.raises(ValueError, match="tables are torch.bfloat16"):
+        fused.rope_kv(qkv, cos.bfloat16(), sin.bfloat16(), loc, k_buf, v_buf, 9, 3)
+    with pytest.raises(ValueError, match="contiguous torch.float32"):
+        fused.rope_kv(qkv, cos, sin, loc, k_buf, v_buf, 9, 3, out=torch.empty(4, 576, dtype=torch.bfloat16))
+    q = fused.rope_kv(qkv, cos, sin, loc, k_buf, v_buf, 9, 3)  # cos 1, sin 0: nothing rotates
+    assert torch.equal(q, qkv[:, :576]) and torch.equal(k_buf[:4], qkv[:, 576:768].view(4, 3, 64))
+    assert torch.equal(v_buf[:4], qkv[:, 768:].view(4, 3, 64))
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_fused_argmax_matches_torch(threads, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # rows split over the threads
