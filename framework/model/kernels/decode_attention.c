@@ -359,7 +359,7 @@ static void quantize_queries(const float *qf, int heads, void *q_int, float *qs,
         for (int c = 0; c < 8; c++) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + c * 8), abs_mask));
         float lanes[8], amax = 0.0f;
         _mm256_storeu_ps(lanes, m);
-        for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
+        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
         const float s = amax / 32767.0f;
         const __m256 vs = _mm256_set1_ps(s);
         qs[r] = s;
@@ -399,7 +399,8 @@ static inline __attribute__((always_inline)) void scores_i16(const int16_t *q16,
                              _mm256_setzero_si256()};
             if (u < n) {
                 const int8_t *row = k + (size_t)slots[t + u] * kv_stride;
-                for (int c = 0; c < 4; c++) kr[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + c * 16)));
+                for (int c = 0; c < 4; c++)
+                    kr[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + c * 16)));
             }
             for (int g = 0; g < group; g++) {
                 const __m256i *qg = (const __m256i *)(q16 + g * 64);
@@ -508,11 +509,12 @@ static void probs_to_i16(const float *probs, const float *v_scale, int heads, in
             const int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
             __m256 m = _mm256_setzero_ps();
             int64_t t = t0;
-            for (; t + 8 <= t1; t += 8) m = _mm256_max_ps(m, _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(vs + t)));
+            for (; t + 8 <= t1; t += 8)
+                m = _mm256_max_ps(m, _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(vs + t)));
             float lanes[8], top = 0.0f;
             _mm256_storeu_ps(lanes, m);
-            for (int l = 0; l < 8; l++) top = fmaxf(top, lanes[l]);
-            for (; t < t1; t++) top = fmaxf(top, p[t] * vs[t]);
+            for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top; /* (fmaxf is a libm call here) */
+            for (; t < t1; t++) top = p[t] * vs[t] > top ? p[t] * vs[t] : top;
             p_scale[chunk * heads + r] = top / 32767.0f;
             const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
             const __m256 vinv = _mm256_set1_ps(inv);

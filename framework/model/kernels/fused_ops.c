@@ -167,7 +167,6 @@ static void store_i8_bf16(int8_t *dst, float *scale, const uint16_t *src, int n)
     store_i8(dst, scale, row, n);
 }
 
-
 /* q rotated into out [rows, heads * head_dim]; k rotated and v copied into the pool at loc (into
  * an e5m2 or int8 pool k is rotated in bf16 first, then both are rounded as TokenToKVPool.set_kv
  * does). */
@@ -340,7 +339,8 @@ static void rotate_head_f32(const float *x, const float *cos, const float *sin, 
 }
 
 typedef struct {
-    const float *qkv, *cos, *sin; /* qkv [rows, (heads + 2 kv_heads) * head_dim] (row stride qkv_stride); cos/sin [rows, head_dim / 2] */
+    const float *qkv;             /* [rows, (heads + 2 kv_heads) * head_dim], row stride qkv_stride */
+    const float *cos, *sin;       /* [rows, head_dim / 2] */
     const int64_t *loc;
     float *q_out;                 /* [rows, heads * head_dim] */
     void *k_pool, *v_pool;        /* [slots, kv_heads, head_dim]: fp32, bf16, float8_e5m2 or int8 (kv_fmt) */
