@@ -348,6 +348,28 @@ static inline __m128i to_bf16x8(__m256 x) {
 #define KEEP_ROUNDED(v) ((void)(v))
 #endif
 
+/* The largest |x| of n fp32 values (0 for none; a NaN among them is passed over, as fmaxf does):
+ * the scale of an int8 or int16 row (quantize_row, store_i8, quantize_queries). The largest is the
+ * same in any order, so every ISA's path gives the same value. */
+static inline float max_abs_f32(const float *x, int64_t n) {
+    float amax = 0.0f;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 m = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+#endif
+    for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    return amax;
+}
+
 /* The sum of 16 partial sums in _mm512_reduce_add_ps's order (lanes i and i + 8, then i and
  * i + 4, i and i + 2, the last two): with partial sums kept per lane as the AVX-512 code keeps them,
  * the portable paths give its bits. */

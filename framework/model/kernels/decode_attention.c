@@ -352,15 +352,9 @@ static void group_values_avx2(const float *probs, int group, const char *v, size
 #define INT_QUERY_BITS 16
 
 static void quantize_queries(const float *qf, int heads, void *q_int, float *qs, int32_t *qcorr) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int r = 0; r < heads; r++) {
         const float *x = qf + r * 64;
-        __m256 m = _mm256_setzero_ps();
-        for (int c = 0; c < 8; c++) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + c * 8), abs_mask));
-        float lanes[8], amax = 0.0f;
-        _mm256_storeu_ps(lanes, m);
-        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
-        const float s = amax / 32767.0f;
+        const float s = max_abs_f32(x, 64) / 32767.0f;
         const __m256 vs = _mm256_set1_ps(s);
         qs[r] = s;
         qcorr[r] = 0; /* (int16 queries need no correction) */
@@ -492,11 +486,6 @@ static inline __attribute__((always_inline)) void values_i16(const int16_t *p16,
         }
     }
     *pf = p;
-}
-
-static void values_i16_group(const int16_t *p16, const float *p_scale, int group, const char *v, size_t row_bytes,
-                             const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
-    BY_GROUP(group, values_i16(p16, p_scale, G, v, row_bytes, slots, t0, t1, len, acc, pf));
 }
 
 /* probs_to_i16 of the AVX512-VNNI build (below), on 8 lanes: the same products and roundings. */
@@ -702,6 +691,7 @@ static void group_scores_int(const void *q_int, const float *qs, const int32_t *
 #ifndef INT_QUERY_BITS
 #define INT_QUERY_BITS 0
 #endif
+
 
 /* The portable paths (no AVX-512: AVX2, NEON) keep LANES partial sums or maxima, each in its own
  * order, so that GCC vectorizes their loops without reassociating a single sum (a lone
@@ -930,11 +920,6 @@ static inline __attribute__((always_inline)) void values_i16(const int16_t *p16,
     *pf = p;
 }
 
-static void values_i16_group(const int16_t *p16, const float *p_scale, int group, const char *v, size_t row_bytes,
-                             const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
-    BY_GROUP(group, values_i16(p16, p_scale, G, v, row_bytes, slots, t0, t1, len, acc, pf));
-}
-
 /* Each query head's probabilities times the V rows' scales (`v_scale`: [kv_heads][len], query
  * head r's KV head r / group) of the chunks of CHUNK tokens as int16 for values_i16: p16[r * len +
  * t] = round(p v_scale / s), p_scale[chunk * heads + r] = s, s = the chunk's largest / 32767 (0
@@ -982,6 +967,14 @@ static void values_columns_in_order(float *acc, int rows) {
             _mm512_storeu_ps(p, _mm512_permutex2var_ps(lo, first, hi));
             _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(lo, second, hi));
         }
+}
+#endif
+
+#if INT_QUERY_BITS
+/* P V of an int8 pool read as integers: values_i16 of the build (AVX512-VNNI's or AVX2's). */
+static void values_i16_group(const int16_t *p16, const float *p_scale, int group, const char *v, size_t row_bytes,
+                             const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {
+    BY_GROUP(group, values_i16(p16, p_scale, G, v, row_bytes, slots, t0, t1, len, acc, pf));
 }
 #endif
 

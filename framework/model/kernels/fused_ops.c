@@ -119,28 +119,13 @@ static void store_e5m2(uint8_t *dst, const uint16_t *src, size_t n) {
 /* A head row of n fp32 values as an int8 pool keeps it (memory.quantize_kv_rows, the same bits):
  * s = max |x| / 127 into *scale, the values round(x / s) to nearest even (0 where s is 0). */
 static void store_i8(int8_t *dst, float *scale, const float *src, int n) {
-    float amax = 0.0f;
-    int i = 0;
-#ifdef __AVX512F__
-    __m512 m = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
-    amax = _mm512_reduce_max_ps(m);
-#elif defined(__AVX2__)
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 m = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(src + i), abs_mask));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, m);
-    for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
-#endif
-    for (; i < n; i++) amax = fmaxf(amax, fabsf(src[i]));
-    const float s = amax / 127.0f;
+    const float s = max_abs_f32(src, n) / 127.0f;
     *scale = s;
     if (s == 0.0f) {
         memset(dst, 0, (size_t)n);
         return;
     }
-    i = 0;
+    int i = 0;
     /* x / s is within [-127, 127] up to its rounding, which rounds into it */
 #ifdef __AVX512F__
     const __m512 vs = _mm512_set1_ps(s);

@@ -51,7 +51,6 @@ typedef struct {
 
 /* row [d] (fp32; first times mul [d] where there is one, in place) as int8 values and their scale. */
 static void quantize_row(float *row, int64_t d, const float *mul, int8_t *q, float *scale) {
-    float amax = 0.0f;
     int64_t i = 0;
     if (mul) {
 #ifdef __AVX512F__
@@ -62,21 +61,8 @@ static void quantize_row(float *row, int64_t d, const float *mul, int8_t *q, flo
             _mm256_storeu_ps(row + i, _mm256_mul_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(mul + i)));
 #endif
         for (; i < d; i++) row[i] *= mul[i];
-        i = 0;
     }
-#ifdef __AVX512F__
-    __m512 m = _mm512_setzero_ps();
-    for (; i + 16 <= d; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
-    amax = _mm512_reduce_max_ps(m);
-#elif defined(__AVX2__)
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 m = _mm256_setzero_ps();
-    for (; i + 8 <= d; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(row + i), magnitude));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, m);
-    for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
-#endif
-    for (; i < d; i++) amax = fmaxf(amax, fabsf(row[i]));
+    const float amax = max_abs_f32(row, d);
     *scale = amax / 127.0f;
     float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     i = 0;
