@@ -488,34 +488,26 @@ static inline __attribute__((always_inline)) void values_i16(const int16_t *p16,
     *pf = p;
 }
 
-/* probs_to_i16 of the AVX512-VNNI build (below), on 8 lanes: the same products and roundings. */
-static void probs_to_i16(const float *probs, const float *v_scale, int heads, int group, int64_t len, int16_t *p16,
-                         float *p_scale) {
-    for (int r = 0; r < heads; r++) {
-        const float *p = probs + (size_t)r * len, *vs = v_scale + (size_t)(r / group) * len;
-        int16_t *q = p16 + (size_t)r * len;
-        for (int64_t t0 = 0, chunk = 0; t0 < len; t0 += CHUNK, chunk++) {
-            const int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
-            __m256 m = _mm256_setzero_ps();
-            int64_t t = t0;
-            for (; t + 8 <= t1; t += 8)
-                m = _mm256_max_ps(m, _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(vs + t)));
-            float lanes[8], top = 0.0f;
-            _mm256_storeu_ps(lanes, m);
-            for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top; /* (fmaxf is a libm call here) */
-            for (; t < t1; t++) top = p[t] * vs[t] > top ? p[t] * vs[t] : top;
-            p_scale[chunk * heads + r] = top / 32767.0f;
-            const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
-            const __m256 vinv = _mm256_set1_ps(inv);
-            for (t = t0; t + 8 <= t1; t += 8) {
-                const __m256i x = _mm256_cvtps_epi32(
-                    _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(vs + t)), vinv));
-                _mm_storeu_si128((__m128i *)(q + t),
-                                 _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
-            }
-            for (; t < t1; t++) q[t] = (int16_t)lrintf(p[t] * vs[t] * inv); /* (to nearest even) */
-        }
+/* chunk_to_i16 (probs_to_i16's chunk) of the AVX512-VNNI build, on 8 lanes: the same products and
+ * roundings. */
+static float chunk_to_i16(const float *p, const float *vs, int64_t n, int16_t *q) {
+    __m256 m = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(vs + t)));
+    float lanes[8], top = 0.0f;
+    _mm256_storeu_ps(lanes, m);
+    for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top; /* (fmaxf is a libm call here) */
+    for (; t < n; t++) top = p[t] * vs[t] > top ? p[t] * vs[t] : top;
+    const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (t = 0; t + 8 <= n; t += 8) {
+        const __m256i x =
+            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(vs + t)), vinv));
+        _mm_storeu_si128((__m128i *)(q + t),
+                         _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
     }
+    for (; t < n; t++) q[t] = (int16_t)lrintf(p[t] * vs[t] * inv); /* (to nearest even) */
+    return top / 32767.0f;
 }
 #else
 #define HAVE_AVX2_PATHS 0
@@ -686,8 +678,8 @@ static void group_scores_int(const void *q_int, const float *qs, const int32_t *
 #endif
 
 /* The bits an int8 pool's query heads are rounded to where its rows are read as integers
- * (quantize_queries, group_scores_int, values_i16_group, probs_to_i16): 8 on AVX512-VNNI (bf16
- * q), 16 on AVX2 (any q); 0: the rows are widened. */
+ * (quantize_queries, group_scores_int, values_i16_group, probs_to_i16 and chunk_to_i16): 8 on
+ * AVX512-VNNI (bf16 q), 16 on AVX2 (any q); 0: the rows are widened. */
 #ifndef INT_QUERY_BITS
 #define INT_QUERY_BITS 0
 #endif
@@ -920,35 +912,26 @@ static inline __attribute__((always_inline)) void values_i16(const int16_t *p16,
     *pf = p;
 }
 
-/* Each query head's probabilities times the V rows' scales (`v_scale`: [kv_heads][len], query
- * head r's KV head r / group) of the chunks of CHUNK tokens as int16 for values_i16: p16[r * len +
- * t] = round(p v_scale / s), p_scale[chunk * heads + r] = s, s = the chunk's largest / 32767 (0
- * for a chunk of zeros). The products are made in both of a chunk's passes (the same bits each
- * time) instead of being stored first: one pass over the probabilities fewer (30 requests' KV in
- * the caches, 2-core AMD EPYC Zen 4: 0.229 -> 0.222 ms a layer; from DRAM within the noise). */
-static void probs_to_i16(const float *probs, const float *v_scale, int heads, int group, int64_t len, int16_t *p16,
-                         float *p_scale) {
-    for (int r = 0; r < heads; r++) {
-        const float *p = probs + (size_t)r * len, *vs = v_scale + (size_t)(r / group) * len;
-        int16_t *q = p16 + (size_t)r * len;
-        for (int64_t t0 = 0, chunk = 0; t0 < len; t0 += CHUNK, chunk++) {
-            const int64_t t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
-            __m512 m = _mm512_setzero_ps();
-            for (int64_t t = t0; t < t1; t += 16) {
-                const __mmask16 keep = first_lanes(t1 - t);
-                m = _mm512_max_ps(m, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + t), _mm512_maskz_loadu_ps(keep, vs + t)));
-            }
-            const float top = _mm512_reduce_max_ps(m);
-            p_scale[chunk * heads + r] = top / 32767.0f;
-            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
-            for (int64_t t = t0; t < t1; t += 16) {
-                const __mmask16 keep = first_lanes(t1 - t);
-                const __m512 pv = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + t), _mm512_maskz_loadu_ps(keep, vs + t));
-                const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(pv, inv));
-                _mm256_mask_storeu_epi16(q + t, keep, _mm512_cvtsepi32_epi16(x));
-            }
-        }
+/* One chunk of probs_to_i16 (below): the n probabilities p times the V rows' scales vs as int16
+ * into q, round(p vs / s) with s = their largest / 32767 (0 for a chunk of zeros), which it
+ * returns. The products are made in both passes (the same bits each time) instead of being stored
+ * first: one pass over the probabilities fewer (30 requests' KV in the caches, 2-core AMD EPYC Zen
+ * 4: 0.229 -> 0.222 ms a layer; from DRAM within the noise). */
+static float chunk_to_i16(const float *p, const float *vs, int64_t n, int16_t *q) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 keep = first_lanes(n - t);
+        m = _mm512_max_ps(m, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + t), _mm512_maskz_loadu_ps(keep, vs + t)));
     }
+    const float top = _mm512_reduce_max_ps(m);
+    const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 keep = first_lanes(n - t);
+        const __m512 pv = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + t), _mm512_maskz_loadu_ps(keep, vs + t));
+        const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(pv, inv));
+        _mm256_mask_storeu_epi16(q + t, keep, _mm512_cvtsepi32_epi16(x));
+    }
+    return top / 32767.0f;
 }
 #endif
 
@@ -971,6 +954,21 @@ static void values_columns_in_order(float *acc, int rows) {
 #endif
 
 #if INT_QUERY_BITS
+/* Each query head's probabilities times the V rows' scales (`v_scale`: [kv_heads][len], query
+ * head r's KV head r / group) of the chunks of CHUNK tokens as int16 for values_i16: p16[r * len +
+ * t] = round(p v_scale / s), p_scale[chunk * heads + r] = s, s = the chunk's largest / 32767
+ * (chunk_to_i16 of the build). */
+static void probs_to_i16(const float *probs, const float *v_scale, int heads, int group, int64_t len, int16_t *p16,
+                         float *p_scale) {
+    for (int r = 0; r < heads; r++) {
+        const float *p = probs + (size_t)r * len, *vs = v_scale + (size_t)(r / group) * len;
+        for (int64_t t0 = 0, chunk = 0; t0 < len; t0 += CHUNK, chunk++) {
+            const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;
+            p_scale[chunk * heads + r] = chunk_to_i16(p + t0, vs + t0, n, p16 + (size_t)r * len + t0);
+        }
+    }
+}
+
 /* P V of an int8 pool read as integers: values_i16 of the build (AVX512-VNNI's or AVX2's). */
 static void values_i16_group(const int16_t *p16, const float *p_scale, int group, const char *v, size_t row_bytes,
                              const int64_t *slots, int64_t t0, int64_t t1, int64_t len, float *acc, Prefetcher *pf) {

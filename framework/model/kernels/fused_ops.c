@@ -346,7 +346,8 @@ static void store_slot_f32(void *pool, size_t at, float *scale, const float *row
         uint8_t *dst = (uint8_t *)pool + at;
         for (int i = 0; i < n; i++) dst[i] = f32_to_e5m2(row[i]);
     } else {
-        for (int h = 0; h < n / d; h++) store_i8((int8_t *)pool + at + (size_t)h * d, scale + h, row + (size_t)h * d, d);
+        for (int h = 0; h < n / d; h++)
+            store_i8((int8_t *)pool + at + (size_t)h * d, scale + h, row + (size_t)h * d, d);
     }
 }
 
@@ -360,7 +361,8 @@ static void *rope_kv_rows_f32(void *arg) {
         const float *cos = j->cos + r * half, *sin = j->sin + r * half;
         for (int h = 0; h < j->heads; h++)
             rotate_head_f32(qkv + (size_t)h * d, cos, sin, half, j->q_out + (r * j->heads + h) * d);
-        for (int h = 0; h < j->kv_heads; h++) rotate_head_f32(qkv + (size_t)(j->heads + h) * d, cos, sin, half, rotated + h * d);
+        for (int h = 0; h < j->kv_heads; h++)
+            rotate_head_f32(qkv + (size_t)(j->heads + h) * d, cos, sin, half, rotated + h * d);
         const size_t slot = (size_t)j->loc[r];
         float *k_scale = j->k_scale ? j->k_scale + slot * j->kv_heads : NULL;
         float *v_scale = j->v_scale ? j->v_scale + slot * j->kv_heads : NULL;
