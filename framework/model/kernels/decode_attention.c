@@ -11,7 +11,8 @@
  * scores are integer dot products of its rows and the bf16 queries quantized to int8 (scores_i8;
  * q . k then differs from the bf16 query's by the query's rounding to 8 bits), and P V sums the V
  * rows' integers against the probabilities as int16 (values_i16, nearer the exact sums than P in
- * bf16). 200 requests of 100-400 prompt tokens and 64 decoded tokens, 30 layers' pools, 2-core
+ * bf16); on AVX2 without AVX-512 the same, the queries (fp32 or bf16) rounded to int16 instead
+ * (scores_i16, INT_QUERY_BITS). 200 requests of 100-400 prompt tokens and 64 decoded tokens, 30 layers' pools, 2-core
  * AMD EPYC (Zen 4): bf16 pool 1.8-2.1 ms a layer; int8 with the rows widened to bf16 for
  * vdpbf16ps 1.57-1.81, on vpdpbusd 1.23-1.38 (with the KV in the caches 0.198 -> 0.155, bf16
  * 0.167-0.176).
