@@ -12,10 +12,10 @@
  * q . k then differs from the bf16 query's by the query's rounding to 8 bits), and P V sums the V
  * rows' integers against the probabilities as int16 (values_i16, nearer the exact sums than P in
  * bf16); on AVX2 without AVX-512 the same, the queries (fp32 or bf16) rounded to int16 instead
- * (scores_i16, INT_QUERY_BITS). 200 requests of 100-400 prompt tokens and 64 decoded tokens, 30 layers' pools, 2-core
- * AMD EPYC (Zen 4): bf16 pool 1.8-2.1 ms a layer; int8 with the rows widened to bf16 for
- * vdpbf16ps 1.57-1.81, on vpdpbusd 1.23-1.38 (with the KV in the caches 0.198 -> 0.155, bf16
- * 0.167-0.176).
+ * (scores_i16, INT_QUERY_BITS). 200 requests of 100-400 prompt tokens and 64 decoded tokens, 30
+ * layers' pools, 2-core AMD EPYC (Zen 4): bf16 pool 1.8-2.1 ms a layer; int8 with the rows widened
+ * to bf16 for vdpbf16ps 1.57-1.81, on vpdpbusd 1.23-1.38 (with the KV in the caches 0.198 ->
+ * 0.155, bf16 0.167-0.176).
  *
  * The KV rows are read from DRAM (a decode step reads every running request's whole KV, far more
  * than the caches hold), and a request's slots are scattered over the pool. So the tokens go in
@@ -602,9 +602,7 @@ static void quantize_queries(const float *qf, int heads, void *q_int, float *qs,
     int8_t *qi8 = (int8_t *)q_int;
     for (int r = 0; r < heads; r++) {
         const float *x = qf + r * 64;
-        __m512 m = _mm512_setzero_ps();
-        for (int c = 0; c < 4; c++) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + c * 16)));
-        const float amax = _mm512_reduce_max_ps(m), s = amax / 127.0f;
+        const float s = max_abs_f32(x, 64) / 127.0f;
         qs[r] = s;
         __m512i sum = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
@@ -684,7 +682,6 @@ static void group_scores_int(const void *q_int, const float *qs, const int32_t *
 #ifndef INT_QUERY_BITS
 #define INT_QUERY_BITS 0
 #endif
-
 
 /* The portable paths (no AVX-512: AVX2, NEON) keep LANES partial sums or maxima, each in its own
  * order, so that GCC vectorizes their loops without reassociating a single sum (a lone
@@ -980,8 +977,9 @@ static void values_i16_group(const int16_t *p16, const float *p_scale, int group
 /* acc[g] += sum over t in [t0, t1) of probs[g * len + t] * v_t; `probs_bf16`: the same
  * probabilities rounded to bf16, for a bf16 pool and q on AVX512-BF16 (NULL elsewhere), where
  * head_dim 64 leaves `acc` in values_bf16's lane order (values_columns_in_order puts it back);
- * `probs_i16` and `p_scale`: where an int8 pool is read as integers (INT_QUERY_BITS), the same probabilities
- * as int16 and the scales of the chunk [t0, t1) (values_i16, the same lane order; NULL elsewhere);
+ * `probs_i16` and `p_scale`: where an int8 pool is read as integers (INT_QUERY_BITS), the same
+ * probabilities as int16 and the scales of the chunk [t0, t1) (values_i16: AVX512-VNNI's in
+ * values_bf16's lane order, AVX2's in column order; NULL elsewhere);
  * `row`: d floats of scratch for the portable path */
 static void head_values(const float *probs, const uint16_t *probs_bf16, const int16_t *probs_i16,
                         const float *p_scale, int group, const void *v, int64_t kv_stride, int d, int fmt,

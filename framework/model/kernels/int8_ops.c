@@ -488,7 +488,8 @@ static inline __attribute__((always_inline)) void i8_tile(const I8Gemm *g, int64
                                      g->add_f32 ? _mm256_fmadd_ps(y, scale, _mm256_loadu_ps(g->add_f32 + at))
                                                 : _mm256_mul_ps(y, scale));
                 } else {
-                    const __m256 v = g->add ? _mm256_fmadd_ps(y, scale, load8_bf16(g->add + at)) : _mm256_mul_ps(y, scale);
+                    const __m256 v =
+                        g->add ? _mm256_fmadd_ps(y, scale, load8_bf16(g->add + at)) : _mm256_mul_ps(y, scale);
                     _mm_storeu_si128((__m128i *)(g->out + m * g->out_stride + col), to_bf16x8(v));
                 }
             }
