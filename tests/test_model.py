@@ -286,6 +286,40 @@ def test_bf16_prefill_tiles_write_their_q_and_outputs_in_place(monkeypatch):
     assert tiles == 3 and into == {"rope_kv": layers * tiles, "linear": layers * tiles}
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_fp32_layers_rotate_and_write_the_kv_in_one_kernel(kv_dtype, monkeypatch):
+    """An fp32 model's layers take rope_kv (kernels/fused_ops.c's rope_kv_f32) for q, k and the KV
+    write, every layer of every pass, and the logits and the KV written are those of PyTorch's
+    RopeTables.apply + set_kv bit for bit (into an fp32 pool and an int8 pool with its scales)."""
+    hf = _tiny_hf(config=_tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                      num_key_value_heads=1))
+    results, calls = [], []
+    for kernel in (True, False):
+        runner = _runner(hf, dtype=torch.float32, kv_dtype=kv_dtype)
+        fused = runner.model.kernels.fused if runner.model.kernels is not None else None
+        if fused is None:
+            pytest.skip("no C kernels here (no C compiler)")
+        if kernel:
+            real = cpu_kernels_mod.FusedOps.rope_kv
+            monkeypatch.setattr(cpu_kernels_mod.FusedOps, "rope_kv",
+                                lambda self, qkv, *a, **kw: calls.append(qkv.dtype) or real(self, qkv, *a, **kw))
+        else:
+            monkeypatch.setattr(cpu_kernels_mod.FusedOps, "supports_rope_kv", lambda self, k_pool, dtype=None: False)
+        prompt_lens = [5, 40, 17]
+        reqs = _new_reqs(runner, [n + 2 for n in prompt_lens])
+        steps = [runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND)).next_token_logits.clone()]
+        steps.append(runner.forward(_batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE)).next_token_logits)
+        pool = runner.token_to_kv_pool
+        kv = [pool.k_buffer[0].clone(), pool.v_buffer[0].clone(), *(x.clone() for x in _scales(pool, 0))]
+        results.append((steps, kv))
+        if kernel:
+            monkeypatch.undo()
+    assert calls == [torch.float32] * (2 * hf.config.num_hidden_layers)
+    (steps_c, kv_c), (steps_t, kv_t) = results
+    assert all(torch.equal(a, b) for a, b in zip(steps_c, steps_t))
+    assert all(torch.equal(a, b) for a, b in zip(kv_c, kv_t))
+
+
 def _scales(pool, layer: int) -> tuple:
     """An int8 pool's K and V scales of `layer`; () for other pools."""
     return (pool.k_scale[layer], pool.v_scale[layer]) if pool.dtype == torch.int8 else ()
