@@ -77,7 +77,7 @@ class ModelSettings(_Section):
         "head (max |x| / 127 of its row), so ~1.9x bf16's tokens and about half the bytes read, at about "
         "bf16's quality (perplexity in docs/performance.md); outputs drift from the model's own too.",
     )
-    quantization: Literal["none", "w8a8"] = Field(
+    quantization: Literal["none", "w8a8", "w4a8"] = Field(
         "none",
         description="w8a8: the layers' linear weights as int8 (one scale per output column) and each GEMM's "
         "input rows quantized to int8 as they are made (one scale per token), multiplied by an int8 GEMM "
@@ -92,7 +92,12 @@ class ModelSettings(_Section):
         "arithmetic, as model.dtype = auto picks), and needs exact int8 GEMMs: start-up fails where "
         "torch._int_mm saturates (oneDNN's kernels for CPUs without an int8 dot product, where torch gives "
         "them to oneDNN). The embedding keeps the model's dtype; the LM head goes int8 too unless "
-        "model.int8_lm_head = false.",
+        "model.int8_lm_head = false. w4a8: the layers' linear weights as 4-bit values in blocks of 32 inputs "
+        "(a scale and a minimum each, the GGUF's Q4_1 layout: the embedded model's own weights, not rounded again) "
+        "and each GEMM's input rows as int8 in blocks of 32 (a scale each, no smoothing pass), multiplied on "
+        "kernels/w4_gemm.c (AVX2 + FMA; elsewhere in PyTorch, slowly): on AVX2 CPUs without an int8 dot product "
+        "(AMD Zen 3) ~1.15-1.2x faster GEMMs than w8a8's; the LM head as with w8a8 (docs/performance.md has "
+        "its perplexity). CPU only, model.dtype bfloat16 or float32.",
     )
     int8_lm_head: bool | Literal["auto"] = Field(
         "auto",
@@ -100,7 +105,8 @@ class ModelSettings(_Section):
         "multiply-add time in large decode steps and half its bytes in small ones; in each row the columns "
         "within 2.0 of the largest logit are recomputed in bf16, so greedy rows take the bf16 head's token. On "
         "the embedded model perplexity 11.21 against 11.18 with the bf16 head, top-1 accuracy the same "
-        "(docs/performance.md). auto: with model.quantization = 'w8a8'; true: the same, refused without it; "
+        "(docs/performance.md). auto: with model.quantization = 'w8a8' or 'w4a8'; true: the same, refused without "
+        "either; "
         "false: the LM head stays bf16, as in vLLM's W8A8 checkpoints.",
     )
     context_length: int | None = Field(
@@ -134,12 +140,12 @@ class ModelSettings(_Section):
     def int8_head(self) -> bool:
         """Whether the LM head runs in int8 (int8_lm_head resolved against quantization; an
         embedding model runs no LM head)."""
-        return self.quantization == "w8a8" and self.int8_lm_head is not False and not self.is_embedding
+        return self.quantization != "none" and self.int8_lm_head is not False and not self.is_embedding
 
     @model_validator(mode="after")
     def _int8_lm_head_needs_w8a8(self):
-        if self.int8_lm_head is True and self.quantization != "w8a8":
-            raise ValueError("int8_lm_head runs the LM head on the int8 GEMMs of quantization = 'w8a8', "
+        if self.int8_lm_head is True and self.quantization == "none":
+            raise ValueError("int8_lm_head runs the LM head on the int8 GEMMs of quantization = 'w8a8' or 'w4a8', "
                              f"but quantization is {self.quantization!r}")
         return self
 

@@ -345,6 +345,32 @@ def test_roofline_measures_the_layers_gemms_in_their_precision(monkeypatch):
     assert roofline.measure_rates("bfloat16", "w8a8", small, int8_lm_head=True)["lm_head_flops"] == 2.0
     assert roofline.measure_rates("float32", "none", small)["layer_gemm_flops"] == 1.0
     assert asked == ["bfloat16", "int8", "bfloat16", "int8", "float32"]
+    # w4a8: its layers at kernels/w4_gemm.c's rate, its int8 LM head at the int8 rate
+    monkeypatch.setattr(roofline, "gemm_rate", lambda cfg, kind: {"int8": 2.0, "w4a8": 4.0}.get(kind, 1.0))
+    rates = roofline.measure_rates("float32", "w4a8", small, int8_lm_head=True)
+    assert rates["layer_gemm_flops"] == 4.0 and rates["lm_head_flops"] == 2.0
+    assert roofline.measure_rates("float32", "w4a8", small)["lm_head_flops"] == 1.0
+    assert "w4a8 0.000 TOP/s" in roofline.format_roofline({
+        "quantization": "w4a8", "dtype": "float32", "gemm_flops": 1.0, "layer_gemm_flops": 4.0, "lm_head_flops": 2.0,
+        "int8_lm_head": True, "layer_flop": 1.0, "lm_head_flop": 1.0, "kv_read_bytes": 1.0, "read_bytes_per_s": 1.0,
+        **roofline.bounds({"layer_flop": 1.0, "lm_head_flop": 1.0, "kv_read_bytes": 1.0},
+                          {"layer_gemm_flops": 4.0, "lm_head_flops": 2.0, "gemm_flops": 1.0, "read_bytes_per_s": 1.0},
+                          1.0, 1)})
+
+
+def test_the_w4a8_rate_is_a_real_measurement(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from framework.bench import roofline
+    from framework.model.w4a8 import W4Ops
+
+    if not W4Ops.load(torch.float32).packs:
+        pytest.skip("kernels/w4_gemm.c does not build here")
+    monkeypatch.setattr(roofline, "GEMM_ROWS", 64)
+    monkeypatch.setattr(roofline, "MIN_SECONDS", 0.01)
+    assert roofline.gemm_rate(SimpleNamespace(hidden_size=64, intermediate_size=128), "w4a8") > 0
 
 
 def test_roofline_takes_the_faster_of_mkl_and_the_f32_kernel(monkeypatch):

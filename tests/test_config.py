@@ -93,7 +93,7 @@ def test_non_positive_chunk_size_disables_chunking():
         ("[scheduler]\nno_such_option = 1\n", "scheduler.no_such_option: Extra inputs are not permitted"),
         ("[nonsense]\nx = 1\n", "nonsense: Extra inputs are not permitted"),
         ("[model]\nint8_lm_head = true\n", "model: Value error, int8_lm_head runs the LM head on the int8 GEMMs "
-         "of quantization = 'w8a8', but quantization is 'none'"),
+         "of quantization = 'w8a8' or 'w4a8', but quantization is 'none'"),
     ],
 )
 def test_invalid_values_give_one_line_per_error(tmp_path, toml, expected):
@@ -111,6 +111,9 @@ def test_the_int8_lm_head_comes_with_w8a8_unless_turned_off():
     assert Settings.load(None, model={**w8a8, "int8_lm_head": True}).model.int8_head
     assert not Settings.load(None, model={**w8a8, "int8_lm_head": False}).model.int8_head
     assert not Settings.load(None, model={**w8a8, "is_embedding": True}).model.int8_head  # (it has no use for one)
+    w4a8 = {"quantization": "w4a8", "dtype": "float32"}
+    assert Settings.load(None, model=w4a8).model.int8_head
+    assert not Settings.load(None, model={**w4a8, "int8_lm_head": False}).model.int8_head
 
 
 def test_two_errors_two_lines(tmp_path):

@@ -92,11 +92,12 @@ def test_greedy_matches_transformers(default_model_folder, hf_model, prompts, hf
     ("auto", "none", "auto"), ("fp8_e5m2", "none", "auto"), ("int8", "none", "auto"),
     pytest.param("auto", "w8a8", "onednn", marks=needs_exact_int_mm),
     pytest.param("auto", "w8a8", "auto", marks=needs_exact_int_mm),
+    ("auto", "w4a8", "auto"),
 ])
 def test_bf16_capital_of_france(default_model_folder, kv_cache_dtype, quantization, int8_gemm, monkeypatch):
     """The embedded model answers in bf16, with an fp8 or int8 KV cache, and with int8 GEMMs (its prompt
     long enough for them: the chat template's system prompt), on torch._int_mm or, where the CPU
-    takes it (int8.own_gemm_wanted), the own VNNI kernel."""
+    takes it (int8.own_gemm_wanted), the own VNNI kernel; and on its own Q4_1 blocks (w4a8)."""
     monkeypatch.setenv(INT8_GEMM_ENV, int8_gemm)
     on_int_mm = quantization == "w8a8" and not own_gemm_wanted()
     int_mm_rows = count_int_mm_rows(monkeypatch)

@@ -6,7 +6,7 @@ While active, `Breakdown` wraps the methods that run each part of a pass with wa
 
 * ``attention``: the attention backend's forward (gathers, kernels, softmax), every layer;
 * ``gemm``: the layers' linear layers (the packed GEMM kernel, oneDNN, or ``F.linear``; with
-  model.quantization = "w8a8" the int8 GEMMs with their quantizations and dequantizations);
+  model.quantization = "w8a8" or "w4a8" the int8 GEMMs with their quantizations and dequantizations);
 * ``lm_head``: the logits of each pass;
 * ``elementwise``: RMSNorms (with their residual adds, and in int8 the quantization of their
   output), RoPE with the KV writes, SiLU·up;
@@ -41,6 +41,10 @@ TIMED: tuple[tuple[str, str | None, str, str], ...] = (
     ("framework.model.int8", "Int8Ops", "linear", "gemm"),
     ("framework.model.int8", "Int8Ops", "gate_up", "gemm"),
     ("framework.model.int8", "Int8Ops", "rms_norm_quantize", "elementwise"),
+    ("framework.model.w4a8", "W4Ops", "quantize", "gemm"),
+    ("framework.model.w4a8", "W4Ops", "linear", "gemm"),
+    ("framework.model.w4a8", "W4Ops", "gate_up", "gemm"),
+    ("framework.model.w4a8", "W4Ops", "rms_norm_quantize", "elementwise"),
     ("framework.model.llama", "LlamaForCausalLM", "compute_logits", "lm_head"),
     ("framework.model.llama", "RMSNorm", "forward", "elementwise"),
     ("framework.model.llama", "RMSNorm", "add_and_norm", "elementwise"),

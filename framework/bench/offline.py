@@ -136,14 +136,14 @@ def run_peer(peer: str, args, requests: list[BenchRequest], folder: str, dtype: 
     vLLM gets the engine's fp8_e5m2 KV cache too (llama.cpp has no e5m2 cache type; an int8 cache has
     no counterpart in vLLM's CPU build, which then keeps its bf16 cache, the nearest in quality), and its
     W8A8 int8 scheme (model.quantization = "w8a8": int8 weights made the same way, as a compressed-tensors
-    checkpoint, `peers.w8a8_checkpoint`)."""
+    checkpoint, `peers.w8a8_checkpoint`; the same for "w4a8", which it has no counterpart of)."""
     from framework.bench import peers
 
     if peer == "vllm":
         extra = peers.peer_flags(args.vllm_args, "--vllm-args")
         if kv_cache_dtype == "fp8_e5m2" and "--kv-cache-dtype" not in extra:
             extra = ["--kv-cache-dtype", kv_cache_dtype] + extra
-        if quantization == "w8a8":
+        if quantization in ("w8a8", "w4a8"):  # (w4a8: vLLM's CPU build has no 4-bit W4A8; its W8A8 is its fastest)
             folder = peers.w8a8_checkpoint(folder)
         metrics, details = peers.run_vllm_offline(requests, folder, dtype, python=paths["vllm"], extra_args=extra)
         details["quantization"] = quantization

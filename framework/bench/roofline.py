@@ -12,7 +12,8 @@ and the model's shapes:
 The rates are measured on this machine right after the run, with the engine's threads: the best
 GEMM rate at the layers' own shapes (2,048 rows; `F.linear` in the model's dtype, and
 `torch._int_mm` or kernels/int8_ops.c's own int8 GEMM, the faster, for the int8 layers of
-model.quantization = "w8a8", whose LM head stays in the model's dtype unless model.int8_lm_head),
+model.quantization = "w8a8", whose LM head stays in the model's dtype unless model.int8_lm_head;
+kernels/w4_gemm.c for the layers of "w4a8", its int8 LM head at the int8 rate),
 and the memory's read rate (a sum over 256 MiB of fp32). So:
 
 * the **GEMM-bound limit** is the run's GEMM FLOPs at those rates: no engine doing the same GEMMs
@@ -90,12 +91,13 @@ def gemm_shapes(cfg) -> list[tuple[int, int]]:
 def gemm_rate(cfg, kind: str) -> float:
     """Best FLOP/s (OP/s for int8) of this machine's GEMMs at the layers' shapes: `kind` is a
     float dtype's name (F.linear; for float32, also kernels/f32_gemm.c where the engine runs its
-    float32 GEMMs there, CPUs without AVX-512: whichever is faster) or "int8" (torch._int_mm, and
+    float32 GEMMs there, CPUs without AVX-512: whichever is faster), "int8" (torch._int_mm, and
     kernels/int8_ops.c's own GEMM where the engine runs its int8 GEMMs there, `own_gemm_wanted`:
-    whichever is faster; the own GEMM's time includes its end, fp32 out)."""
+    whichever is faster; the own GEMM's time includes its end, fp32 out) or "w4a8"
+    (kernels/w4_gemm.c, its end included, fp32 out; 0 where it does not build)."""
     import torch
 
-    f32_gemm = own_int8 = None
+    f32_gemm = own_int8 = w4 = None
     if kind == "float32":
         from framework.model.cpu_kernels import load_f32_gemm
 
@@ -106,11 +108,21 @@ def gemm_rate(cfg, kind: str) -> float:
         own_int8 = Int8Ops.load(torch.float32)
         if not own_int8.packs:
             own_int8 = None
+    if kind == "w4a8":
+        from framework.model.w4a8 import W4Ops
+
+        w4 = W4Ops.load(torch.float32)
+        if not w4.packs:
+            return 0.0
     gen = torch.Generator().manual_seed(0)
     best = 0.0
     for k, n in gemm_shapes(cfg):
         fns = []
-        if kind == "int8":
+        if kind == "w4a8":
+            rows = w4.quantize(torch.randn(GEMM_ROWS, k, generator=gen))
+            weight = w4.make(torch.randn(n, k, generator=gen))
+            fns.append(lambda rows=rows, weight=weight: w4.linear(rows, weight))
+        elif kind == "int8":
             x = torch.randint(-127, 128, (GEMM_ROWS, k), dtype=torch.int8, generator=gen)
             w = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=gen)
             fns.append(lambda x=x, w=w: torch._int_mm(x, w))
@@ -131,6 +143,10 @@ def gemm_rate(cfg, kind: str) -> float:
     return best
 
 
+# The GEMMs a model.quantization runs its layers on (gemm_rate's kind); "none": the model's dtype.
+LAYER_GEMMS = {"w8a8": "int8", "w4a8": "w4a8"}
+
+
 def read_rate() -> float:
     """Bytes/s of a sum over READ_BYTES of fp32 (the memory's read rate with torch's threads)."""
     import torch
@@ -143,8 +159,12 @@ def measure_rates(dtype: str, quantization: str, cfg, int8_lm_head: bool = False
     """The rates the bounds use: the model dtype's GEMMs, int8 GEMMs where the layers (and with
     `int8_lm_head` the LM head) run them, the memory's reads."""
     rates = {"gemm_flops": gemm_rate(cfg, dtype)}
-    rates["layer_gemm_flops"] = gemm_rate(cfg, "int8") if quantization == "w8a8" else rates["gemm_flops"]
-    rates["lm_head_flops"] = rates["layer_gemm_flops"] if int8_lm_head else rates["gemm_flops"]
+    layer_kind = LAYER_GEMMS.get(quantization)
+    rates["layer_gemm_flops"] = gemm_rate(cfg, layer_kind) if layer_kind else rates["gemm_flops"]
+    if int8_lm_head:  # (w8a8's int8 GEMMs, also under w4a8)
+        rates["lm_head_flops"] = rates["layer_gemm_flops"] if layer_kind == "int8" else gemm_rate(cfg, "int8")
+    else:
+        rates["lm_head_flops"] = rates["gemm_flops"]
     rates["read_bytes_per_s"] = read_rate()
     return rates
 
@@ -190,10 +210,12 @@ def roofline(shape: dict[str, Any], requests: list[RequestTokens], wall: float) 
 
 def format_roofline(r: dict[str, Any]) -> str:
     """The roofline record as a table."""
-    layer_kind = "int8" if r["quantization"] == "w8a8" else r["dtype"]
+    layer_kind = LAYER_GEMMS.get(r["quantization"], r["dtype"])
     rate = f"{r['dtype']} {r['gemm_flops'] / 1e12:.3f} TFLOP/s"
-    if layer_kind == "int8":
-        rate += f", int8 {r['layer_gemm_flops'] / 1e12:.3f} TOP/s"
+    if layer_kind != r["dtype"]:
+        rate += f", {layer_kind} {r['layer_gemm_flops'] / 1e12:.3f} TOP/s"
+    if r.get("int8_lm_head") and layer_kind != "int8":
+        rate += f", int8 LM head {r['lm_head_flops'] / 1e12:.3f} TOP/s"
     gemm_tflop = (r["layer_flop"] + r["lm_head_flop"]) / 1e12
     lines = [" Bounds on this machine (measured) ".center(62, "="),
              f"{'GEMMs':<24}{gemm_tflop:.2f} T (layers {r['layer_flop'] / 1e12:.2f} in {layer_kind}, "

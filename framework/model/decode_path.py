@@ -33,7 +33,7 @@ import torch
 from framework.model import gguf_decode
 from framework.model.cpu_kernels import _GEMM_EPILOGUES, kv_format, scale_ptrs
 from framework.model.int8 import min_rows as min_int8_rows
-from framework.model.int8 import _ptr
+from framework.model.int8 import Int8Weight, _ptr
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class DecodePath:
             layers.append(_Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
                                  _Weights(*(t.data_ptr() for t in tiles)),
                                  _Weights(*(t.data_ptr() for t in q4)) if q4 else None,
-                                 int8 if all(w is not None for w in int8) else None))
+                                 int8 if all(isinstance(w, Int8Weight) for w in int8) else None))
         if not layers or model.model.norm.weight.dtype != torch.bfloat16:
             return None
         path = cls(model, layers, keep)

@@ -59,7 +59,7 @@ from framework.model.cpu_kernels import _FLOAT, _I64, _INT, _PTR, _cpu_id, cpu_h
 # GGUF Q4_1 paths ("Issue 17, twenty-first session"; below it, `worker.gguf_decode = "exact"` is).
 MIN_ROWS = 32
 MIN_ROWS_OWN_GEMM = 8
-QUANTIZATIONS = ("none", "w8a8")
+QUANTIZATIONS = ("none", "w8a8", "w4a8")
 
 
 @dataclass
@@ -454,7 +454,7 @@ def rescore_head_top(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.T
     return torch.bincount(rows, minlength=logits.shape[0])
 
 
-def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True, lm_head: bool = False) -> int:
+def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True, lm_head: bool = False, w4_ops=None) -> int:
     """Give the linear layers of `model`'s decoder layers their int8 weights (`ops` the int8
     GEMMs to run them with), or take them away (`ops` None); returns how many weights were made.
     With `smooth`, each weight is first smoothed (`smoothing`) by the input ranges of a calibration
@@ -464,10 +464,14 @@ def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True, lm_head: b
     the bf16 weights. With `lm_head` (model.int8_lm_head) the LM head gets an int8 copy too
     (smoothed the same way), which `compute_logits` then runs every pass on where it has the own
     kernel's packed copy, passes of `min_rows` rows or more on torch._int_mm; without it the LM head
-    has none."""
+    has none. With `w4_ops` (a w4a8.W4Ops: model.quantization = "w4a8") the layers' weights are
+    its 4-bit blocks instead (not smoothed) and the layers run on it; `ops` then gives the LM
+    head its int8 copy only."""
     from framework.model.llama import Linear, LlamaDecoderLayer, LlamaMLP, RowParallelLinear
 
-    maxima, head_maxima = input_maxima(model) if ops is not None and smooth else (None, None)
+    calibrate = ops is not None and smooth and (w4_ops is None or lm_head)
+    maxima, head_maxima = input_maxima(model) if calibrate else (None, None)
+    layer_ops = w4_ops if w4_ops is not None and ops is not None else ops
     count = 0
     for i, layer in enumerate(model.model.layers):
         parts = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -475,10 +479,12 @@ def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True, lm_head: b
             for linear in (m for m in module.modules() if isinstance(m, (Linear, RowParallelLinear))):
                 plain = type(linear) in (Linear, RowParallelLinear) and getattr(linear, "shard_size", 1) == 1
                 made = None
-                if ops is not None and plain:
+                if layer_ops is not None and plain and layer_ops is w4_ops:
+                    made = w4_ops.make(linear.weight, gate_up=part == 2)
+                elif ops is not None and plain:
                     factors = None if maxima is None else smoothing(maxima[i][part], linear.weight)
                     made = ops.pack(quantize_weight(linear.weight, factors), gate_up=part == 2)
-                linear.int8, linear.int8_ops = made, (ops if made is not None else None)
+                linear.int8, linear.int8_ops = made, (layer_ops if made is not None else None)
                 count += made is not None
     head = None
     if ops is not None and lm_head:
@@ -488,7 +494,7 @@ def use_int8_weights(model, ops: Int8Ops | None, smooth: bool = True, lm_head: b
     count += head is not None
     for module in model.modules():
         if isinstance(module, (LlamaMLP, LlamaDecoderLayer)):
-            module.int8_ops = ops
+            module.int8_ops = layer_ops
     if hasattr(model, "reset_decode_path"):
         model.reset_decode_path()
     return count

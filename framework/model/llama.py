@@ -36,9 +36,13 @@ from framework.model.decode_path import DecodePath
 from framework.model.int8 import Int8Ops, Int8Weight, QuantizedRows, rescore_head_top
 from framework.model.int8 import min_rows as int8_min_rows
 from framework.model.int8 import takes as takes_int8
+from framework.model.w4a8 import QuantizedBlocks
 from framework.model.rotary import RopeTables, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
+
+# The int8 rows the quantized layers pass between them: w8a8's and w4a8's.
+QUANTIZED_ROWS = (QuantizedRows, QuantizedBlocks)
 
 
 class RMSNorm(nn.Module):
@@ -88,8 +92,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     for the LM head). With `int8` (weight's int8 copy, model.quantization = "w8a8"), passes of
     bf16 rows that `int8.takes` run in int8 (framework/model/int8.py; `int8_fewest`: its `fewest`).
     With `f32` (weight's copy for the fp32 GEMM kernel, `use_f32_gemm`), fp32 rows run on it."""
-    if int8 is not None and (isinstance(x, QuantizedRows) or takes_int8(x, int8.packed is not None, int8_fewest)):
-        y = int8_ops.linear(x if isinstance(x, QuantizedRows) else int8_ops.quantize(x, int8.inv), int8)
+    if int8 is not None and (isinstance(x, QUANTIZED_ROWS) or takes_int8(x, int8.packed is not None, int8_fewest)):
+        y = int8_ops.linear(x if isinstance(x, QUANTIZED_ROWS) else int8_ops.quantize(x, int8.inv), int8)
         return y if bias is None else y.add_(bias)
     if f32 is not None and kernels is not None and kernels.f32_gemm is not None:
         if kernels.f32_gemm.supports(x, f32, weight.shape[1]):
@@ -209,7 +213,7 @@ class LlamaMLP(nn.Module):
         """MLP(x), plus `residual` when given; in `out` when given (rows of a larger output, as a
         prefill tile's: the packed GEMM kernel writes them in place, other paths copy)."""
         gathers = self.par.gathers_mlp_tokens
-        if isinstance(x, QuantizedRows) or (not gathers and self.int8_ops is not None
+        if isinstance(x, QUANTIZED_ROWS) or (not gathers and self.int8_ops is not None
                                             and takes_int8(x, self.int8_ops.packs) and self._int8_layers()):
             y = self._int8_mlp(x, residual, out)
         elif not gathers and self.packed_gate is not None and x.dtype == torch.bfloat16 and self._plain_layers():
@@ -236,7 +240,7 @@ class LlamaMLP(nn.Module):
         gate-up sums, the residual added in the down projection's dequantization."""
         ops = self.int8_ops
         gate_up, down = self.gate_up_proj.int8, self.down_proj.int8
-        act = ops.gate_up(x if isinstance(x, QuantizedRows) else ops.quantize(x, gate_up.inv), gate_up, mul=down.inv)
+        act = ops.gate_up(x if isinstance(x, QUANTIZED_ROWS) else ops.quantize(x, gate_up.inv), gate_up, mul=down.inv)
         if residual is not None and residual.stride(1) != 1:
             residual = residual.contiguous()
         in_place = out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1

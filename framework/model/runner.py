@@ -25,6 +25,7 @@ from framework.model.int8 import HEAD_RESCORE_MARGIN, rescore_head_top
 from framework.model.int8 import min_rows as int8_min_rows
 from framework.model.int8 import (INT8_DOT_FLAGS, QUANTIZATIONS, Int8Ops, has_int8_dot, int_mm_is_exact,
                                   use_int8_weights)
+from framework.model.w4a8 import W4Ops
 from framework.model.llama import use_cpu_kernels, use_f32_gemm, use_packed_weights
 from framework.model.llava import build_model
 from framework.model.loader import (ModelFolderError, iter_safetensors, load_hf_config, load_tokenizer,
@@ -67,9 +68,10 @@ class ModelRunner:
         kv_huge_pages: cache.kv_huge_pages: a CPU KV pool on transparent huge pages (True), on
             them while they come fast ("auto"), or on base pages (False); see
             memory.zeros_on_huge_pages.
-        quantization: model.quantization: "none", or "w8a8" for int8 GEMMs in the layers
-            (framework/model/int8.py; bf16 on the CPU only).
-        int8_lm_head: model.int8_lm_head: with "w8a8", the LM head in int8 too.
+        quantization: model.quantization: "none", "w8a8" for int8 GEMMs in the layers
+            (framework/model/int8.py), or "w4a8" for 4-bit weight blocks by int8 activation blocks
+            (framework/model/w4a8.py); on the CPU only.
+        int8_lm_head: model.int8_lm_head: with "w8a8" or "w4a8", the LM head in int8.
         tokenizer_path: model.tokenizer_path: the tokenizer's folder when not `model_path`.
     """
 
@@ -168,18 +170,20 @@ class ModelRunner:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-        if quantization == "w8a8" and device != "cpu":
-            raise ValueError(f"model.quantization = 'w8a8' runs on the CPU, but the model is on {device!r}: "
+        if quantization != "none" and device != "cpu":
+            raise ValueError(f"model.quantization = {quantization!r} runs on the CPU, but the model is on {device!r}: "
                              "set worker.device = 'cpu'")
-        if quantization == "w8a8" and not int_mm_is_exact():
+        # (w4a8 runs torch._int_mm only for an int8 LM head, where the own int8 GEMM does not)
+        if (quantization == "w8a8" or (quantization == "w4a8" and int8_lm_head)) and not int_mm_is_exact():
             capped = os.environ.get("ONEDNN_MAX_CPU_ISA")
             cause = f"ONEDNN_MAX_CPU_ISA={capped} in the environment, or " if capped else ""
-            raise ValueError("model.quantization = 'w8a8' needs exact int8 GEMMs, and torch._int_mm is not exact here: "
+            raise ValueError(f"model.quantization = {quantization!r} needs exact int8 GEMMs, and torch._int_mm is not "
+                             "exact here: "
                              f"without an int8 dot product ({cause}a CPU without {', '.join(INT8_DOT_FLAGS)}) "
                              "oneDNN's int8 kernels saturate 16-bit sums; use model.quantization = 'none'")
-        if int8_lm_head and quantization != "w8a8":
-            raise ValueError("model.int8_lm_head runs the LM head on the int8 GEMMs of model.quantization = 'w8a8', "
-                             f"but model.quantization is {quantization!r}")
+        if int8_lm_head and quantization == "none":
+            raise ValueError("model.int8_lm_head runs the LM head on the int8 GEMMs of model.quantization = 'w8a8' "
+                             f"(or 'w4a8'), but model.quantization is {quantization!r}")
         self.quantization = quantization
         self.int8_lm_head = int8_lm_head
         kv_dtype = kv_dtype or dtype
@@ -247,14 +251,24 @@ class ModelRunner:
                                 time.perf_counter() - start)
                 else:  # the packed GEMM kernel takes every GEMM of a prefill tile
                     logger.debug("No oneDNN GEMM kernels to build ahead")
-        if self.quantization == "w8a8":
+        if self.quantization in ("w8a8", "w4a8"):
             # (worker.cpu_kernels = off: in PyTorch)
             ops = Int8Ops.load(self.dtype) if self.cpu_kernels is not None else Int8Ops(None, self.dtype)
+            w4 = None
+            if self.quantization == "w4a8":
+                w4 = W4Ops.load(self.dtype) if self.cpu_kernels is not None else W4Ops(None, self.dtype)
             start = time.perf_counter()
             # a decoder without LM head (an embedding model) would keep an int8 copy it never runs
             head = self.int8_lm_head and not model_config.is_embedding
-            count = use_int8_weights(text, ops, lm_head=head)
+            count = use_int8_weights(text, ops, lm_head=head, w4_ops=w4)
             isa = "AVX512-VNNI" if has_int8_dot() else "AVX2"
+            if w4 is not None:
+                where = ("kernels/w4_gemm.c on AVX2, ends inside it" if w4.packs
+                         else "PyTorch, on the dequantized operands")
+                logger.info("model.quantization = 'w4a8': %d linear weights in 4-bit blocks%s (%.1f s), passes of %d+ "
+                            "rows on W4A8 GEMMs (%s)", count, ", the LM head in int8" if head else "",
+                            time.perf_counter() - start, int8_min_rows(w4.packs), where)
+                return model_config, model
             where = (f"kernels/int8_ops.c's own GEMM on {isa}, ends inside it" if ops.packs
                      else "torch._int_mm, ends in C" if ops.lib is not None else "torch._int_mm, ends in PyTorch")
             logger.info("model.quantization = 'w8a8': %d linear weights in int8%s (smoothed by a calibration pass, "

@@ -1,0 +1,235 @@
+"""model.quantization = "w4a8": 4-bit weight blocks by int8 activation blocks (framework/model/w4a8.py,
+kernels/w4_gemm.c)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework.batch import ForwardMode
+from framework.model import int8 as int8_mod
+from framework.model.runner import ModelRunner
+from framework.model.w4a8 import (BLOCK, QuantizedBlocks, W4Ops, W4Weight, dequantize_blocks, dequantize_weight,
+                                  quantize_blocks, quantize_weight)
+from tests.test_int8 import _prefill_logits
+from tests.test_model import _batch, _new_reqs, _runner, _tiny_config, _tiny_hf
+
+TORCH_OPS = W4Ops(None, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def c_ops() -> W4Ops:
+    ops = W4Ops.load(torch.float32)
+    if ops.lib is None:
+        pytest.skip("kernels/w4_gemm.c does not build here (no C compiler, or no AVX2 and FMA)")
+    return ops
+
+
+def _rows(rows: int, width: int, seed: int = 0) -> torch.Tensor:
+    """fp32 rows of different magnitudes, the first all zeros, one block of the last row an outlier."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * torch.logspace(-2, 2, rows)[:, None]
+    x[0] = 0
+    x[-1, :BLOCK] *= 300
+    return x
+
+
+def _q4_1_weight(n: int, k: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, d, m) of a Q4_1 weight as a GGUF holds it: fp16 d and m, every block using 0 and 15."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    q[:, ::BLOCK], q[:, 1::BLOCK] = 0, 15
+    d = (torch.rand(n, k // BLOCK, generator=gen) * 0.01 + 1e-4).half().float()
+    m = (-torch.rand(n, k // BLOCK, generator=gen) * 0.08).half().float()
+    return q, d, m
+
+
+def test_a_q4_1_weight_comes_back_as_its_own_blocks():
+    """The embedded model's weights are Q4_1 blocks: quantizing their fp32 values gives the file's q
+    back exactly and d, m within an fp32 rounding, so the weights are the file's (w8a8 rounds them
+    again); a constant block has d 0, q 0 and its value as m."""
+    q, d, m = _q4_1_weight(96, 576)
+    w = dequantize_weight(q, d, m)
+    w[5, 64:96] = 0.25
+    got_q, got_d, got_m = quantize_weight(w)
+    assert torch.equal(got_q[:5], q[:5]) and torch.equal(got_q[6:], q[6:])
+    assert torch.equal(got_m[:5], m[:5]) and torch.allclose(got_d, torch.where(got_d == 0, got_d, d), rtol=2e-7)
+    assert got_d[5, 2] == 0 and (got_q[5, 64:96] == 0).all() and got_m[5, 2] == 0.25
+    assert (dequantize_weight(got_q, got_d, got_m) - w).abs().max() <= 1e-8
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize_weight(torch.randn(8, 40))
+
+
+def test_quantized_blocks_are_within_half_a_step_of_each_block():
+    x = _rows(9, 96)
+    b = quantize_blocks(x)
+    assert b.q.dtype == torch.int8 and b.scale.shape == b.sum.shape == (9, 3)
+    assert torch.equal(b.scale, x.reshape(9, 3, BLOCK).abs().amax(dim=2) / 127)
+    step = b.scale.repeat_interleave(BLOCK, dim=1)
+    assert ((dequantize_blocks(b) - x).abs() <= step * 0.5001).all()
+    assert (b.q[0] == 0).all() and (b.scale[0] == 0).all()
+    # the outlier block takes its own range: the last row's other blocks keep theirs
+    assert b.scale[-1, 0] > 100 * b.scale[-1, 1:].max()
+    assert torch.equal(b.sum, b.q.reshape(9, 3, BLOCK).sum(dim=2).float() * b.scale)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 32), (5, 96), (37, 576), (200, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_quantizes_as_pytorch(c_ops, rows, width, dtype):
+    x = _rows(rows, width).to(dtype)
+    got, want = c_ops.quantize(x), quantize_blocks(x.float())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    strided = torch.cat([x, x], dim=1)[:, :width]  # (a row stride larger than the width)
+    assert torch.equal(c_ops.quantize(strided).q, want.q)
+
+
+def _exact(x: QuantizedBlocks, q, d, m, add=None) -> torch.Tensor:
+    y = dequantize_blocks(x).double() @ dequantize_weight(q, d, m).double().t()
+    return y if add is None else y + add.double()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 37, 200, 700])
+@pytest.mark.parametrize("width,n", [(576, 960), (1536, 576), (64, 48)])
+@pytest.mark.parametrize("add", [False, True])
+def test_the_kernels_product_is_the_exact_product_of_the_blocks(c_ops, rows, width, n, add):
+    """Every tile size (4 rows, then 3, 2, 1) and, at 700 rows of 576, two panels of x: the exact
+    product of the quantized operands to within fp32 sums; in bf16 rounded once, the add included."""
+    x = c_ops.quantize(_rows(rows, width, seed=rows))
+    weight = torch.randn(n, width, generator=torch.Generator().manual_seed(n)) * 0.05
+    w = c_ops.make(weight)
+    assert w.packed is not None and w.q is None
+    q, d, m = quantize_weight(weight)
+    extra = torch.randn(rows, n) if add else None
+    want = _exact(x, q, d, m, extra)
+    got = c_ops.linear(x, w, add=extra)
+    assert got.dtype == torch.float32
+    tol = 2e-6 * (want.abs().max() + 1)
+    assert (got.double() - want).abs().max() <= tol
+    bf16 = W4Ops.load(torch.bfloat16)
+    got16 = bf16.linear(x, bf16.make(weight), add=None if extra is None else extra.bfloat16())
+    want16 = _exact(x, q, d, m, None if extra is None else extra.bfloat16().float())
+    assert got16.dtype == torch.bfloat16
+    assert ((got16.double() - want16).abs() <= want16.abs() * 2 ** -8 + tol).all()
+    torch_path = TORCH_OPS.linear(quantize_blocks(_rows(rows, width, seed=rows)), TORCH_OPS.make(weight), add=extra)
+    assert (torch_path.double() - want).abs().max() <= tol
+
+
+@pytest.mark.parametrize("rows", [1, 7, 37, 200, 300])
+@pytest.mark.parametrize("d", [256, 64])
+def test_gate_up_quantizes_silu_gate_times_up(c_ops, rows, d):
+    """The gate-up kernel's int8 blocks of SiLU(gate) * up (past its 256-row blocks at 300) against
+    PyTorch's: the same blocks up to a rounding flipped by the last bit of an fp32 sum."""
+    x = c_ops.quantize(_rows(rows, 576, seed=3))
+    weight = torch.randn(2 * d, 576, generator=torch.Generator().manual_seed(d)) * 0.05
+    got = c_ops.gate_up(x, c_ops.make(weight, gate_up=True))
+    q, dd, m = quantize_weight(weight)
+    y = _exact(x, q, dd, m).float()
+    gate, up = y[:, :d], y[:, d:]
+    want = quantize_blocks(gate / (1 + torch.exp(-gate)) * up)
+    assert got.q.shape == (rows, d) and got.scale.shape == (rows, d // BLOCK)
+    assert torch.allclose(got.scale, want.scale, rtol=1e-5, atol=1e-12)
+    assert (got.q.int() - want.q.int()).abs().max() <= 1
+    assert (got.q != want.q).float().mean() < 0.01
+    torch_path = TORCH_OPS.gate_up(quantize_blocks(_rows(rows, 576, seed=3)), TORCH_OPS.make(weight, gate_up=True))
+    assert (torch_path.q.int() - want.q.int()).abs().max() <= 1
+
+
+def test_a_gate_up_weight_multiplies_on_its_own_in_its_columns_order(c_ops):
+    """A pass whose MLP does not run on the W4A8 GEMMs calls the gate-up weight as a plain linear:
+    its interleaved units come back in the weight's column order."""
+    x = c_ops.quantize(_rows(6, 64))
+    weight = torch.randn(128, 64) * 0.05
+    got = c_ops.linear(x, c_ops.make(weight, gate_up=True))
+    q, d, m = quantize_weight(weight)
+    want = _exact(x, q, d, m)
+    assert (got.double() - want).abs().max() <= 2e-6 * (want.abs().max() + 1)
+
+
+def test_weights_the_blocks_do_not_fit_stay_in_the_models_dtype(c_ops):
+    assert c_ops.make(torch.randn(16, 40)) is None  # (k not in 32s)
+    w = c_ops.make(torch.randn(96, 64), gate_up=True)  # (d = 48: the next GEMM's k not in 32s)
+    assert w is not None and w.packed is None and w.dense is not None
+    with pytest.raises(ValueError, match="no mul"):
+        c_ops.quantize(torch.randn(2, 64), torch.ones(64))
+
+
+@pytest.fixture(scope="module")
+def tied_model():
+    """The tiny model with tied embeddings (as SmolLM2) and a vocabulary in 16s (the int8 head),
+    its layers' weights on a Q4_1 grid as the embedded model's are (random weights rounded to 4
+    bits would move the logits far more than the int8 activations do)."""
+    model = _tiny_hf(config=_tiny_config(vocab_size=1024, tie_word_embeddings=True))
+    with torch.no_grad():
+        for module in model.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(dequantize_weight(*quantize_weight(module.weight)))
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a8_runs_the_layers_on_4_bit_blocks_close_to_the_models_dtype(tied_model, monkeypatch, dtype):
+    """Every layer's four GEMMs on the W4A8 kernel from int8.MIN_ROWS_OWN_GEMM rows (qkv, o and
+    down through `linear`, gate-up giving int8 blocks), the LM head on w8a8's int8 copy; prefill
+    and decode logits close to the unquantized model's; a smaller pass keeps the model's GEMMs,
+    bit for bit."""
+    plain = _runner(tied_model, dtype=dtype, max_running_requests=48)
+    w4 = _runner(tied_model, dtype=dtype, quantization="w4a8", int8_lm_head=True, max_running_requests=48)
+    qkv = w4.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.int8, W4Weight) and qkv.int8.packed is not None and qkv.int8_ops.packs
+    assert w4.model.lm_head_int8 is not None and not isinstance(w4.model.lm_head_int8, W4Weight)
+    calls = []
+    real = W4Ops.linear
+    monkeypatch.setattr(W4Ops, "linear", lambda self, x, w, **kw: calls.append(x.shape[0]) or real(self, x, w, **kw))
+    n = 20
+    lens = [3 + i % 6 for i in range(n)]
+    logits = []
+    for runner in (w4, plain):
+        reqs = _new_reqs(runner, [k + 2 for k in lens], seed=3)
+        prefill = runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone()
+        step = runner.forward(_batch(runner, reqs, [1] * n, ForwardMode.DECODE)).next_token_logits.clone()
+        logits.append((prefill, step))
+    layers = len(w4.model.model.layers)
+    assert calls == [sum(lens)] * (3 * layers) + [n] * (3 * layers)
+    for got, want in zip(logits[0], logits[1]):
+        assert got.dtype == dtype and not torch.equal(got, want)
+        assert F.cosine_similarity(got.float(), want.float(), dim=1).min() > 0.99
+    calls.clear()
+    few = int8_mod.MIN_ROWS_OWN_GEMM - 1
+    layers_only = _runner(tied_model, dtype=dtype, quantization="w4a8")
+    assert torch.equal(_prefill_logits(layers_only, [few]), _prefill_logits(plain, [few])) and calls == []
+
+
+def test_w4a8_without_the_c_kernels_gives_the_kernels_logits_closely(tied_model):
+    """worker.cpu_kernels = off: the same quantized operands multiplied in PyTorch."""
+    torch_runner = _runner(tied_model, dtype=torch.float32, quantization="w4a8", cpu_kernels="off")
+    assert torch_runner.model.model.layers[0].int8_ops.lib is None
+    kernel_runner = _runner(tied_model, dtype=torch.float32, quantization="w4a8")
+    if kernel_runner.model.model.layers[0].int8_ops.lib is None:
+        pytest.skip("kernels/w4_gemm.c does not build here")
+    a, b = _prefill_logits(torch_runner, [30, 12]), _prefill_logits(kernel_runner, [30, 12])
+    assert F.cosine_similarity(a, b, dim=1).min() > 0.9999
+
+
+def test_w4a8_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="'w4a8' runs on the CPU"):
+        _runner(_tiny_hf(), dtype=torch.float32, quantization="w4a8", device="meta")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_w4a8_engine_serves_and_reloads(make_engine, tiny_model_folder, dtype):
+    """Through the settings: greedy requests of a batch large enough for the W4A8 GEMMs,
+    leak-checked (the fixture); reloaded weights get their 4-bit copies again."""
+    engine = make_engine(model={"dtype": dtype, "quantization": "w4a8"})
+    outs = engine.generate(input_ids=[[5 + i, 7, 9 + i, 11] for i in range(40)],
+                           sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert all(len(o["output_ids"]) == 6 for o in outs)
+    runner = ModelRunner(tiny_model_folder, dtype=getattr(torch, dtype), max_total_tokens=512, quantization="w4a8")
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.int8, W4Weight) and qkv.int8.inv is None
+    before = qkv.int8
+    ok, message = runner.update_weights(tiny_model_folder)
+    assert ok, message
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.int8 is not before and torch.equal(qkv.int8.d, before.d)
