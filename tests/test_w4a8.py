@@ -233,3 +233,11 @@ def test_w4a8_engine_serves_and_reloads(make_engine, tiny_model_folder, dtype):
     assert ok, message
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.int8 is not before and torch.equal(qkv.int8.d, before.d)
+
+
+def test_quantize_takes_rows_of_any_layout_and_float_dtype(c_ops):
+    x = _rows(6, 64)
+    want = quantize_blocks(x)
+    assert torch.equal(c_ops.quantize(x.t().contiguous().t()).q, want.q)  # (column-major rows)
+    plain = x[:-1]  # (not the outlier row: fp16 has no room for it)
+    assert torch.equal(c_ops.quantize(plain.half()).q, quantize_blocks(plain.half().float()).q)

@@ -191,6 +191,10 @@ class W4Ops:
             raise ValueError("w4a8 rows are not smoothed: quantize takes no mul")
         if self.lib is None:
             return quantize_blocks(x.float())
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        if x.stride(1) != 1:
+            x = x.contiguous()
         m, k = x.shape
         out = QuantizedBlocks(torch.empty((m, k), dtype=torch.int8), torch.empty((m, k // BLOCK)),
                               torch.empty((m, k // BLOCK)))
