@@ -206,6 +206,18 @@ def _prefill_logits(runner, lens):
     return runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone()
 
 
+def prefill_and_step_logits(runners, lens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """On each runner, the same requests' prefill of `lens` tokens, then one decode step: the
+    logits of both passes."""
+    logits = []
+    for runner in runners:
+        reqs = _new_reqs(runner, [k + 2 for k in lens], seed=3)
+        prefill = runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone()
+        step = runner.forward(_batch(runner, reqs, [1] * len(lens), ForwardMode.DECODE)).next_token_logits.clone()
+        logits.append((prefill, step))
+    return logits
+
+
 @needs_exact_int_mm
 def test_w8a8_prefill_runs_on_int8_gemms_close_to_bf16(hf_model, monkeypatch):
     """A pass of >= MIN_ROWS rows: every layer's four GEMMs on torch._int_mm (held to it here; the
@@ -538,12 +550,7 @@ def test_w8a8_in_float32_runs_int8_gemms_close_to_float32(tied_model, monkeypatc
     int_mm = count_int_mm_rows(monkeypatch)
     n = int8_mod.MIN_ROWS + 3
     lens = [3 + i % 6 for i in range(n)]
-    logits = []
-    for runner in (w8, fp32):
-        reqs = _new_reqs(runner, [k + 2 for k in lens], seed=3)
-        prefill = runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone()
-        step = runner.forward(_batch(runner, reqs, [1] * n, ForwardMode.DECODE)).next_token_logits.clone()
-        logits.append((prefill, step))
+    logits = prefill_and_step_logits((w8, fp32), lens)
     layers = len(w8.model.model.layers)
     # per pass: qkv, o, down per layer (gate-up gives int8 rows) and the LM head
     assert calls == [sum(lens)] * (3 * layers) + [n] + [n] * (3 * layers) + [n]
@@ -592,24 +599,30 @@ def test_w8a8_is_refused_where_it_cannot_run(hf_model):
         Settings.load(None, model={"quantization": "int4"})
 
 
-@needs_exact_int_mm
+@pytest.mark.parametrize("quantization", [pytest.param("w8a8", marks=needs_exact_int_mm), "w4a8"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_w8a8_engine_serves_and_reloads(make_engine, tiny_model_folder, dtype):
-    """Through the settings: greedy requests of a batch large enough for the int8 GEMMs, leak-checked
-    (the fixture); reloaded weights get their int8 copies again."""
-    engine = make_engine(model={"dtype": dtype, "quantization": "w8a8"})
+def test_quantized_engine_serves_and_reloads(make_engine, tiny_model_folder, dtype, quantization):
+    """Through the settings: greedy requests of a batch large enough for the int8 (or W4A8) GEMMs,
+    leak-checked (the fixture); reloaded weights get their quantized copies again, made the same
+    way (w8a8: calibrated the same way)."""
+    engine = make_engine(model={"dtype": dtype, "quantization": quantization})
     outs = engine.generate(input_ids=[[5 + i, 7, 9 + i, 11] for i in range(40)],
                            sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert all(len(o["output_ids"]) == 6 for o in outs)
-    runner = ModelRunner(tiny_model_folder, dtype=getattr(torch, dtype), max_total_tokens=512, quantization="w8a8")
+    runner = ModelRunner(tiny_model_folder, dtype=getattr(torch, dtype), max_total_tokens=512,
+                         quantization=quantization)
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.int8 is not None and qkv.int8_ops is not None and qkv.int8.inv is not None
+    assert qkv.int8 is not None and qkv.int8_ops is not None
+    assert (qkv.int8.inv is not None) == (quantization == "w8a8")  # (w4a8's rows are not smoothed)
     before = qkv.int8
     ok, message = runner.update_weights(tiny_model_folder)
     assert ok, message
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.int8 is not before and torch.equal(qkv.int8.q, before.q)  # made again, calibrated the same way
-    assert torch.equal(qkv.int8.inv, before.inv)
+    assert qkv.int8 is not before and type(qkv.int8) is type(before)
+    if quantization == "w8a8":
+        assert torch.equal(qkv.int8.q, before.q) and torch.equal(qkv.int8.inv, before.inv)
+    else:
+        assert torch.equal(qkv.int8.d, before.d) and torch.equal(qkv.int8.packed, before.packed)
 
 
 def test_quantized_rows_carry_their_shape():

@@ -7,13 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from framework.batch import ForwardMode
 from framework.model import int8 as int8_mod
-from framework.model.runner import ModelRunner
 from framework.model.w4a8 import (BLOCK, QuantizedBlocks, W4Ops, W4Weight, dequantize_blocks, dequantize_weight,
                                   quantize_blocks, quantize_weight)
-from tests.test_int8 import _prefill_logits
-from tests.test_model import _batch, _new_reqs, _runner, _tiny_config, _tiny_hf
+from tests.test_int8 import _prefill_logits, prefill_and_step_logits
+from tests.test_int8 import _rows as int8_rows
+from tests.test_model import _runner, _tiny_config, _tiny_hf
 
 TORCH_OPS = W4Ops(None, torch.float32)
 
@@ -27,10 +26,9 @@ def c_ops() -> W4Ops:
 
 
 def _rows(rows: int, width: int, seed: int = 0) -> torch.Tensor:
-    """fp32 rows of different magnitudes, the first all zeros, one block of the last row an outlier."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, width, generator=gen) * torch.logspace(-2, 2, rows)[:, None]
-    x[0] = 0
+    """test_int8's rows (magnitudes 0.01-100, the first all zeros) in fp32, one block of the last
+    row an outlier."""
+    x = int8_rows(rows, width, seed).float()
     x[-1, :BLOCK] *= 300
     return x
 
@@ -184,12 +182,7 @@ def test_w4a8_runs_the_layers_on_4_bit_blocks_close_to_the_models_dtype(tied_mod
     monkeypatch.setattr(W4Ops, "linear", lambda self, x, w, **kw: calls.append(x.shape[0]) or real(self, x, w, **kw))
     n = 20
     lens = [3 + i % 6 for i in range(n)]
-    logits = []
-    for runner in (w4, plain):
-        reqs = _new_reqs(runner, [k + 2 for k in lens], seed=3)
-        prefill = runner.forward(_batch(runner, reqs, lens, ForwardMode.EXTEND)).next_token_logits.clone()
-        step = runner.forward(_batch(runner, reqs, [1] * n, ForwardMode.DECODE)).next_token_logits.clone()
-        logits.append((prefill, step))
+    logits = prefill_and_step_logits((w4, plain), lens)
     layers = len(w4.model.model.layers)
     assert calls == [sum(lens)] * (3 * layers) + [n] * (3 * layers)
     for got, want in zip(logits[0], logits[1]):
@@ -215,24 +208,6 @@ def test_w4a8_without_the_c_kernels_gives_the_kernels_logits_closely(tied_model)
 def test_w4a8_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="'w4a8' runs on the CPU"):
         _runner(_tiny_hf(), dtype=torch.float32, quantization="w4a8", device="meta")
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_w4a8_engine_serves_and_reloads(make_engine, tiny_model_folder, dtype):
-    """Through the settings: greedy requests of a batch large enough for the W4A8 GEMMs,
-    leak-checked (the fixture); reloaded weights get their 4-bit copies again."""
-    engine = make_engine(model={"dtype": dtype, "quantization": "w4a8"})
-    outs = engine.generate(input_ids=[[5 + i, 7, 9 + i, 11] for i in range(40)],
-                           sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
-    assert all(len(o["output_ids"]) == 6 for o in outs)
-    runner = ModelRunner(tiny_model_folder, dtype=getattr(torch, dtype), max_total_tokens=512, quantization="w4a8")
-    qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv.int8, W4Weight) and qkv.int8.inv is None
-    before = qkv.int8
-    ok, message = runner.update_weights(tiny_model_folder)
-    assert ok, message
-    qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.int8 is not before and torch.equal(qkv.int8.d, before.d)
 
 
 def test_quantize_takes_rows_of_any_layout_and_float_dtype(c_ops):
