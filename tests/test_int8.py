@@ -558,10 +558,30 @@ def test_w8a8_in_float32_runs_int8_gemms_close_to_float32(tied_model, monkeypatc
     for got, want in zip(logits[0], logits[1]):
         assert got.dtype == torch.float32 and not torch.equal(got, want)
         assert F.cosine_similarity(got, want, dim=1).min() > 0.99
+    layers_only = _runner(tied_model, dtype=torch.float32, quantization="w8a8")  # (no int8 head: it takes every pass)
+    assert_fewest_rows_run_quantized(layers_only, fp32, calls, int8_mod.min_rows(own, torch.float32))
+
+
+def assert_fewest_rows_run_quantized(quantized, plain, calls: list[int], fewest: int) -> None:
+    """A pass of `fewest` rows runs its layers' qkv, o and down GEMMs quantized (`calls`: the row
+    counts of the quantized linear calls); a pass of fewer keeps the model's GEMMs, bit for bit."""
+    layers = len(quantized.model.model.layers)
     calls.clear()
-    few = int8_mod.min_rows(own) - 1  # (the int8 LM head on the own kernel takes every pass: without it here)
-    layers_only = _runner(tied_model, dtype=torch.float32, quantization="w8a8")
-    assert torch.equal(_prefill_logits(layers_only, [few]), _prefill_logits(fp32, [few])) and calls == []
+    _prefill_logits(quantized, [fewest])
+    assert calls == [fewest] * (3 * layers)
+    if fewest > 1:
+        calls.clear()
+        few = fewest - 1
+        assert torch.equal(_prefill_logits(quantized, [few]), _prefill_logits(plain, [few])) and calls == []
+
+
+def test_float32_passes_take_the_own_gemm_from_one_row():
+    """A float32 model's small passes would read its fp32 weights (4 bytes a weight): on the own
+    kernel they run quantized from one row; bf16 passes from 8 (their bf16 and Q4_1 paths read
+    fewer bytes), torch._int_mm's from 32."""
+    assert int8_mod.min_rows(True, torch.float32) == 1 and int8_mod.min_rows(True, torch.bfloat16) == 8
+    assert int8_mod.min_rows(False, torch.float32) == int8_mod.min_rows(False) == 32
+    assert int8_mod.takes(torch.zeros(1, 64), own_gemm=True) and not int8_mod.takes(torch.zeros(7, 64).bfloat16(), True)
 
 
 def test_own_int8_gemm_is_wanted_on_vnni_without_amx(monkeypatch):

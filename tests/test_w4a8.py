@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from framework.model import int8 as int8_mod
 from framework.model.w4a8 import (BLOCK, QuantizedBlocks, W4Ops, W4Weight, dequantize_blocks, dequantize_weight,
                                   quantize_blocks, quantize_weight)
-from tests.test_int8 import _prefill_logits, prefill_and_step_logits
+from tests.test_int8 import _prefill_logits, assert_fewest_rows_run_quantized, prefill_and_step_logits
 from tests.test_int8 import _rows as int8_rows
 from tests.test_model import _runner, _tiny_config, _tiny_hf
 
@@ -168,10 +168,10 @@ def tied_model():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w4a8_runs_the_layers_on_4_bit_blocks_close_to_the_models_dtype(tied_model, monkeypatch, dtype):
-    """Every layer's four GEMMs on the W4A8 kernel from int8.MIN_ROWS_OWN_GEMM rows (qkv, o and
-    down through `linear`, gate-up giving int8 blocks), the LM head on w8a8's int8 copy; prefill
-    and decode logits close to the unquantized model's; a smaller pass keeps the model's GEMMs,
-    bit for bit."""
+    """Every layer's four GEMMs on the W4A8 kernel from int8.min_rows rows (qkv, o and down
+    through `linear`, gate-up giving int8 blocks; float32 from one row), the LM head on w8a8's int8
+    copy; prefill and decode logits close to the unquantized model's; a smaller pass keeps the
+    model's GEMMs, bit for bit."""
     plain = _runner(tied_model, dtype=dtype, max_running_requests=48)
     w4 = _runner(tied_model, dtype=dtype, quantization="w4a8", int8_lm_head=True, max_running_requests=48)
     qkv = w4.model.model.layers[0].self_attn.qkv_proj
@@ -188,10 +188,8 @@ def test_w4a8_runs_the_layers_on_4_bit_blocks_close_to_the_models_dtype(tied_mod
     for got, want in zip(logits[0], logits[1]):
         assert got.dtype == dtype and not torch.equal(got, want)
         assert F.cosine_similarity(got.float(), want.float(), dim=1).min() > 0.99
-    calls.clear()
-    few = int8_mod.MIN_ROWS_OWN_GEMM - 1
     layers_only = _runner(tied_model, dtype=dtype, quantization="w4a8")
-    assert torch.equal(_prefill_logits(layers_only, [few]), _prefill_logits(plain, [few])) and calls == []
+    assert_fewest_rows_run_quantized(layers_only, plain, calls, int8_mod.min_rows(True, dtype))
 
 
 def test_w4a8_without_the_c_kernels_gives_the_kernels_logits_closely(tied_model):

@@ -35,7 +35,8 @@ residual add fused); the int8 rows between gate-up and down are the same as in b
 It changes the outputs: docs/performance.md has what it costs in perplexity and agreement with
 float32 on the embedded model, and what it gains in speed. Passes of fewer than `min_rows` rows
 (32 on torch._int_mm, 8 on the own kernel) keep the bf16 (or GGUF Q4_1, `worker.gguf_decode`)
-path, where the weights' bytes, not the multiply-adds, set the time. Without the C kernels the
+path, where the weights' bytes, not the multiply-adds, set the time; a float32 model's passes take
+the own kernel from one row (MIN_ROWS_OWN_GEMM_F32: its fp32 weights are 4 bytes a weight). Without the C kernels the
 same arithmetic runs in PyTorch (`Int8Ops(None)`), which is also what the kernels are tested
 against.
 """
@@ -59,6 +60,12 @@ from framework.model.cpu_kernels import _FLOAT, _I64, _INT, _PTR, _cpu_id, cpu_h
 # GGUF Q4_1 paths ("Issue 17, twenty-first session"; below it, `worker.gguf_decode = "exact"` is).
 MIN_ROWS = 32
 MIN_ROWS_OWN_GEMM = 8
+# A float32 model's passes take the own kernel (and w4a8's) from one row: its smaller passes would
+# read the fp32 weights, 4 bytes a weight against 1 (1.25 for w4a8's blocks); on a 2-core AMD EPYC
+# Zen 3 a decode step of 1 / 2 / 4 requests took 15.7 / 17.7 / 21.2 ms in w4a8 and 18.7 / 16.9 / 21.3
+# in w8a8 against 29.2 / 28.5 / 40.1 and 28.0 / 27.2 / 35.4 on the fp32 weights (docs/performance.md,
+# "Issue 17, thirty-third session").
+MIN_ROWS_OWN_GEMM_F32 = 1
 QUANTIZATIONS = ("none", "w8a8", "w4a8")
 
 
@@ -408,17 +415,20 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def min_rows(own_gemm: bool) -> int:
-    """The fewest rows a pass runs its GEMMs in int8 with: on the own kernel or on torch._int_mm."""
-    return MIN_ROWS_OWN_GEMM if own_gemm else MIN_ROWS
+def min_rows(own_gemm: bool, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The fewest rows a pass of `dtype` activations runs its GEMMs in int8 with: on the own kernel
+    (w8a8's, or w4a8's) or on torch._int_mm."""
+    if not own_gemm:
+        return MIN_ROWS
+    return MIN_ROWS_OWN_GEMM_F32 if dtype == torch.float32 else MIN_ROWS_OWN_GEMM
 
 
 def takes(x: torch.Tensor, own_gemm: bool = False, fewest: int | None = None) -> bool:
     """Whether a layer's pass of activations x runs its GEMMs in int8 (bf16 or fp32 rows, at least
-    `fewest` of them, by default `min_rows(own_gemm)`; `own_gemm`: the weights have the own
-    kernel's packed copies)."""
+    `fewest` of them, by default `min_rows(own_gemm, x.dtype)`; `own_gemm`: the weights have the
+    own kernel's packed copies)."""
     if fewest is None:
-        fewest = min_rows(own_gemm)
+        fewest = min_rows(own_gemm, x.dtype)
     return (x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2 and x.shape[0] >= fewest
             and x.stride(1) == 1)
 

@@ -267,14 +267,14 @@ class ModelRunner:
                          else "PyTorch, on the dequantized operands")
                 logger.info("model.quantization = 'w4a8': %d linear weights in 4-bit blocks%s (%.1f s), passes of %d+ "
                             "rows on W4A8 GEMMs (%s)", count, ", the LM head in int8" if head else "",
-                            time.perf_counter() - start, int8_min_rows(w4.packs), where)
+                            time.perf_counter() - start, int8_min_rows(w4.packs, self.dtype), where)
                 return model_config, model
             where = (f"kernels/int8_ops.c's own GEMM on {isa}, ends inside it" if ops.packs
                      else "torch._int_mm, ends in C" if ops.lib is not None else "torch._int_mm, ends in PyTorch")
             logger.info("model.quantization = 'w8a8': %d linear weights in int8%s (smoothed by a calibration pass, "
                         "%.1f s), passes of %d+ rows on int8 GEMMs (%s)", count,
                         ", the LM head's among them" if head else "", time.perf_counter() - start,
-                        int8_min_rows(ops.packs), where)
+                        int8_min_rows(ops.packs, self.dtype), where)
             if not has_int8_dot() and not ops.packs:
                 logger.warning("model.quantization = 'w8a8' on a CPU without an int8 dot product (%s): its int8 "
                                "GEMMs run on PyTorch's own loops, far slower than float32 (a 2-core AMD EPYC Zen 3: "

@@ -14,9 +14,10 @@ up in 16 bits exactly, so its inner loop is one `vpmaddubsw` and one add per 4 i
 against four instructions for w8a8's AVX2 int8 GEMM; the block's sum then takes its two scales in
 fp32 (the file's header has the arithmetic). Its ends are fused as w8a8's: dequantize + residual add,
 SiLU(gate) * up + the next quantization. The LM head keeps model.int8_lm_head's int8 copy (w8a8's,
-framework/model/int8.py) or the model's dtype, and passes of fewer than 8 rows the model's dtype,
-as in w8a8. Without the kernel (no AVX2, no C compiler) the same quantized operands are multiplied
-in PyTorch (dequantized to fp32: the same values, summed in another order).
+framework/model/int8.py) or the model's dtype, and bf16 passes of fewer than 8 rows the model's
+dtype, as in w8a8 (a float32 model's passes take the kernel from one row: int8.min_rows). Without
+the kernel (no AVX2, no C compiler) the same quantized operands are multiplied in PyTorch
+(dequantized to fp32: the same values, summed in another order).
 
 It changes the outputs: docs/performance.md has what it costs in perplexity and what it gains.
 """
@@ -139,7 +140,7 @@ class W4Ops:
             if lib.w4_gemm_built():
                 self.lib = lib
         # whether the weights get the kernel's packed copies (the layers then take passes of
-        # int8.MIN_ROWS_OWN_GEMM rows and more, as on w8a8's own GEMM)
+        # int8.min_rows(True, dtype) rows and more, as on w8a8's own GEMM)
         self.packs = self.lib is not None
         if self.lib is None:
             return
