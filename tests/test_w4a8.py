@@ -214,3 +214,10 @@ def test_quantize_takes_rows_of_any_layout_and_float_dtype(c_ops):
     assert torch.equal(c_ops.quantize(x.t().contiguous().t()).q, want.q)  # (column-major rows)
     plain = x[:-1]  # (not the outlier row: fp16 has no room for it)
     assert torch.equal(c_ops.quantize(plain.half()).q, quantize_blocks(plain.half().float()).q)
+
+
+def test_w4a8_without_its_kernel_says_it_runs_slowly(tied_model, caplog):
+    with caplog.at_level("WARNING", logger="framework.model.runner"):
+        runner = _runner(tied_model, dtype=torch.float32, quantization="w4a8", cpu_kernels="off")
+    assert not runner.model.model.layers[0].int8_ops.packs
+    assert "without kernels/w4_gemm.c" in caplog.text and "slower than model.quantization = 'none'" in caplog.text

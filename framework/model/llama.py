@@ -89,8 +89,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     `use_packed_weights`) when there is one and x is bf16. Without a bias, GEMMs of up to
     `kernels.gemm.rows` rows run on the packed GEMM kernel instead, from `tiles` (weight's copy
     in its layout); `stream`: that kernel stores the output past the caches (`PackedGemm.linear`,
-    for the LM head). With `int8` (weight's int8 copy, model.quantization = "w8a8"), passes of
-    bf16 rows that `int8.takes` run in int8 (framework/model/int8.py; `int8_fewest`: its `fewest`).
+    for the LM head). With `int8` (weight's int8 copy, model.quantization = "w8a8", or its 4-bit
+    blocks, "w4a8"), passes of rows that `int8.takes` run on `int8_ops` (framework/model/int8.py,
+    w4a8.py; `int8_fewest`: its `fewest`), as do rows quantized already (QUANTIZED_ROWS).
     With `f32` (weight's copy for the fp32 GEMM kernel, `use_f32_gemm`), fp32 rows run on it."""
     if int8 is not None and (isinstance(x, QUANTIZED_ROWS) or takes_int8(x, int8.packed is not None, int8_fewest)):
         y = int8_ops.linear(x if isinstance(x, QUANTIZED_ROWS) else int8_ops.quantize(x, int8.inv), int8)

@@ -268,6 +268,10 @@ class ModelRunner:
                 logger.info("model.quantization = 'w4a8': %d linear weights in 4-bit blocks%s (%.1f s), passes of %d+ "
                             "rows on W4A8 GEMMs (%s)", count, ", the LM head in int8" if head else "",
                             time.perf_counter() - start, int8_min_rows(w4.packs, self.dtype), where)
+                if not w4.packs:
+                    logger.warning("model.quantization = 'w4a8' without kernels/w4_gemm.c (it needs a C compiler and "
+                                   "a CPU with AVX2 and FMA; worker.cpu_kernels = 'off' turns it off): its GEMMs run "
+                                   "in PyTorch on the dequantized weights, slower than model.quantization = 'none'")
                 return model_config, model
             where = (f"kernels/int8_ops.c's own GEMM on {isa}, ends inside it" if ops.packs
                      else "torch._int_mm, ends in C" if ops.lib is not None else "torch._int_mm, ends in PyTorch")
