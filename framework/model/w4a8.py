@@ -167,14 +167,15 @@ class W4Ops:
 
     def make(self, weight: torch.Tensor, gate_up: bool = False) -> W4Weight | None:
         """The 4-bit copy of a linear weight [n, k] (`gate_up`: the fused [gate | up] weight), with
-        the kernel's packed copy where the kernel runs (n a multiple of 16, 32 for gate-up); None
-        where k is not a multiple of 32 (the layer then keeps the model's dtype)."""
+        the kernel's packed copy where the kernel runs (n a multiple of 16; gate-up: 64, so that
+        its d, the down projection's k, comes in 32s); None where k is not a multiple of 32 (the
+        layer then keeps the model's dtype)."""
         n, k = weight.shape
         if k % BLOCK or (gate_up and n % 2):
             return None
         q, d, m = quantize_weight(weight)
         w = W4Weight(n, k, d, m, q, gate_up=gate_up)
-        if self.lib is not None and n % (64 if gate_up else 16) == 0:  # (gate-up: d in 32s, the next GEMM's k)
+        if self.lib is not None and n % (64 if gate_up else 16) == 0:
             order = _gate_up_order(n) if gate_up else torch.arange(n)
             nb = k // BLOCK
             w.packed = q[order].reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
