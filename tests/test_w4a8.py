@@ -167,7 +167,7 @@ def tied_model():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w4a8_runs_the_layers_on_4_bit_blocks_close_to_the_models_dtype(tied_model, monkeypatch, dtype):
+def test_w4a8_runs_the_layers_on_4_bit_blocks_close_to_the_models_dtype(c_ops, tied_model, monkeypatch, dtype):
     """Every layer's four GEMMs on the W4A8 kernel from int8.min_rows rows (qkv, o and down
     through `linear`, gate-up giving int8 blocks; float32 from one row), the LM head on w8a8's int8
     copy; prefill and decode logits close to the unquantized model's; a smaller pass keeps the
