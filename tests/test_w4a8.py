@@ -103,15 +103,15 @@ def test_the_kernels_product_is_the_exact_product_of_the_blocks(c_ops, rows, wid
     want = _exact(x, q, d, m, extra)
     got = c_ops.linear(x, w, add=extra)
     assert got.dtype == torch.float32
-    tol = 2e-6 * (want.abs().max() + 1)
-    assert (got.double() - want).abs().max() <= tol
+    tol = 1e-5 * want.abs().amax(dim=1, keepdim=True) + 1e-30  # (each row against its own size: 0.01-3e4)
+    assert ((got.double() - want).abs() <= tol).all()
     bf16 = W4Ops.load(torch.bfloat16)
     got16 = bf16.linear(x, bf16.make(weight), add=None if extra is None else extra.bfloat16())
     want16 = _exact(x, q, d, m, None if extra is None else extra.bfloat16().float())
     assert got16.dtype == torch.bfloat16
     assert ((got16.double() - want16).abs() <= want16.abs() * 2 ** -8 + tol).all()
     torch_path = TORCH_OPS.linear(quantize_blocks(_rows(rows, width, seed=rows)), TORCH_OPS.make(weight), add=extra)
-    assert (torch_path.double() - want).abs().max() <= tol
+    assert ((torch_path.double() - want).abs() <= tol).all()
 
 
 @pytest.mark.parametrize("rows", [1, 7, 37, 200, 300])
