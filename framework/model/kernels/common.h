@@ -97,6 +97,15 @@ static inline float exp_neg_lanes(float x) {
     return p * hf * lf;
 }
 
+/* silu(g) * u in fp32: g / (1 + exp(-g)) as g e' / (1 + e) with e = exp(-|g|) and e' 1 (g >= 0) or
+ * e (g < 0), so that exp only sees values <= 0 (exp_neg_lanes: a loop of them vectorizes). The
+ * fp32 SiLU-mul ends (fused_ops.c, int8_ops.c, w4_gemm.c) all take it, so they give the same bits. */
+static inline float silu_times(float g, float u) {
+    const float e = exp_neg_lanes(-fabsf(g));
+    const float pos = 0.5f + copysignf(0.5f, g); /* 1 for g >= 0, else 0 */
+    return g * (pos + (1.0f - pos) * e) / (1.0f + e) * u;
+}
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;
@@ -334,6 +343,19 @@ static inline __m128i to_bf16x8(__m256 x) {
     rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
     const __m256i words = _mm256_srli_epi32(rounded, 16); /* (each <= 0xffff: the pack keeps it) */
     return _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+}
+
+/* 32 fp32 values x times inv, rounded to nearest even (each within +-127: inv is 127 / max|x| or
+ * 0), as int8 at q: two saturating packs narrow the four vectors of int32 but interleave 4-value
+ * groups across the 128-bit halves, and the permute puts them back in order. `ints` (or NULL)
+ * gets the four vectors of int32. */
+static inline void quantize32_i8(const float *x, __m256 inv, int8_t *q, __m256i *ints) {
+    __m256i v[4];
+    for (int b = 0; b < 4; b++) v[b] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * b), inv));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    if (ints)
+        for (int b = 0; b < 4; b++) ints[b] = v[b];
 }
 #endif
 

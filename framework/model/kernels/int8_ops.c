@@ -73,17 +73,8 @@ static void quantize_row(float *row, int64_t d, const float *mul, int8_t *q, flo
         _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(v));
     }
 #elif defined(__AVX2__)
-    /* 32 values at a time: four vectors of int32 (to nearest even, each within +-127) narrowed by
-     * two saturating packs, which interleave 4-value groups across the 128-bit halves; the
-     * permute puts them back in order */
     const __m256 vinv = _mm256_set1_ps(inv);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (; i + 32 <= d; i += 32) {
-        __m256i v[4];
-        for (int b = 0; b < 4; b++) v[b] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i + 8 * b), vinv));
-        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(bytes, order));
-    }
+    for (; i + 32 <= d; i += 32) quantize32_i8(row + i, vinv, q + i, NULL);
 #endif
     for (; i < d; i++) {
         float v = nearbyintf(row[i] * inv); /* (to nearest even, as the vector conversion) */
@@ -171,14 +162,11 @@ static inline __m512 silu_mul16(__m512i gate, __m512 gate_scale, __m512i up, __m
 }
 #endif
 
-/* silu(g) * u of a gate and an up sum and their scales (x_scale * w_scale), one lane: silu(g) =
- * g / (1 + exp(-g)) as g * e' / (1 + e) with e = exp(-|g|) and e' 1 (g >= 0) or e (g < 0), so that
- * exp only sees values <= 0 (exp_neg_lanes: a loop of them vectorizes). Where there is no AVX-512
- * the end of silu_mul_quantize_rows and of the int8 GEMM's gate_up, so both give the same bits. */
+/* silu(g) * u of a gate and an up sum and their scales (x_scale * w_scale), one lane (silu_times,
+ * common.h). Where there is no AVX-512 the end of silu_mul_quantize_rows and of the int8 GEMM's
+ * gate_up, so both give the same bits. */
 static inline float silu_mul_lane(int32_t gate, float gate_scale, int32_t up, float up_scale) {
-    const float g = (float)gate * gate_scale, e = exp_neg_lanes(-fabsf(g));
-    const float pos = 0.5f + copysignf(0.5f, g); /* 1 for g >= 0, else 0 */
-    return g * (pos + (1.0f - pos) * e) / (1.0f + e) * ((float)up * up_scale);
+    return silu_times((float)gate * gate_scale, (float)up * up_scale);
 }
 
 /* acc [rows, 2d] = the sums of [gate | up] -> silu(gate) * up in fp32, quantized to [rows, d]. */

@@ -18,7 +18,7 @@
  * gate unit, then the up unit of the same 16 columns.
  *
  * Ends: out = y [+ add] in fp32 or bf16 (rounded once, as the other GEMM ends); gate-up: h =
- * silu(gate) * up in fp32 (as int8_ops.c's silu_mul_lane computes it), a block of rows at a time,
+ * silu(gate) * up in fp32 (silu_times, common.h, as int8_ops.c's ends), a block of rows at a time,
  * whose rows are then quantized in blocks of 32 for the down projection (w4_quantize's rule).
  * Built only with AVX2 and FMA (w4_gemm_built() says so); w4a8.py runs the same arithmetic in
  * PyTorch elsewhere. Threads take spans of units (run_spans in common.h). */
@@ -42,17 +42,9 @@ static void quantize_blocks_row(const float *v, int64_t n, int8_t *q, float *sca
         int32_t total = 0;
         int i = 0;
 #ifdef __AVX2__
-        /* (each x inv within +-127 after rounding; the two saturating packs interleave 4-value
-         * groups across the 128-bit halves, and the permute puts them back in order) */
-        const __m256 vinv = _mm256_set1_ps(inv);
-        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), vinv));
-        const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), vinv));
-        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), vinv));
-        const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), vinv));
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-        _mm256_storeu_si256((__m256i *)(q + b * W4_BLOCK),
-                            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m256i ints[4];
+        quantize32_i8(x, _mm256_set1_ps(inv), q + b * W4_BLOCK, ints);
+        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
         __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
         h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
         h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
@@ -208,13 +200,6 @@ static inline void w4_store(const W4Gemm *g, int64_t m0, int R, int64_t c0, floa
     }
 }
 
-/* silu(g) * u a lane, as int8_ops.c's silu_mul_lane (the same exp and the same order). */
-static inline float w4_silu_mul(float g, float u) {
-    const float e = exp_neg_lanes(-fabsf(g));
-    const float pos = 0.5f + copysignf(0.5f, g); /* 1 for g >= 0, else 0 */
-    return g * (pos + (1.0f - pos) * e) / (1.0f + e) * u;
-}
-
 /* Rows m0..m0+R of one unit (or, gate-up, one pair of units) and their end. */
 static inline __attribute__((always_inline)) void w4_rows(const W4Gemm *g, int64_t unit, int64_t m0, const int R) {
     const int64_t k = g->k, unit_q = 16 * k, unit_dm = (k / W4_BLOCK) * 32;
@@ -229,7 +214,7 @@ static inline __attribute__((always_inline)) void w4_rows(const W4Gemm *g, int64
     const int64_t d = g->n / 2;
     for (int r = 0; r < R; r++) {
         float *h = (float *)g->out + (m0 + r) * d + 16 * unit;
-        for (int i = 0; i < 16; i++) h[i] = w4_silu_mul(y[r][i], u[r][i]);
+        for (int i = 0; i < 16; i++) h[i] = silu_times(y[r][i], u[r][i]);
     }
 }
 
