@@ -261,7 +261,6 @@ class ModelRunner:
             # a decoder without LM head (an embedding model) would keep an int8 copy it never runs
             head = self.int8_lm_head and not model_config.is_embedding
             count = use_int8_weights(text, ops, lm_head=head, w4_ops=w4)
-            isa = "AVX512-VNNI" if has_int8_dot() else "AVX2"
             if w4 is not None:
                 where = ("kernels/w4_gemm.c on AVX2, ends inside it" if w4.packs
                          else "PyTorch, on the dequantized operands")
@@ -273,6 +272,7 @@ class ModelRunner:
                                    "a CPU with AVX2 and FMA; worker.cpu_kernels = 'off' turns it off): its GEMMs run "
                                    "in PyTorch on the dequantized weights, slower than model.quantization = 'none'")
                 return model_config, model
+            isa = "AVX512-VNNI" if has_int8_dot() else "AVX2"
             where = (f"kernels/int8_ops.c's own GEMM on {isa}, ends inside it" if ops.packs
                      else "torch._int_mm, ends in C" if ops.lib is not None else "torch._int_mm, ends in PyTorch")
             logger.info("model.quantization = 'w8a8': %d linear weights in int8%s (smoothed by a calibration pass, "
