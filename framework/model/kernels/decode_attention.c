@@ -1042,6 +1042,20 @@ static float softmax_numerators(float *scores, int64_t len, float scale, const f
         vmx = _mm512_max_ps(vmx, x);
     }
     mx = _mm512_reduce_max_ps(vmx);
+#elif defined(__AVX2__)
+    /* the AVX-512 path's on 8 lanes: GCC's scalar maxima below took ~0.2 ms of a 200-request
+     * layer's ~3.6 (2-core AMD EPYC Zen 3; the same bits) */
+    __m256 vmx = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);
+    for (; t + 8 <= len; t += 8) {
+        __m256 x = _mm256_loadu_ps(scores + t);
+        if (mul) x = _mm256_mul_ps(x, _mm256_loadu_ps(mul + t));
+        x = _mm256_mul_ps(x, vscale);
+        _mm256_storeu_ps(scores + t, x);
+        vmx = _mm256_max_ps(vmx, x);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmx);
+    for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
 #else
     /* the scaling (a loop that vectorizes without AVX-512), then LANES running maxima (float
      * compares, which GCC keeps scalar, but in sixteen independent chains) */
