@@ -150,7 +150,9 @@ typedef struct {
  * (36 instructions a step for these 22). On the 2-core AMD EPYC Zen 3, 30 layers' GEMMs alternated
  * in one process, medians: 8,192 rows 216 -> 282 GOP/s, 200 rows 264 -> 318, 32 rows 232 -> 273;
  * one tile in L1 21.4-22.7 -> 18.9-20.4 ns a block (the block alone 14.9: the rest is the block's
- * end in fp32 below). */
+ * end in fp32 below). The "memory" clobber stands for the 512 q bytes and 4 x 32 x bytes it reads
+ * (listed as inputs instead, the GEMMs ran no faster); "x" keeps its registers within xmm0-15,
+ * which the VEX encodings reach on AVX-512 CPUs too. */
 #define W4_ROW_PRODUCTS(P, R)                                                                       \
     "vpbroadcastd " #P "*4(%[x" #R "]), %[b]\n\t"                                                   \
     "vpmaddubsw %[b], %[w0], %[t0]\n\t"                                                              \
