@@ -370,6 +370,17 @@ static inline void quantize32_i8(const float *x, __m256 inv, int8_t *q, __m256i 
 #define KEEP_ROUNDED(v) ((void)(v))
 #endif
 
+#ifdef __AVX2__
+/* The largest of `start` and v's 8 lanes, a NaN lane passed over (the lanes scanned in order: the
+ * AVX2 paths' maxima, whose value does not depend on the order). */
+static inline float max_lanes8(__m256 v, float start) {
+    float lanes[8], top = start;
+    _mm256_storeu_ps(lanes, v);
+    for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
+    return top;
+}
+#endif
+
 /* The largest |x| of n fp32 values (0 for none; a NaN among them is passed over, as fmaxf does):
  * the scale of an int8 or int16 row (quantize_row, store_i8, quantize_queries). The largest is the
  * same in any order, so every ISA's path gives the same value. */
@@ -384,9 +395,7 @@ static inline float max_abs_f32(const float *x, int64_t n) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 m = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, m);
-    for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+    amax = max_lanes8(m, amax);
 #endif
     for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     return amax;

@@ -498,10 +498,8 @@ static float chunk_to_i16(const float *p, const float *vs, int64_t n, int16_t *q
     __m256 m = _mm256_setzero_ps();
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(vs + t)));
-    float lanes[8], top = 0.0f;
-    _mm256_storeu_ps(lanes, m);
-    for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top; /* (fmaxf is a libm call here) */
-    for (; t < n; t++) top = p[t] * vs[t] > top ? p[t] * vs[t] : top;
+    float top = max_lanes8(m, 0.0f);
+    for (; t < n; t++) top = p[t] * vs[t] > top ? p[t] * vs[t] : top; /* (fmaxf is a libm call here) */
     const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
     const __m256 vinv = _mm256_set1_ps(inv);
     for (t = 0; t + 8 <= n; t += 8) {
@@ -1056,9 +1054,7 @@ static float softmax_numerators(float *scores, int64_t len, float scale, const f
         _mm256_storeu_ps(scores + t, x);
         vmx = _mm256_max_ps(vmx, x);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, vmx);
-    for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+    mx = max_lanes8(vmx, mx);
 #else
     /* the scaling (a loop that vectorizes without AVX-512), then LANES running maxima (float
      * compares, which GCC keeps scalar, but in sixteen independent chains) */

@@ -290,9 +290,7 @@ static void att_item(const F32Ext *e, int hq, int64_t r0, float *p) {
         __m256 vmx = _mm256_set1_ps(-INFINITY);
         int64_t t = 0;
         for (; t + 8 <= seen; t += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(row + t));
-        float lanes[8], part[8] = {0}, mx = -INFINITY, sum;
-        _mm256_storeu_ps(lanes, vmx);
-        for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+        float part[8] = {0}, mx = max_lanes8(vmx, -INFINITY), sum;
         for (; t < seen; t++) mx = row[t] > mx ? row[t] : mx;
         /* exp by exp_neg_lanes in 8 partial sums, a loop GCC vectorizes */
         for (t = 0; t + 8 <= seen; t += 8)
