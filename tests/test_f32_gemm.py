@@ -122,7 +122,8 @@ def _extend_reference(q, k, v, slots, prefix_len, group, scale):
 @pytest.mark.parametrize("seq_len,prefix_len", [(1, 0), (7, 0), (37, 20), (300, 0), (300, 283), (611, 100)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_f32_prefill_attention_matches_float64(kv_dtype, seq_len, prefix_len, heads, kv_heads, threads, monkeypatch):
+def test_f32_prefill_attention_matches_float64(kv_dtype, seq_len, prefix_len, heads, kv_heads, threads, monkeypatch,
+                                               scale=None):
     """fp32 queries (rows of a pass, strided as its q) over a request's scattered slots of an fp32,
     bf16 or int8 pool (its values: an int8 row's integers times its scale), causal past a prefix."""
     from framework.model.attention import TorchNativeAttention, _ExtendReq
@@ -139,7 +140,16 @@ def test_f32_prefill_attention_matches_float64(kv_dtype, seq_len, prefix_len, he
     q = rows.view(ext, heads, 64)
     attn = TorchNativeAttention(heads, kv_heads, 64)
     attn.use_f32_extend_kernel(GEMM.extend_attention)
+    if scale is not None:
+        attn.scaling = scale  # (the kernel folds it into q: not a power of 2 here)
     out = torch.full((ext, heads, 64), float("nan"))
     assert attn._kernel_extend(q, k, v, _ExtendReq(0, ext, prefix_len, slots, None), out)
-    ref = _extend_reference(q, _values(k), _values(v), slots, prefix_len, heads // kv_heads, 64**-0.5)
+    ref = _extend_reference(q, _values(k), _values(v), slots, prefix_len, heads // kv_heads, scale or 64**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+@needs_gemm
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+def test_f32_prefill_attention_other_scale(heads, kv_heads, monkeypatch):
+    """A softmax scale other than head_dim ** -0.5 (a model's own query scaling), folded into q."""
+    test_f32_prefill_attention_matches_float64(torch.int8, 300, 100, heads, kv_heads, 2, monkeypatch, scale=0.1)
