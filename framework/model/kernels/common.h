@@ -20,6 +20,37 @@ static inline int span_threads(int num_threads, int64_t items) {
     return num_threads < 1 ? 1 : num_threads;
 }
 
+/* The rows of a GEMM's panels (at most `cap`, a multiple of `step`), where the threads take
+ * (panel, unit) items (take_items): fewer where that gives each thread at least 8 items, so that a
+ * GEMM of few units still ends on all threads about together. */
+static inline int64_t panel_rows(int64_t rows, int64_t cap, int64_t units, int threads, int64_t step) {
+    const int64_t panels = (8 * (int64_t)threads + units - 1) / units;
+    int64_t per = (rows + panels - 1) / panels;
+    per = (per + step - 1) / step * step;
+    return per < cap ? per : cap;
+}
+
+/* The next run of items [*from, *to) of `total` (panels of `per_panel` items, in order) from the
+ * counter `next` that the threads share: a (2 threads)-th of what is left, at least one, within one
+ * panel. So the runs are long at first (a GEMM's units in a run are one stream of weights, which
+ * the prefetchers follow) and short at the end, where a thread that ran faster takes over what the
+ * other has not reached. Returns 0 when nothing is left. */
+static inline int take_items(int64_t *next, int64_t total, int64_t per_panel, int threads, int64_t *from,
+                             int64_t *to) {
+    int64_t at = __atomic_load_n(next, __ATOMIC_RELAXED);
+    for (;;) {
+        if (at >= total) return 0;
+        int64_t run = (total - at) / (2 * (int64_t)threads), end;
+        end = at + (run > 1 ? run : 1);
+        const int64_t panel_end = (at / per_panel + 1) * per_panel;
+        end = end < panel_end ? end : panel_end;
+        if (__atomic_compare_exchange_n(next, &at, end, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *from = at, *to = end;
+            return 1;
+        }
+    }
+}
+
 /* The epilogue codes of packed_gemm.c (cpu_kernels._GEMM_EPILOGUES). */
 enum { PLAIN = 0, ADD = 1, GATE_UP = 2 };
 

@@ -13,8 +13,8 @@
  * consecutive 32-byte vectors. A micro-tile of F32_ROWS rows by one unit keeps 12 sums in
  * registers; each k step broadcasts one element of each row against the unit's two vectors (12
  * FMAs to 2 loads and 6 broadcasts). A unit's weights (16 k floats: 36 KiB at k = 576) stay in L2
- * while it passes over a panel of rows of x; the threads take equal spans of the units x rows
- * positions, unit-major, so that a decode step's few rows still split by columns.
+ * while it passes over a panel of rows of x; the threads take runs of units of a panel as they
+ * come free (take_items in common.h), the panels shorter where there are few units (panel_rows).
  *
  * Each output is one fp32 sum in k order (then + bias), so the bits differ from MKL's, whose sums
  * go in other orders: the same values to fp32 rounding (tests/test_cpu_kernels.py).
@@ -63,11 +63,13 @@ typedef struct {
     int64_t out_stride;
 } F32Gemm;
 
-/* A thread's share of the positions unit * rows + row, [begin, end). */
+/* A thread's part: (panel, unit) items from the counter `next` the threads share (take_items). */
 typedef struct {
     const F32Gemm *g;
-    int64_t begin, end;
-} F32Span;
+    int64_t panel; /* rows a panel */
+    int64_t *next;
+    int threads;
+} F32Share;
 
 /* Rows m0..m0+R of x by one unit (w: its packed weights; n0: its first column) over k steps
  * [p0, p1): the block's sums are stored (`first`) or added to the outputs, and at the last block
@@ -146,34 +148,25 @@ static void f32_unit_rows(const F32Gemm *g, const float *w, int64_t n0, int64_t 
     }
 }
 
+/* The items of one thread (F32Share), each run of units over its panel's rows, the next unit's
+ * weights prefetched meanwhile. With a fixed span of units x rows for each thread instead, the core
+ * that ran faster (the two vCPUs of a shared host do not keep one pace) waited for the other at
+ * every GEMM's end: 8 layers' GEMMs on a 2-core AMD EPYC Zen 3, alternated in one process, median
+ * GFLOP/s in two runs: 200 rows 119 -> 122, 91 -> 100; 2,048 rows 114 -> 123, 100 -> 110; the LM
+ * head's 49,152 columns at 200 rows 99 -> 107, 78 -> 80. */
 static void *run_f32_units(void *arg) {
-    const F32Span *s = (const F32Span *)arg;
+    const F32Share *s = (const F32Share *)arg;
     const F32Gemm *g = s->g;
-    if (s->begin >= s->end) return NULL;
-    const int64_t rows = g->rows, first_unit = s->begin / rows, last_unit = (s->end - 1) / rows;
-    int64_t panel = F32_PANEL_BYTES / (g->k * (int64_t)sizeof(float)) / F32_ROWS * F32_ROWS;
-    if (panel < F32_ROWS) panel = F32_ROWS;
-    for (int64_t first = 0; first < rows; first += panel) {
-        const int64_t last = first + panel < rows ? first + panel : rows;
-        for (int64_t unit = first_unit; unit <= last_unit; unit++) {
-            /* this span's rows of the unit, within the panel */
-            int64_t lo = unit == first_unit ? s->begin - unit * rows : 0;
-            int64_t hi = unit == last_unit ? s->end - unit * rows : rows;
-            lo = lo > first ? lo : first;
-            hi = hi < last ? hi : last;
-            if (lo < hi)
-                f32_unit_rows(g, g->packed + unit * g->k * F32_UNIT, unit * F32_UNIT, lo, hi,
-                              unit < last_unit ? g->packed + (unit + 1) * g->k * F32_UNIT : NULL);
-        }
+    const int64_t units = (g->n + F32_UNIT - 1) / F32_UNIT, panel = s->panel;
+    const int64_t items = (g->rows + panel - 1) / panel * units;
+    for (int64_t from, to; take_items(s->next, items, units, s->threads, &from, &to);) {
+        const int64_t first = from / units * panel, last = first + panel < g->rows ? first + panel : g->rows;
+        const int64_t end = from % units + (to - from);
+        for (int64_t unit = from % units; unit < end; unit++)
+            f32_unit_rows(g, g->packed + unit * g->k * F32_UNIT, unit * F32_UNIT, first, last,
+                          unit + 1 < end ? g->packed + (unit + 1) * g->k * F32_UNIT : NULL);
     }
     return NULL;
-}
-
-/* Position `share` of `total` (units x rows), its row rounded to a whole micro-tile. */
-static int64_t f32_split(int64_t total, int64_t share, int threads, int64_t rows) {
-    const int64_t at = total * share / threads, unit = at / rows;
-    const int64_t row = (at % rows + F32_ROWS / 2) / F32_ROWS * F32_ROWS;
-    return row >= rows ? (unit + 1) * rows : unit * rows + row;
 }
 
 /* out = x @ W^T (+ bias): x fp32 [rows, k] (unit stride along rows, row stride x_stride), the
@@ -183,15 +176,15 @@ int f32_gemm(const float *x, int64_t x_stride, const float *packed, const float 
     if (rows < 1 || n < 1) return 0;
     const F32Gemm g = {.x = x, .x_stride = x_stride, .packed = packed, .bias = bias, .rows = rows, .k = k, .n = n,
                        .out = out, .out_stride = out_stride};
-    const int64_t total = (n + F32_UNIT - 1) / F32_UNIT * rows;
-    const int threads = span_threads(num_threads, total / (4 * F32_ROWS)); /* (at least 4 micro-tiles a thread) */
-    F32Span spans[MAX_THREADS];
-    for (int s = 0; s < threads; s++) {
-        spans[s].g = &g;
-        spans[s].begin = f32_split(total, s, threads, rows);
-        spans[s].end = s + 1 == threads ? total : f32_split(total, s + 1, threads, rows);
-    }
-    run_spans(run_f32_units, spans, sizeof spans[0], threads);
+    const int64_t units = (n + F32_UNIT - 1) / F32_UNIT;
+    const int threads = span_threads(num_threads, units * rows / (4 * F32_ROWS)); /* (at least 4 micro-tiles a thread) */
+    int64_t cap = F32_PANEL_BYTES / (k * (int64_t)sizeof(float)) / F32_ROWS * F32_ROWS, next = 0;
+    if (cap < F32_ROWS) cap = F32_ROWS;
+    F32Share shares[MAX_THREADS];
+    for (int s = 0; s < threads; s++)
+        shares[s] = (F32Share){.g = &g, .panel = panel_rows(rows, cap, units, threads, F32_ROWS), .next = &next,
+                               .threads = threads};
+    run_spans(run_f32_units, shares, sizeof shares[0], threads);
     return 0;
 }
 

@@ -252,7 +252,7 @@ static int run(const Job *job, int num_threads) {
  *    quantize_row makes every row; w is +-127 too). The packed weight holds w itself. Micro-tiles
  *    of 4 rows x 1 block (8 sums, 16 registers in all), block by block of a unit of 2.
  * Every sum is exact in int32 (|sum| <= k 255 127). A unit passes over every row of a panel of x
- * (its weights in L1/L2), and threads take spans of units by rows (I8Units). Ends:
+ * (its weights in L1/L2), and threads take (panel, unit) items one at a time (I8Share). Ends:
  *   dequantize: out = bf16(acc x_scale w_scale [+ add]), as dequantize_rows; or, for fp32 models
  *               (int8_gemm_f32), out = acc x_scale w_scale [+ add] in fp32, the add fused;
  *   gate_up: silu(gate) * up to an fp32 buffer as silu_mul_quantize_rows makes it, then each row
@@ -333,14 +333,15 @@ typedef struct {
     float *h; /* gate_up: fp32 [rows, n / 2], silu(gate) * up */
 } I8Gemm;
 
-/* A thread's share: units x rows in unit-major order, [begin, end) of the positions unit * rows +
- * row, so that a unit can be split between two threads by rows: with units taken whole, the 9
- * units of SmolLM2's o and down projections would go 4 and 5 to two threads. */
+/* A thread's part: (panel, unit) items taken one at a time from the shared counter `next`, panel by
+ * panel (panel_rows in common.h: panels shrink where there are few units, so that the 9 units of
+ * SmolLM2's o and down projections on AVX512-VNNI still split evenly). */
 typedef struct {
     const I8Gemm *g;
-    int64_t begin, end;
-    int failed;
-} I8Units;
+    int64_t panel; /* rows a panel */
+    int64_t *next; /* (take_items) */
+    int threads, failed;
+} I8Share;
 
 #if I8_GEMM == 1
 /* sum of x over k, as int32 */
@@ -507,66 +508,59 @@ static void i8_unit_rows(const I8Gemm *g, const uint8_t *w, const int64_t n0[I8_
     }
 }
 
+/* The items of one thread (I8Share), in runs of units (take_items in common.h). With a fixed span
+ * of units x rows for each thread instead, the core that ran faster (the two vCPUs of a shared host
+ * do not keep one pace) waited for the other at every GEMM's end: 8 layers' w8a8 GEMMs (fp32 ends)
+ * on a 2-core AMD EPYC Zen 3, alternated in one process, median GOP/s in two runs: 200 rows 163 ->
+ * 169, 103 -> 143; 2,048 rows 173 -> 184, 125 -> 141; the LM head's 49,152 columns at 200 rows 130
+ * -> 136, 108 -> 109. Items of one unit each made the LM head slower (130 -> 108): a thread's
+ * weights were no longer one stream. */
 static void *run_i8_units(void *arg) {
-    I8Units *u = (I8Units *)arg;
+    I8Share *u = (I8Share *)arg;
     const I8Gemm *g = u->g;
-    if (u->begin >= u->end) return NULL;
-    const int64_t unit_bytes = (int64_t)I8_BLOCKS * 16 * g->k;
-    const int64_t limit = g->gate_up ? g->n / 2 : g->n;
-    int64_t panel = I8_PANEL_BYTES / g->k / I8_ROWS * I8_ROWS;
-    if (panel < I8_ROWS) panel = I8_ROWS;
-    if (panel > g->rows) panel = g->rows;
+    const int64_t unit_bytes = (int64_t)I8_BLOCKS * 16 * g->k, units = i8_units(g->n, g->gate_up);
+    const int64_t limit = g->gate_up ? g->n / 2 : g->n, panel = u->panel;
+    const int64_t items = (g->rows + panel - 1) / panel * units;
     int32_t *sums = malloc((size_t)panel * sizeof(int32_t));
     if (sums == NULL) {
         u->failed = 1;
         return NULL;
     }
-    const int64_t rows = g->rows, first_unit = u->begin / rows, last_unit = (u->end - 1) / rows;
-    for (int64_t first = 0; first < rows; first += panel) {
-        const int64_t last = first + panel < rows ? first + panel : rows;
+    int64_t summed = -1; /* the panel whose row sums are in `sums` (the items come in order) */
+    for (int64_t from, to; take_items(u->next, items, units, u->threads, &from, &to);) {
+        const int64_t first = from / units * panel, last = first + panel < g->rows ? first + panel : g->rows;
 #if I8_OFFSET
-        for (int64_t m = first; m < last; m++) sums[m - first] = row_sum_i8(g->x + m * g->k, g->k);
+        if (summed != first)
+            for (int64_t m = first; m < last; m++) sums[m - first] = row_sum_i8(g->x + m * g->k, g->k);
 #endif
-        for (int64_t unit = first_unit; unit <= last_unit; unit++) {
-            /* this thread's rows of the unit, within the panel */
-            int64_t lo = unit == first_unit ? u->begin - unit * rows : 0;
-            int64_t hi = unit == last_unit ? u->end - unit * rows : rows;
-            lo = lo > first ? lo : first;
-            hi = hi < last ? hi : last;
-            if (lo >= hi) continue;
+        summed = first;
+        for (int64_t unit = from % units; unit < from % units + (to - from); unit++) {
             int64_t n0[I8_BLOCKS];
             for (int c = 0; c < I8_BLOCKS; c++) {
                 int64_t col = 16 * i8_block(unit, c, g->gate_up);
                 n0[c] = col < limit ? col : g->n; /* a missing block's outputs are not stored */
             }
-            const uint8_t *w = g->packed + unit * unit_bytes;
-            i8_unit_rows(g, w, n0, lo, hi, sums + (lo - first));
+            i8_unit_rows(g, g->packed + unit * unit_bytes, n0, first, last, sums);
         }
     }
+    (void)summed;
     free(sums);
     return NULL;
 }
 
-/* Position `share` of `total` (units x rows, I8Units), its row rounded to a whole micro-tile. */
-static int64_t i8_split(int64_t total, int64_t share, int threads, int64_t rows) {
-    int64_t at = total * share / threads, unit = at / rows, row = (at % rows + I8_ROWS / 2) / I8_ROWS * I8_ROWS;
-    return row >= rows ? (unit + 1) * rows : unit * rows + row;
-}
-
 static int run_i8(const I8Gemm *g, int num_threads) {
     if (g->rows < 1) return 0;
-    const int64_t total = i8_units(g->n, g->gate_up) * g->rows;
-    int threads = span_threads(num_threads, total / (4 * I8_ROWS)); /* (at least 4 micro-tiles a thread) */
-    I8Units spans[MAX_THREADS];
-    for (int s = 0; s < threads; s++) {
-        spans[s].g = g;
-        spans[s].begin = i8_split(total, s, threads, g->rows);
-        spans[s].end = s + 1 == threads ? total : i8_split(total, s + 1, threads, g->rows);
-        spans[s].failed = 0;
-    }
-    run_spans(run_i8_units, spans, sizeof spans[0], threads);
+    const int64_t units = i8_units(g->n, g->gate_up);
+    int threads = span_threads(num_threads, units * g->rows / (4 * I8_ROWS)); /* (at least 4 micro-tiles a thread) */
+    int64_t cap = I8_PANEL_BYTES / g->k / I8_ROWS * I8_ROWS, next = 0;
+    if (cap < I8_ROWS) cap = I8_ROWS;
+    I8Share shares[MAX_THREADS];
     for (int s = 0; s < threads; s++)
-        if (spans[s].failed) return -1;
+        shares[s] = (I8Share){.g = g, .panel = panel_rows(g->rows, cap, units, threads, I8_ROWS), .next = &next,
+                              .threads = threads};
+    run_spans(run_i8_units, shares, sizeof shares[0], threads);
+    for (int s = 0; s < threads; s++)
+        if (shares[s].failed) return -1;
     return 0;
 }
 

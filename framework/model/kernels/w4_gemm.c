@@ -21,7 +21,7 @@
  * silu(gate) * up in fp32 (silu_times, common.h, as int8_ops.c's ends), a block of rows at a time,
  * whose rows are then quantized in blocks of 32 for the down projection (w4_quantize's rule).
  * Built only with AVX2 and FMA (w4_gemm_built() says so); w4a8.py runs the same arithmetic in
- * PyTorch elsewhere. Threads take spans of units (run_spans in common.h). */
+ * PyTorch elsewhere. The threads (run_spans in common.h) take units one at a time (run_w4_units). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -140,8 +140,10 @@ typedef struct {
 
 typedef struct {
     const W4Gemm *g;
-    int64_t begin, end; /* units (gate-up: pairs of units) */
-} W4Units;
+    int64_t panel; /* rows a panel */
+    int64_t *next; /* the next (panel, unit) item to take, shared by the threads (take_items) */
+    int threads;
+} W4Share;
 
 /* One block (32 inputs) of 4 rows of x (row stride k, from the block's first input) by a unit's 16
  * columns (its 8 steps of 64 q bytes from `w`): the 16-bit sums s[r][h] (columns 8 h .. 8 h + 7, two
@@ -262,14 +264,21 @@ static inline __attribute__((always_inline)) void w4_rows(const W4Gemm *g, int64
     }
 }
 
+/* Units (gate-up: pairs of units) x panels of rows, in runs of units taken by whichever thread is
+ * free (take_items in common.h), panel by panel. With a fixed span of units for each thread
+ * instead, the core that ran faster (the two vCPUs of a shared host do not keep one pace) waited
+ * for the other at every GEMM's end: 30 layers' GEMMs on a 2-core AMD EPYC Zen 3, alternated in
+ * one process, median GOP/s over three runs: 200 rows 205 -> 218, 210 -> 231, 174 -> 192; 2,048
+ * rows 208 -> 229; 8,192 rows 173 -> 224, 170 -> 192. (One unit at a time did about as well at
+ * 8,192 rows, less at 200.) */
 static void *run_w4_units(void *arg) {
-    const W4Units *s = (const W4Units *)arg;
+    const W4Share *s = (const W4Share *)arg;
     const W4Gemm *g = s->g;
-    int64_t panel = W4_PANEL_BYTES / g->k / W4_ROWS * W4_ROWS;
-    if (panel < W4_ROWS) panel = W4_ROWS;
-    for (int64_t first = 0; first < g->rows; first += panel) {
-        const int64_t last = first + panel < g->rows ? first + panel : g->rows;
-        for (int64_t unit = s->begin; unit < s->end; unit++) {
+    const int64_t units = g->gate_up ? g->n / 32 : g->n / 16, panel = s->panel;
+    const int64_t items = (g->rows + panel - 1) / panel * units;
+    for (int64_t from, to; take_items(s->next, items, units, s->threads, &from, &to);) {
+        const int64_t first = from / units * panel, last = first + panel < g->rows ? first + panel : g->rows;
+        for (int64_t unit = from % units; unit < from % units + (to - from); unit++) {
             int64_t m = first;
             for (; m + W4_ROWS <= last; m += W4_ROWS) w4_rows(g, unit, m, W4_ROWS);
             switch (last - m) {
@@ -286,10 +295,13 @@ static int run_w4(const W4Gemm *g, int num_threads) {
     if (g->rows < 1) return 0;
     const int64_t units = g->gate_up ? g->n / 32 : g->n / 16;
     const int threads = span_threads(num_threads, units);
-    W4Units spans[MAX_THREADS];
+    int64_t cap = W4_PANEL_BYTES / g->k / W4_ROWS * W4_ROWS, next = 0;
+    if (cap < W4_ROWS) cap = W4_ROWS;
+    W4Share shares[MAX_THREADS];
     for (int s = 0; s < threads; s++)
-        spans[s] = (W4Units){.g = g, .begin = units * s / threads, .end = units * (s + 1) / threads};
-    run_spans(run_w4_units, spans, sizeof spans[0], threads);
+        shares[s] = (W4Share){.g = g, .panel = panel_rows(g->rows, cap, units, threads, W4_ROWS), .next = &next,
+                              .threads = threads};
+    run_spans(run_w4_units, shares, sizeof shares[0], threads);
     return 0;
 }
 
