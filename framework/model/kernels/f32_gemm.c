@@ -278,12 +278,15 @@ static void att_item(const F32Ext *e, int h, int64_t r0, float *qg, float *p, fl
     const int64_t keys = e->prefix_len + r0 + rows; /* the last row's keys */
     const int64_t keys16 = (keys + F32_UNIT - 1) / F32_UNIT * F32_UNIT;
     const __m256 scale = _mm256_set1_ps(e->scale);
-    for (int g = 0; g < group; g++)
+    for (int g = 0; g < group; g++) {
         for (int64_t r = 0; r < rows; r++) {
             const float *src = e->q + (r0 + r) * e->q_stride + (int64_t)(h * group + g) * ATT_DIM;
             float *dst = qg + (g * F32_ROWS + r) * ATT_DIM;
             for (int j = 0; j < ATT_DIM; j += 8) _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_loadu_ps(src + j), scale));
         }
+        if (rows < F32_ROWS) /* (the last block: rows the GEMMs below run over but nothing reads) */
+            memset(qg + (g * F32_ROWS + rows) * ATT_DIM, 0, (size_t)(F32_ROWS - rows) * ATT_DIM * sizeof(float));
+    }
     /* S = Q K^T: a GEMM of the group's rows by K's units (a head's rows past `rows` are not used) */
     const int64_t all = (group - 1) * F32_ROWS + rows;
     F32Gemm s = {.x = qg, .x_stride = ATT_DIM, .packed = e->kp + (size_t)h * e->keys_pad * ATT_DIM, .bias = NULL,

@@ -252,7 +252,7 @@ static int run(const Job *job, int num_threads) {
  *    quantize_row makes every row; w is +-127 too). The packed weight holds w itself. Micro-tiles
  *    of 4 rows x 1 block (8 sums, 16 registers in all), block by block of a unit of 2.
  * Every sum is exact in int32 (|sum| <= k 255 127). A unit passes over every row of a panel of x
- * (its weights in L1/L2), and threads take (panel, unit) items one at a time (I8Share). Ends:
+ * (its weights in L1/L2), and threads take runs of (panel, unit) items as they come free (I8Share). Ends:
  *   dequantize: out = bf16(acc x_scale w_scale [+ add]), as dequantize_rows; or, for fp32 models
  *               (int8_gemm_f32), out = acc x_scale w_scale [+ add] in fp32, the add fused;
  *   gate_up: silu(gate) * up to an fp32 buffer as silu_mul_quantize_rows makes it, then each row
@@ -333,9 +333,9 @@ typedef struct {
     float *h; /* gate_up: fp32 [rows, n / 2], silu(gate) * up */
 } I8Gemm;
 
-/* A thread's part: (panel, unit) items taken one at a time from the shared counter `next`, panel by
- * panel (panel_rows in common.h: panels shrink where there are few units, so that the 9 units of
- * SmolLM2's o and down projections on AVX512-VNNI still split evenly). */
+/* A thread's part: runs of (panel, unit) items from the counter `next` the threads share, panel by
+ * panel (take_items and panel_rows in common.h: panels shrink where there are few units, so that
+ * the 9 units of SmolLM2's o and down projections on AVX512-VNNI still split evenly). */
 typedef struct {
     const I8Gemm *g;
     int64_t panel; /* rows a panel */
@@ -526,14 +526,17 @@ static void *run_i8_units(void *arg) {
         u->failed = 1;
         return NULL;
     }
-    int64_t summed = -1; /* the panel whose row sums are in `sums` (the items come in order) */
+#if I8_OFFSET
+    int64_t summed = -1; /* the panel whose row sums are in `sums` (a thread's runs come in order) */
+#endif
     for (int64_t from, to; take_items(u->next, items, units, u->threads, &from, &to);) {
         const int64_t first = from / units * panel, last = first + panel < g->rows ? first + panel : g->rows;
 #if I8_OFFSET
-        if (summed != first)
+        if (summed != first) {
             for (int64_t m = first; m < last; m++) sums[m - first] = row_sum_i8(g->x + m * g->k, g->k);
+            summed = first;
+        }
 #endif
-        summed = first;
         for (int64_t unit = from % units; unit < from % units + (to - from); unit++) {
             int64_t n0[I8_BLOCKS];
             for (int c = 0; c < I8_BLOCKS; c++) {
@@ -543,7 +546,6 @@ static void *run_i8_units(void *arg) {
             i8_unit_rows(g, g->packed + unit * unit_bytes, n0, first, last, sums);
         }
     }
-    (void)summed;
     free(sums);
     return NULL;
 }

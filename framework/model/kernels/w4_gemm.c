@@ -21,7 +21,8 @@
  * silu(gate) * up in fp32 (silu_times, common.h, as int8_ops.c's ends), a block of rows at a time,
  * whose rows are then quantized in blocks of 32 for the down projection (w4_quantize's rule).
  * Built only with AVX2 and FMA (w4_gemm_built() says so); w4a8.py runs the same arithmetic in
- * PyTorch elsewhere. The threads (run_spans in common.h) take units one at a time (run_w4_units). */
+ * PyTorch elsewhere. The threads (run_spans in common.h) take runs of units as they come free
+ * (run_w4_units). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
