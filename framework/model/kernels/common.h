@@ -24,7 +24,7 @@ static inline int span_threads(int num_threads, int64_t items) {
  * (panel, unit) items (take_items): fewer where that gives each thread at least 8 items, so that a
  * GEMM of few units still ends on all threads about together. */
 static inline int64_t panel_rows(int64_t rows, int64_t cap, int64_t units, int threads, int64_t step) {
-    const int64_t panels = (8 * (int64_t)threads + units - 1) / units;
+    const int64_t panels = units > 0 ? (8 * (int64_t)threads + units - 1) / units : 1;
     int64_t per = (rows + panels - 1) / panels;
     per = (per + step - 1) / step * step;
     return per < cap ? per : cap;
