@@ -20,32 +20,40 @@ static inline int span_threads(int num_threads, int64_t items) {
     return num_threads < 1 ? 1 : num_threads;
 }
 
-/* The rows of a GEMM's panels (at most `cap`, a multiple of `step`), where the threads take
- * (panel, unit) items (take_items): fewer where that gives each thread at least 8 items, so that a
- * GEMM of few units still ends on all threads about together. */
-static inline int64_t panel_rows(int64_t rows, int64_t cap, int64_t units, int threads, int64_t step) {
+/* A GEMM's work as runs of units handed to its threads as they come free: (panel, unit) items, a
+ * panel being `panel` rows of x, taken panel by panel from the counter `next` the threads share. */
+typedef struct {
+    int64_t rows, panel, units;
+    int threads;
+    int64_t *next;
+} UnitRuns;
+
+/* The runs of `units` units over `rows` rows for `threads` threads, counting with *next (0): panels
+ * of at most `cap` rows (a multiple of `step`), fewer where that gives each thread at least 8
+ * items, so that a GEMM of few units still ends on all threads about together. */
+static inline UnitRuns unit_runs(int64_t rows, int64_t cap, int64_t units, int threads, int64_t step, int64_t *next) {
     const int64_t panels = units > 0 ? (8 * (int64_t)threads + units - 1) / units : 1;
     int64_t per = (rows + panels - 1) / panels;
     per = (per + step - 1) / step * step;
-    return per < cap ? per : cap;
+    return (UnitRuns){.rows = rows, .panel = per < cap ? per : cap, .units = units, .threads = threads, .next = next};
 }
 
-/* The next run of items [*from, *to) of `total` (panels of `per_panel` items, in order) from the
- * counter `next` that the threads share: a (2 threads)-th of what is left, at least one, within one
- * panel. So the runs are long at first (a GEMM's units in a run are one stream of weights, which
- * the prefetchers follow) and short at the end, where a thread that ran faster takes over what the
- * other has not reached. Returns 0 when nothing is left. */
-static inline int take_items(int64_t *next, int64_t total, int64_t per_panel, int threads, int64_t *from,
-                             int64_t *to) {
-    int64_t at = __atomic_load_n(next, __ATOMIC_RELAXED);
+/* The next run: units [*u0, *u1) over rows [*first, *last), a (2 threads)-th of the items left, at
+ * least one, within one panel. So the runs are long at first (a run's units are one stream of
+ * weights, which the prefetchers follow) and short at the end, where a thread that ran faster
+ * takes over what the other has not reached. Returns 0 when nothing is left. */
+static inline int take_units(const UnitRuns *u, int64_t *first, int64_t *last, int64_t *u0, int64_t *u1) {
+    const int64_t total = (u->rows + u->panel - 1) / u->panel * u->units;
+    int64_t at = __atomic_load_n(u->next, __ATOMIC_RELAXED);
     for (;;) {
         if (at >= total) return 0;
-        int64_t run = (total - at) / (2 * (int64_t)threads), end;
-        end = at + (run > 1 ? run : 1);
-        const int64_t panel_end = (at / per_panel + 1) * per_panel;
+        const int64_t run = (total - at) / (2 * (int64_t)u->threads), panel_end = (at / u->units + 1) * u->units;
+        int64_t end = at + (run > 1 ? run : 1);
         end = end < panel_end ? end : panel_end;
-        if (__atomic_compare_exchange_n(next, &at, end, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-            *from = at, *to = end;
+        if (__atomic_compare_exchange_n(u->next, &at, end, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *first = at / u->units * u->panel;
+            *last = *first + u->panel < u->rows ? *first + u->panel : u->rows;
+            *u0 = at % u->units, *u1 = *u0 + (end - at);
             return 1;
         }
     }

@@ -14,7 +14,7 @@
  * registers; each k step broadcasts one element of each row against the unit's two vectors (12
  * FMAs to 2 loads and 6 broadcasts). A unit's weights (16 k floats: 36 KiB at k = 576) stay in L2
  * while it passes over a panel of rows of x; the threads take runs of units of a panel as they
- * come free (take_items in common.h), the panels shorter where there are few units (panel_rows).
+ * come free (UnitRuns in common.h), the panels shorter where there are few units.
  *
  * Each output is one fp32 sum in k order (then + bias), so the bits differ from MKL's, whose sums
  * go in other orders: the same values to fp32 rounding (tests/test_cpu_kernels.py).
@@ -63,12 +63,10 @@ typedef struct {
     int64_t out_stride;
 } F32Gemm;
 
-/* A thread's part: (panel, unit) items from the counter `next` the threads share (take_items). */
+/* A thread's part: runs of units taken as it comes free (UnitRuns in common.h). */
 typedef struct {
     const F32Gemm *g;
-    int64_t panel; /* rows a panel */
-    int64_t *next;
-    int threads;
+    const UnitRuns *runs;
 } F32Share;
 
 /* Rows m0..m0+R of x by one unit (w: its packed weights; n0: its first column) over k steps
@@ -157,15 +155,10 @@ static void f32_unit_rows(const F32Gemm *g, const float *w, int64_t n0, int64_t 
 static void *run_f32_units(void *arg) {
     const F32Share *s = (const F32Share *)arg;
     const F32Gemm *g = s->g;
-    const int64_t units = (g->n + F32_UNIT - 1) / F32_UNIT, panel = s->panel;
-    const int64_t items = (g->rows + panel - 1) / panel * units;
-    for (int64_t from, to; take_items(s->next, items, units, s->threads, &from, &to);) {
-        const int64_t first = from / units * panel, last = first + panel < g->rows ? first + panel : g->rows;
-        const int64_t end = from % units + (to - from);
-        for (int64_t unit = from % units; unit < end; unit++)
+    for (int64_t first, last, u0, u1; take_units(s->runs, &first, &last, &u0, &u1);)
+        for (int64_t unit = u0; unit < u1; unit++)
             f32_unit_rows(g, g->packed + unit * g->k * F32_UNIT, unit * F32_UNIT, first, last,
-                          unit + 1 < end ? g->packed + (unit + 1) * g->k * F32_UNIT : NULL);
-    }
+                          unit + 1 < u1 ? g->packed + (unit + 1) * g->k * F32_UNIT : NULL);
     return NULL;
 }
 
@@ -180,10 +173,9 @@ int f32_gemm(const float *x, int64_t x_stride, const float *packed, const float 
     const int threads = span_threads(num_threads, units * rows / (4 * F32_ROWS)); /* (at least 4 micro-tiles a thread) */
     int64_t cap = F32_PANEL_BYTES / (k * (int64_t)sizeof(float)) / F32_ROWS * F32_ROWS, next = 0;
     if (cap < F32_ROWS) cap = F32_ROWS;
+    const UnitRuns runs = unit_runs(rows, cap, units, threads, F32_ROWS, &next);
     F32Share shares[MAX_THREADS];
-    for (int s = 0; s < threads; s++)
-        shares[s] = (F32Share){.g = &g, .panel = panel_rows(rows, cap, units, threads, F32_ROWS), .next = &next,
-                               .threads = threads};
+    for (int s = 0; s < threads; s++) shares[s] = (F32Share){.g = &g, .runs = &runs};
     run_spans(run_f32_units, shares, sizeof shares[0], threads);
     return 0;
 }

@@ -333,14 +333,13 @@ typedef struct {
     float *h; /* gate_up: fp32 [rows, n / 2], silu(gate) * up */
 } I8Gemm;
 
-/* A thread's part: runs of (panel, unit) items from the counter `next` the threads share, panel by
- * panel (take_items and panel_rows in common.h: panels shrink where there are few units, so that
- * the 9 units of SmolLM2's o and down projections on AVX512-VNNI still split evenly). */
+/* A thread's part: runs of units taken as it comes free (UnitRuns in common.h: panels shrink where
+ * there are few units, so that the 9 units of SmolLM2's o and down projections on AVX512-VNNI
+ * still split evenly). */
 typedef struct {
     const I8Gemm *g;
-    int64_t panel; /* rows a panel */
-    int64_t *next; /* (take_items) */
-    int threads, failed;
+    const UnitRuns *runs;
+    int failed;
 } I8Share;
 
 #if I8_GEMM == 1
@@ -508,7 +507,7 @@ static void i8_unit_rows(const I8Gemm *g, const uint8_t *w, const int64_t n0[I8_
     }
 }
 
-/* The items of one thread (I8Share), in runs of units (take_items in common.h). With a fixed span
+/* The items of one thread (I8Share), in runs of units (take_units in common.h). With a fixed span
  * of units x rows for each thread instead, the core that ran faster (the two vCPUs of a shared host
  * do not keep one pace) waited for the other at every GEMM's end: 8 layers' w8a8 GEMMs (fp32 ends)
  * on a 2-core AMD EPYC Zen 3, alternated in one process, median GOP/s in two runs: 200 rows 163 ->
@@ -518,10 +517,8 @@ static void i8_unit_rows(const I8Gemm *g, const uint8_t *w, const int64_t n0[I8_
 static void *run_i8_units(void *arg) {
     I8Share *u = (I8Share *)arg;
     const I8Gemm *g = u->g;
-    const int64_t unit_bytes = (int64_t)I8_BLOCKS * 16 * g->k, units = i8_units(g->n, g->gate_up);
-    const int64_t limit = g->gate_up ? g->n / 2 : g->n, panel = u->panel;
-    const int64_t items = (g->rows + panel - 1) / panel * units;
-    int32_t *sums = malloc((size_t)panel * sizeof(int32_t));
+    const int64_t unit_bytes = (int64_t)I8_BLOCKS * 16 * g->k, limit = g->gate_up ? g->n / 2 : g->n;
+    int32_t *sums = malloc((size_t)u->runs->panel * sizeof(int32_t));
     if (sums == NULL) {
         u->failed = 1;
         return NULL;
@@ -529,15 +526,14 @@ static void *run_i8_units(void *arg) {
 #if I8_OFFSET
     int64_t summed = -1; /* the panel whose row sums are in `sums` (a thread's runs come in order) */
 #endif
-    for (int64_t from, to; take_items(u->next, items, units, u->threads, &from, &to);) {
-        const int64_t first = from / units * panel, last = first + panel < g->rows ? first + panel : g->rows;
+    for (int64_t first, last, u0, u1; take_units(u->runs, &first, &last, &u0, &u1);) {
 #if I8_OFFSET
         if (summed != first) {
             for (int64_t m = first; m < last; m++) sums[m - first] = row_sum_i8(g->x + m * g->k, g->k);
             summed = first;
         }
 #endif
-        for (int64_t unit = from % units; unit < from % units + (to - from); unit++) {
+        for (int64_t unit = u0; unit < u1; unit++) {
             int64_t n0[I8_BLOCKS];
             for (int c = 0; c < I8_BLOCKS; c++) {
                 int64_t col = 16 * i8_block(unit, c, g->gate_up);
@@ -556,10 +552,9 @@ static int run_i8(const I8Gemm *g, int num_threads) {
     int threads = span_threads(num_threads, units * g->rows / (4 * I8_ROWS)); /* (at least 4 micro-tiles a thread) */
     int64_t cap = I8_PANEL_BYTES / g->k / I8_ROWS * I8_ROWS, next = 0;
     if (cap < I8_ROWS) cap = I8_ROWS;
+    const UnitRuns runs = unit_runs(g->rows, cap, units, threads, I8_ROWS, &next);
     I8Share shares[MAX_THREADS];
-    for (int s = 0; s < threads; s++)
-        shares[s] = (I8Share){.g = g, .panel = panel_rows(g->rows, cap, units, threads, I8_ROWS), .next = &next,
-                              .threads = threads};
+    for (int s = 0; s < threads; s++) shares[s] = (I8Share){.g = g, .runs = &runs};
     run_spans(run_i8_units, shares, sizeof shares[0], threads);
     for (int s = 0; s < threads; s++)
         if (shares[s].failed) return -1;

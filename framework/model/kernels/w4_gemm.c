@@ -141,9 +141,7 @@ typedef struct {
 
 typedef struct {
     const W4Gemm *g;
-    int64_t panel; /* rows a panel */
-    int64_t *next; /* the next (panel, unit) item to take, shared by the threads (take_items) */
-    int threads;
+    const UnitRuns *runs; /* (units: gate-up's pairs of units) */
 } W4Share;
 
 /* One block (32 inputs) of 4 rows of x (row stride k, from the block's first input) by a unit's 16
@@ -266,7 +264,7 @@ static inline __attribute__((always_inline)) void w4_rows(const W4Gemm *g, int64
 }
 
 /* Units (gate-up: pairs of units) x panels of rows, in runs of units taken by whichever thread is
- * free (take_items in common.h), panel by panel. With a fixed span of units for each thread
+ * free (take_units in common.h), panel by panel. With a fixed span of units for each thread
  * instead, the core that ran faster (the two vCPUs of a shared host do not keep one pace) waited
  * for the other at every GEMM's end: 30 layers' GEMMs on a 2-core AMD EPYC Zen 3, alternated in
  * one process, median GOP/s over three runs: 200 rows 205 -> 218, 210 -> 231, 174 -> 192; 2,048
@@ -275,11 +273,8 @@ static inline __attribute__((always_inline)) void w4_rows(const W4Gemm *g, int64
 static void *run_w4_units(void *arg) {
     const W4Share *s = (const W4Share *)arg;
     const W4Gemm *g = s->g;
-    const int64_t units = g->gate_up ? g->n / 32 : g->n / 16, panel = s->panel;
-    const int64_t items = (g->rows + panel - 1) / panel * units;
-    for (int64_t from, to; take_items(s->next, items, units, s->threads, &from, &to);) {
-        const int64_t first = from / units * panel, last = first + panel < g->rows ? first + panel : g->rows;
-        for (int64_t unit = from % units; unit < from % units + (to - from); unit++) {
+    for (int64_t first, last, u0, u1; take_units(s->runs, &first, &last, &u0, &u1);) {
+        for (int64_t unit = u0; unit < u1; unit++) {
             int64_t m = first;
             for (; m + W4_ROWS <= last; m += W4_ROWS) w4_rows(g, unit, m, W4_ROWS);
             switch (last - m) {
@@ -298,10 +293,9 @@ static int run_w4(const W4Gemm *g, int num_threads) {
     const int threads = span_threads(num_threads, units);
     int64_t cap = W4_PANEL_BYTES / g->k / W4_ROWS * W4_ROWS, next = 0;
     if (cap < W4_ROWS) cap = W4_ROWS;
+    const UnitRuns runs = unit_runs(g->rows, cap, units, threads, W4_ROWS, &next);
     W4Share shares[MAX_THREADS];
-    for (int s = 0; s < threads; s++)
-        shares[s] = (W4Share){.g = g, .panel = panel_rows(g->rows, cap, units, threads, W4_ROWS), .next = &next,
-                              .threads = threads};
+    for (int s = 0; s < threads; s++) shares[s] = (W4Share){.g = g, .runs = &runs};
     run_spans(run_w4_units, shares, sizeof shares[0], threads);
     return 0;
 }
