@@ -29,12 +29,14 @@ typedef struct {
 } UnitRuns;
 
 /* The runs of `units` units over `rows` rows for `threads` threads, counting with *next (0): panels
- * of at most `cap` rows (a multiple of `step`), fewer where that gives each thread at least 8
- * items, so that a GEMM of few units still ends on all threads about together. */
+ * of at most `cap` rows rounded down to a multiple of `step` (at least `step`), fewer where that
+ * gives each thread at least 8 items, so that a GEMM of few units still ends on all threads about
+ * together. */
 static inline UnitRuns unit_runs(int64_t rows, int64_t cap, int64_t units, int threads, int64_t step, int64_t *next) {
     const int64_t panels = units > 0 ? (8 * (int64_t)threads + units - 1) / units : 1;
     int64_t per = (rows + panels - 1) / panels;
     per = (per + step - 1) / step * step;
+    cap = cap < step ? step : cap / step * step;
     return (UnitRuns){.rows = rows, .panel = per < cap ? per : cap, .units = units, .threads = threads, .next = next};
 }
 

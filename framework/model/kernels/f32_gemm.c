@@ -171,8 +171,8 @@ int f32_gemm(const float *x, int64_t x_stride, const float *packed, const float 
                        .out = out, .out_stride = out_stride};
     const int64_t units = (n + F32_UNIT - 1) / F32_UNIT;
     const int threads = span_threads(num_threads, units * rows / (4 * F32_ROWS)); /* (at least 4 micro-tiles a thread) */
-    int64_t cap = F32_PANEL_BYTES / (k * (int64_t)sizeof(float)) / F32_ROWS * F32_ROWS, next = 0;
-    if (cap < F32_ROWS) cap = F32_ROWS;
+    int64_t next = 0;
+    const int64_t cap = F32_PANEL_BYTES / (k * (int64_t)sizeof(float));
     const UnitRuns runs = unit_runs(rows, cap, units, threads, F32_ROWS, &next);
     F32Share shares[MAX_THREADS];
     for (int s = 0; s < threads; s++) shares[s] = (F32Share){.g = &g, .runs = &runs};

@@ -550,9 +550,8 @@ static int run_i8(const I8Gemm *g, int num_threads) {
     if (g->rows < 1) return 0;
     const int64_t units = i8_units(g->n, g->gate_up);
     int threads = span_threads(num_threads, units * g->rows / (4 * I8_ROWS)); /* (at least 4 micro-tiles a thread) */
-    int64_t cap = I8_PANEL_BYTES / g->k / I8_ROWS * I8_ROWS, next = 0;
-    if (cap < I8_ROWS) cap = I8_ROWS;
-    const UnitRuns runs = unit_runs(g->rows, cap, units, threads, I8_ROWS, &next);
+    int64_t next = 0;
+    const UnitRuns runs = unit_runs(g->rows, I8_PANEL_BYTES / g->k, units, threads, I8_ROWS, &next);
     I8Share shares[MAX_THREADS];
     for (int s = 0; s < threads; s++) shares[s] = (I8Share){.g = g, .runs = &runs};
     run_spans(run_i8_units, shares, sizeof shares[0], threads);

@@ -291,9 +291,8 @@ static int run_w4(const W4Gemm *g, int num_threads) {
     if (g->rows < 1) return 0;
     const int64_t units = g->gate_up ? g->n / 32 : g->n / 16;
     const int threads = span_threads(num_threads, units);
-    int64_t cap = W4_PANEL_BYTES / g->k / W4_ROWS * W4_ROWS, next = 0;
-    if (cap < W4_ROWS) cap = W4_ROWS;
-    const UnitRuns runs = unit_runs(g->rows, cap, units, threads, W4_ROWS, &next);
+    int64_t next = 0;
+    const UnitRuns runs = unit_runs(g->rows, W4_PANEL_BYTES / g->k, units, threads, W4_ROWS, &next);
     W4Share shares[MAX_THREADS];
     for (int s = 0; s < threads; s++) shares[s] = (W4Share){.g = g, .runs = &runs};
     run_spans(run_w4_units, shares, sizeof shares[0], threads);
