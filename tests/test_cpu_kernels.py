@@ -316,6 +316,13 @@ def portable_libs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def no_avx2_libs(tmp_path_factory):
+    """fused_ops built for x86-64 without AVX2 (`-mno-avx2 -mno-avx512f`): the scalar loops that
+    neither vector build compiles."""
+    return _kernel_builds(tmp_path_factory, ["-mno-avx2", "-mno-avx512f"], "without AVX2", ("fused_ops",))
+
+
+@pytest.fixture(scope="module")
 def no_bf16_libs(tmp_path_factory):
     """The kernels built for AVX-512 without AVX512_BF16 (`-mno-avx512bf16`, which also leaves out
     the AMX code): the fp32 vector paths that AVX-512 CPUs before Cooper Lake (Skylake-SP, Cascade
@@ -379,13 +386,14 @@ def test_portable_rms_norm_gives_the_vector_codes_bits(portable_libs, rows, d):
     assert all(torch.equal(a, b) for a, b in zip(ours, KERNELS.fused.add_rms_norm(x, residual, weight, 1e-5)))
 
 
-@pytest.mark.parametrize("build", ["pytorch", "native", "portable", "no_bf16"])
+@pytest.mark.parametrize("build", ["pytorch", "native", "portable", "no_avx2", "no_bf16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rescore_head_top_recomputes_the_columns_near_each_rows_top(build, request, dtype):
     """int8.rescore_head_top (model.int8_lm_head): in each row exactly the columns within the margin
     of the row's largest value get hidden . weight (the exact products' fp32 sum, rounded to bf16; in
     fp32 for a float32 model) and the others keep their values; a row with a NaN is left as it is.
-    The kernel's builds (with and without AVX-512, without AVX512_BF16) and PyTorch agree."""
+    The kernel's builds (with and without AVX-512, without AVX2, without AVX512_BF16) and PyTorch
+    agree."""
     from framework.model.cpu_kernels import FusedOps
     from framework.model.int8 import rescore_head_top
 
@@ -565,12 +573,23 @@ def test_fused_rope_kv_says_which_pools_it_writes():
     assert torch.equal(v_buf[:4], qkv[:, 768:].view(4, 3, 64))
 
 
-@needs_kernel
+@pytest.mark.parametrize("build", ["native", "portable", "no_avx2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_fused_argmax_matches_torch(threads, monkeypatch):
+def test_fused_argmax_matches_torch(threads, dtype, build, request, monkeypatch):
+    """The argmax kernel (bf16 and fp32 rows; the native build's vectors and the portable loops)
+    gives torch.argmax's index: the first on ties, the first NaN where a row has one."""
+    from framework.model.cpu_kernels import FusedOps
+
+    if build == "native":
+        if KERNELS is None:
+            pytest.skip("the C kernels do not build here")
+        fused = KERNELS.fused
+    else:
+        fused = FusedOps(request.getfixturevalue(f"{build}_libs")["fused_ops"])
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # rows split over the threads
     gen = torch.Generator().manual_seed(5)
-    logits = torch.randn(9, 1003, generator=gen).to(torch.bfloat16)  # 1003: a tail past the lanes
+    logits = torch.randn(10, 1003, generator=gen).to(dtype)  # 1003: a tail past the lanes
     logits[1, 10] = logits[1, 500] = 40.0  # a tie: the first index wins
     logits[2] = float("-inf")
     logits[2, 1002] = 0.0  # the maximum in the tail
@@ -581,9 +600,12 @@ def test_fused_argmax_matches_torch(threads, monkeypatch):
     logits[6, 37] = logits[6, 35] = 40.0  # a tie within one vector of 16
     logits[7, 33] = 40.0
     logits[7, 36] = float("nan")  # a NaN after the maximum, in the same vector
-    strided = torch.randn(3, 2000, generator=gen).to(torch.bfloat16)[:, 100:1100]
+    logits[8, 70] = logits[8, 995] = 50.0  # a tie between a vector and the tail
+    logits[9, 999] = 60.0  # the maximum in the last lanes before the tail
+    strided = torch.randn(3, 2000, generator=gen).to(dtype)[:, 100:1100]
+    assert fused.supports_argmax(logits) and not fused.supports_argmax(logits.double())
     for x in (logits, strided):
-        assert torch.equal(KERNELS.fused.argmax(x), x.argmax(dim=-1))
+        assert torch.equal(fused.argmax(x), x.argmax(dim=-1))
 
 
 @needs_kernel

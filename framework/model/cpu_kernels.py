@@ -214,6 +214,9 @@ class FusedOps:
         self._argmax = lib.argmax_bf16
         self._argmax.restype = None
         self._argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _INT]
+        self._argmax_f32 = lib.argmax_f32
+        self._argmax_f32.restype = None
+        self._argmax_f32.argtypes = self._argmax.argtypes
         self._argmax_masked = lib.argmax_masked
         self._argmax_masked.restype = None
         self._argmax_masked.argtypes = [_PTR, _INT, _I64, _PTR, _I64, _I64, _I64, _PTR]
@@ -302,12 +305,20 @@ class FusedOps:
         return out
 
 
+    @staticmethod
+    def supports_argmax(logits: torch.Tensor) -> bool:
+        """Whether `argmax` takes these logits: bf16 or fp32 rows [n, vocab] on the CPU with unit
+        stride along the vocabulary."""
+        return (logits.dtype in (torch.bfloat16, torch.float32) and logits.device.type == "cpu"
+                and logits.dim() == 2 and logits.stride(1) == 1)
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """torch.argmax(logits, dim=-1) of bf16 rows [n, vocab] -> int64 [n] (the first index on
-        ties; NaN counts as the largest, as in torch)."""
+        """torch.argmax(logits, dim=-1) of bf16 or fp32 rows [n, vocab] (see supports_argmax) ->
+        int64 [n] (the first index on ties; NaN counts as the largest, as in torch)."""
         rows, d = logits.shape
         out = torch.empty(rows, dtype=torch.int64)
-        self._argmax(logits.data_ptr(), logits.stride(0), rows, d, out.data_ptr(), torch.get_num_threads())
+        fn = self._argmax_f32 if logits.dtype == torch.float32 else self._argmax
+        fn(logits.data_ptr(), logits.stride(0), rows, d, out.data_ptr(), torch.get_num_threads())
         return out
 
     def head_rescore(self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,

@@ -23,15 +23,15 @@ _NUM_CANDIDATES = 512
 class Sampler:
     """Stateless; a seeded row's draw comes from its own per-step key, not from the batch.
 
-    `fused`: the C kernels' ops (framework/model/cpu_kernels.py), whose argmax over bf16 rows is
-    several times faster than torch's; None: torch only.
+    `fused`: the C kernels' ops (framework/model/cpu_kernels.py), whose argmax over bf16 or fp32
+    rows is several times faster than torch's; None: torch only.
     """
 
     def __init__(self, fused=None):
         self.fused = fused
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and self.fused.supports(logits):
+        if self.fused is not None and self.fused.supports_argmax(logits):
             return self.fused.argmax(logits)
         return logits.argmax(dim=-1)
 

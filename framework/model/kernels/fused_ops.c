@@ -432,50 +432,89 @@ static inline __mmask16 argmax_hits16(__mmask16 allowed, __m512 v, __m512 best, 
 }
 #endif
 
-/* The largest value of a bf16 row, or NaN where the row has one. */
-static float row_max_bf16(const uint16_t *row, int64_t d) {
+#ifdef __AVX2__
+/* 8 values of a bf16 or fp32 row from index i on, as fp32 lanes (exact). */
+static inline __m256 load8_row(const void *row, int bf16, int64_t i) {
+    return bf16 ? load8_bf16((const uint16_t *)row + i) : _mm256_loadu_ps((const float *)row + i);
+}
+#endif
+
+static inline float value_at(const void *row, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* The largest value of a bf16 or fp32 row, or NaN where the row has one. (A lane's running
+ * maximum may lose its value to a NaN, but a row with a NaN gives NaN whatever the lanes hold.)
+ * The AVX2 path keeps four running maxima, so that the loads, not one chain of maxima, set the
+ * pace: a row of logits comes from memory. */
+static float row_max(const void *row, int bf16, int64_t d) {
     float best = -INFINITY;
     int has_nan = 0;
     int64_t i = 0;
 #ifdef __AVX512F__
+    const size_t elem = bf16 ? 2 : 4;
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (; i + 16 <= d; i += 16) {
-        __m512 v = load16(row + i, KV_BF16);
+        __m512 v = load16((const char *)row + i * elem, bf16 ? KV_BF16 : KV_F32);
         has_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
         vmax = _mm512_max_ps(vmax, v);
     }
     best = _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__)
+    __m256 vmax[4], vnan = _mm256_setzero_ps();
+    for (int l = 0; l < 4; l++) vmax[l] = _mm256_set1_ps(-INFINITY);
+    for (; i + 32 <= d; i += 32)
+        for (int l = 0; l < 4; l++) {
+            const __m256 v = load8_row(row, bf16, i + 8 * l);
+            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            vmax[l] = _mm256_max_ps(vmax[l], v);
+        }
+    has_nan = _mm256_movemask_ps(vnan) != 0;
+    for (int l = 0; l < 4; l++) best = max_lanes8(vmax[l], best);
 #endif
     for (; i < d; i++) {
-        float v = bf16_to_f32(row[i]);
+        const float v = value_at(row, bf16, i);
         has_nan |= v != v;
         if (v > best) best = v;
     }
     return has_nan ? NAN : best;
 }
 
-/* Index of the largest value of each bf16 row (the first on ties; the first NaN if there is one,
- * as torch.argmax), into out [rows]. A row is read once from memory for its maximum, then again
- * from the caches for the first index that holds it (16 lanes at a time: the scalar search took
- * ~2 ms of a 200-row decode step's 2.2 at a 49,152-token vocabulary). */
-static void argmax_rows(const uint16_t *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t d, int64_t *out) {
+/* Index of the largest value of each bf16 or fp32 row (the first on ties; the first NaN if there
+ * is one, as torch.argmax), into out [rows]. A row is read once from memory for its maximum, then
+ * again from the caches for the first index that holds it (a vector at a time: the scalar search
+ * took ~2 ms of a 200-row decode step's 2.2 at a 49,152-token vocabulary). */
+static void argmax_rows(const void *x, int bf16, int64_t x_stride, int64_t r0, int64_t r1, int64_t d, int64_t *out) {
+    const size_t elem = bf16 ? 2 : 4;
     for (int64_t r = r0; r < r1; r++) {
-        const uint16_t *row = x + r * x_stride;
-        const float best = row_max_bf16(row, d);
+        const void *row = (const char *)x + r * x_stride * elem;
+        const float best = row_max(row, bf16, d);
         const int has_nan = best != best;
         int64_t i = 0;
 #ifdef __AVX512F__
         const __m512 vbest = _mm512_set1_ps(best);
         for (; i + 16 <= d; i += 16) {
-            __mmask16 hit = argmax_hits16(0xFFFF, load16(row + i, 1), vbest, has_nan);
+            __mmask16 hit = argmax_hits16(0xFFFF, load16((const char *)row + i * elem, bf16 ? KV_BF16 : KV_F32), vbest,
+                                          has_nan);
             if (hit) {
                 i += __builtin_ctz(hit);
                 break;
             }
         }
+#elif defined(__AVX2__)
+        const __m256 vbest = _mm256_set1_ps(best);
+        for (; i + 8 <= d; i += 8) {
+            const __m256 v = load8_row(row, bf16, i);
+            const int hit = _mm256_movemask_ps(has_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
+                                                       : _mm256_cmp_ps(v, vbest, _CMP_EQ_OQ));
+            if (hit) {
+                i += __builtin_ctz((unsigned)hit);
+                break;
+            }
+        }
 #endif
         for (; i < d; i++) {
-            float v = bf16_to_f32(row[i]);
+            const float v = value_at(row, bf16, i);
             if (has_nan ? v != v : v == best) break;
         }
         out[r] = i < d ? i : 0;
@@ -483,30 +522,39 @@ static void argmax_rows(const uint16_t *x, int64_t x_stride, int64_t r0, int64_t
 }
 
 typedef struct {
-    const uint16_t *x;
+    const void *x;
+    int bf16;
     int64_t x_stride, begin, end, d;
     int64_t *out;
 } ArgmaxRows;
 
 static void *run_argmax(void *arg) {
     const ArgmaxRows *a = (const ArgmaxRows *)arg;
-    argmax_rows(a->x, a->x_stride, a->begin, a->end, a->d, a->out);
+    argmax_rows(a->x, a->bf16, a->x_stride, a->begin, a->end, a->d, a->out);
     return NULL;
 }
 
-/* argmax_rows over `num_threads` threads, rows split evenly (a row of logits is ~100 KB, read
+/* argmax_rows over `num_threads` threads, rows split evenly (a row of logits is ~100-200 KB, read
  * from DRAM: the LM head stores them past the caches). */
-void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t d, int64_t *out, int num_threads) {
+static void argmax(const void *x, int bf16, int64_t x_stride, int64_t rows, int64_t d, int64_t *out, int num_threads) {
     num_threads = span_threads(num_threads, rows);
     ArgmaxRows spans[MAX_THREADS];
     for (int s = 0; s < num_threads; s++)
-        spans[s] = (ArgmaxRows){x, x_stride, rows * s / num_threads, rows * (s + 1) / num_threads, d, out};
+        spans[s] = (ArgmaxRows){x, bf16, x_stride, rows * s / num_threads, rows * (s + 1) / num_threads, d, out};
     run_spans(run_argmax, spans, sizeof spans[0], num_threads);
 }
 
-static inline float value_at(const void *row, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+/* argmax of bf16 rows [rows, d] (row stride x_stride) into out [rows]. */
+void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t d, int64_t *out, int num_threads) {
+    argmax(x, 1, x_stride, rows, d, out, num_threads);
 }
+
+/* The same over fp32 rows: a float32 model's logits (torch.argmax took ~11 ms of a 200-row decode
+ * step at a 49,152-token vocabulary on a 2-core AMD EPYC Zen 3). */
+void argmax_f32(const float *x, int64_t x_stride, int64_t rows, int64_t d, int64_t *out, int num_threads) {
+    argmax(x, 0, x_stride, rows, d, out, num_threads);
+}
+
 
 /* Index of the largest value of each row among the tokens its xgrammar bitmask allows (bit j of
  * word w: token 32w + j), as torch.argmax of the row with the other tokens set to -inf: the first
@@ -615,27 +663,6 @@ static inline float dot_f32(const float *a, const float *b, int64_t k) {
     return s;
 }
 
-/* The largest of d fp32 values, or NaN where there is one (16 partial maxima: a loop that
- * vectorizes). */
-static float row_max_f32(const float *row, int64_t d) {
-    float part[16], top = -INFINITY;
-    int nan = 0;
-    for (int l = 0; l < 16; l++) part[l] = -INFINITY;
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16)
-        for (int l = 0; l < 16; l++) {
-            const float v = row[i + l];
-            nan |= v != v;
-            part[l] = v > part[l] ? v : part[l];
-        }
-    for (int l = 0; l < 16; l++) top = part[l] > top ? part[l] : top;
-    for (; i < d; i++) {
-        nan |= row[i] != row[i];
-        top = row[i] > top ? row[i] : top;
-    }
-    return nan ? NAN : top;
-}
-
 typedef struct {
     void *logits; /* bf16, or fp32 (f32) */
     const void *hidden, *weight;
@@ -645,37 +672,27 @@ typedef struct {
     int f32;
 } HeadRescore;
 
-/* Rows [begin, end) of head_rescore_f32 (as run_head_rescore's over bf16). */
-static void head_rescore_rows_f32(const HeadRescore *a) {
-    for (int64_t r = a->begin; r < a->end; r++) {
-        float *row = (float *)a->logits + r * a->l_stride;
-        const float *h = (const float *)a->hidden + r * a->h_stride, *weight = (const float *)a->weight;
-        const float top = row_max_f32(row, a->vocab);
-        int64_t count = 0;
-        if (top == top) {
-            const float lowest = top - a->margin;
-            for (int64_t i = 0; i < a->vocab; i++)
-                if (row[i] >= lowest) {
-                    row[i] = dot_f32(h, weight + i * a->k, a->k);
-                    count++;
-                }
-        }
-        if (a->counts) a->counts[r] = count;
-    }
+/* Column c of a row of logits recomputed from the row's hidden values h: hidden . weight_c, fp32
+ * (dot_f32, stored as it is) or bf16 (dot_bf16, stored rounded to bf16). */
+static inline void rescore_column(const HeadRescore *a, void *row, const void *h, int64_t c) {
+    if (a->f32)
+        ((float *)row)[c] = dot_f32((const float *)h, (const float *)a->weight + c * a->k, a->k);
+    else
+        ((uint16_t *)row)[c] = f32_to_bf16(dot_bf16((const uint16_t *)h, (const uint16_t *)a->weight + c * a->k, a->k));
 }
 
-/* Rows [begin, end) of head_rescore_bf16: each row read once for its largest value, then again
- * (from the caches) for the columns within the margin of it, 16 at a time. */
+/* Rows [begin, end) of head_rescore_bf16 / head_rescore_f32: each row read once for its largest
+ * value, then again (from the caches) for the columns within the margin of it, a vector at a time
+ * (fp32 logits were compared one at a time: ~10 ms of a 200-row decode step at a 49,152-token
+ * vocabulary on a 2-core AMD EPYC Zen 3). */
 static void *run_head_rescore(void *arg) {
     const HeadRescore *a = (const HeadRescore *)arg;
-    if (a->f32) {
-        head_rescore_rows_f32(a);
-        return NULL;
-    }
+    const int bf16 = !a->f32;
+    const size_t elem = bf16 ? 2 : 4;
     for (int64_t r = a->begin; r < a->end; r++) {
-        uint16_t *row = (uint16_t *)a->logits + r * a->l_stride;
-        const uint16_t *h = (const uint16_t *)a->hidden + r * a->h_stride, *weight = (const uint16_t *)a->weight;
-        const float top = row_max_bf16(row, a->vocab);
+        void *row = (char *)a->logits + r * a->l_stride * elem;
+        const void *h = (const char *)a->hidden + r * a->h_stride * elem;
+        const float top = row_max(row, bf16, a->vocab);
         int64_t count = 0;
         if (top == top) { /* (a row with a NaN is left as it is) */
             const float lowest = top - a->margin;
@@ -683,18 +700,20 @@ static void *run_head_rescore(void *arg) {
 #ifdef __AVX512F__
             const __m512 vlowest = _mm512_set1_ps(lowest);
             for (; i + 16 <= a->vocab; i += 16) {
-                __mmask16 hit = _mm512_cmp_ps_mask(load16(row + i, KV_BF16), vlowest, _CMP_GE_OQ);
-                while (hit) {
-                    const int64_t c = i + __builtin_ctz(hit);
-                    hit &= (__mmask16)(hit - 1);
-                    row[c] = f32_to_bf16(dot_bf16(h, weight + c * a->k, a->k));
-                    count++;
-                }
+                __mmask16 hit = _mm512_cmp_ps_mask(load16((const char *)row + i * elem, bf16 ? KV_BF16 : KV_F32),
+                                                   vlowest, _CMP_GE_OQ);
+                for (; hit; hit &= (__mmask16)(hit - 1), count++) rescore_column(a, row, h, i + __builtin_ctz(hit));
+            }
+#elif defined(__AVX2__)
+            const __m256 vlowest = _mm256_set1_ps(lowest);
+            for (; i + 8 <= a->vocab; i += 8) {
+                unsigned hit = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(load8_row(row, bf16, i), vlowest, _CMP_GE_OQ));
+                for (; hit; hit &= hit - 1, count++) rescore_column(a, row, h, i + __builtin_ctz(hit));
             }
 #endif
             for (; i < a->vocab; i++)
-                if (bf16_to_f32(row[i]) >= lowest) {
-                    row[i] = f32_to_bf16(dot_bf16(h, weight + i * a->k, a->k));
+                if (value_at(row, bf16, i) >= lowest) {
+                    rescore_column(a, row, h, i);
                     count++;
                 }
         }
