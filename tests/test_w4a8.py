@@ -7,12 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from framework.batch import ForwardMode
 from framework.model import int8 as int8_mod
+from framework.model.decode_path import W4DecodePath
 from framework.model.w4a8 import (BLOCK, QuantizedBlocks, W4Ops, W4Weight, dequantize_blocks, dequantize_weight,
                                   quantize_blocks, quantize_weight)
 from tests.test_int8 import _prefill_logits, assert_fewest_rows_run_quantized, prefill_and_step_logits
 from tests.test_int8 import _rows as int8_rows
-from tests.test_model import _runner, _tiny_config, _tiny_hf
+from tests.test_model import _batch, _new_reqs, _runner, _scales, _tiny_config, _tiny_hf
 
 TORCH_OPS = W4Ops(None, torch.float32)
 
@@ -184,12 +186,69 @@ def test_w4a8_runs_the_layers_on_4_bit_blocks_close_to_the_models_dtype(c_ops, t
     lens = [3 + i % 6 for i in range(n)]
     logits = prefill_and_step_logits((w4, plain), lens)
     layers = len(w4.model.model.layers)
-    assert calls == [sum(lens)] * (3 * layers) + [n] * (3 * layers)
+    # (a float32 model's decode step: the same GEMMs as straight kernel calls, W4DecodePath)
+    straight = isinstance(w4.model.decode_path(), W4DecodePath)
+    assert straight == (dtype == torch.float32 and w4.model.attn_backend.decode_kernel is not None)
+    assert calls == [sum(lens)] * (3 * layers) + ([] if straight else [n] * (3 * layers))
     for got, want in zip(logits[0], logits[1]):
         assert got.dtype == dtype and not torch.equal(got, want)
         assert F.cosine_similarity(got.float(), want.float(), dim=1).min() > 0.99
     layers_only = _runner(tied_model, dtype=dtype, quantization="w4a8")
     assert_fewest_rows_run_quantized(layers_only, plain, calls, int8_mod.min_rows(True, dtype))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e5m2])
+def test_w4a8_float32_decode_path_gives_the_layers_bits(c_ops, tied_model, monkeypatch, kv_dtype):
+    """A float32 w4a8 decode step on W4DecodePath (framework/model/decode_path.py: the layers'
+    kernel calls made straight) writes the same KV and gives the same logits, bit for bit, as the
+    same step through the layers, whose W4Ops calls it makes none of; a model whose layers it would
+    not call alike (a wrapped linear layer, as LoRA makes) keeps the layers."""
+    runner = _runner(tied_model, dtype=torch.float32, quantization="w4a8", kv_dtype=kv_dtype)
+    model = runner.model
+    path = model.decode_path()
+    if path is None:
+        pytest.skip("no decode attention kernel here")
+    assert isinstance(path, W4DecodePath)
+    runs, calls = [], []
+    real_run, real_linear = W4DecodePath.run, W4Ops.linear
+    monkeypatch.setattr(W4DecodePath, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    monkeypatch.setattr(W4Ops, "linear", lambda self, x, w, **kw: calls.append(x.shape[0]) or real_linear(self, x, w, **kw))
+    prompt_lens = [5, 40, 17, 1]
+    reqs = _new_reqs(runner, [n + 4 for n in prompt_lens])
+    runner.forward(_batch(runner, reqs, prompt_lens, ForwardMode.EXTEND))
+    pool = runner.token_to_kv_pool
+    layers = len(pool.k_buffer)
+    for _ in range(3):
+        batch = _batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE)
+        locs = batch.out_cache_loc
+        calls.clear()
+        fast = runner.forward(batch).next_token_logits.clone()
+        assert calls == []
+        kv = [[b[locs].clone() for b in (pool.k_buffer[i], pool.v_buffer[i], *_scales(pool, i))]
+              for i in range(layers)]
+        model._decode_path = False  # the layers, on the same step (same slots, same inputs)
+        slow = runner.forward(batch).next_token_logits
+        model.reset_decode_path()
+        assert calls == [len(reqs)] * (3 * layers)
+        assert torch.equal(fast, slow)
+        for i, bufs in enumerate(kv):  # (an int8 pool's scales too)
+            again = (pool.k_buffer[i], pool.v_buffer[i], *_scales(pool, i))
+            assert len(again) == (4 if kv_dtype == torch.int8 else 2)
+            assert all(torch.equal(b, a[locs]) for b, a in zip(bufs, again))
+    assert len(runs) == 3
+
+    class Wrapped(torch.nn.Module):  # what LoRA does to a targeted projection
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def forward(self, x):
+            return self.base(x)
+
+    layer = model.model.layers[1].mlp
+    layer.down_proj = Wrapped(layer.down_proj)
+    model.reset_decode_path()
+    assert model.decode_path() is None
 
 
 def test_w4a8_without_the_c_kernels_gives_the_kernels_logits_closely(tied_model):

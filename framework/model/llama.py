@@ -32,7 +32,7 @@ from framework.model.config import ModelConfig
 from framework.model.cpu import (gemm_rows, pack_linear_weight, packed_linear, packed_linear_binary,
                                  packed_linear_unary, pad_rows, to_float32)
 from framework.model.cpu_kernels import CpuKernels, FusedOps
-from framework.model.decode_path import DecodePath
+from framework.model.decode_path import DecodePath, W4DecodePath
 from framework.model.int8 import Int8Ops, Int8Weight, QuantizedRows, rescore_head_top
 from framework.model.int8 import min_rows as int8_min_rows
 from framework.model.int8 import takes as takes_int8
@@ -504,7 +504,7 @@ class LlamaForCausalLM(nn.Module):
         """The layers as straight kernel calls for decode steps (framework/model/decode_path.py),
         built on first use; None where the model's layers do not fit it."""
         if self._decode_path is None:
-            self._decode_path = DecodePath.build(self) or False
+            self._decode_path = DecodePath.build(self) or W4DecodePath.build(self) or False
             if self._decode_path:
                 logger.info("Decode steps run their layers as straight kernel calls (decode path)")
         return self._decode_path or None
