@@ -21,6 +21,10 @@ their exact products (other bits: the one exception to the above).
 With model.quantization = "w8a8" (framework/model/int8.py), passes of at least `int8_rows` rows
 run each layer's four GEMMs in int8 instead (`Int8Pass`): the calls the layers make in int8, on
 buffers allocated once for the pass, so the same bits as those.
+
+A float32 model with model.quantization = "w4a8" takes `W4DecodePath` instead (`LlamaForCausalLM.
+decode_path` tries it where `DecodePath` does not fit): its layers' fp32 norms, 4-bit GEMMs and
+fp32 attention as the same straight calls, the same bits.
 """
 
 from __future__ import annotations
