@@ -251,6 +251,39 @@ def test_w4a8_float32_decode_path_gives_the_layers_bits(c_ops, tied_model, monke
     assert model.decode_path() is None
 
 
+@pytest.mark.parametrize("rows,d", [(1, 64), (37, 576), (300, 96)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_quantize_in_one_pass_gives_the_two_calls_bits(c_ops, rows, d, residual):
+    """W4Ops.rms_norm_quantize_f32 (kernels/w4_gemm.c's w4_rms_norm_quantize): the fp32 RMSNorm of
+    the C kernels (with the residual added first, and written out) then `quantize`, bit for bit;
+    `takes_norm_f32` refuses what it does not run."""
+    from framework.model.cpu_kernels import load, FusedOps
+    from framework.model.llama import RMSNorm
+
+    lib = load("fused_ops")
+    if lib is None:
+        pytest.skip("the C kernels do not build here")
+    norm = RMSNorm(d, 1e-5)
+    norm.fused = FusedOps(lib)
+    gen = torch.Generator().manual_seed(rows + d)
+    norm.weight.data = torch.randn(d, generator=gen) * 0.3 + 1
+    x = torch.randn(rows, d + 32, generator=gen)[:, 16:16 + d] * 4  # (rows with a stride past their length)
+    res = torch.randn(rows, d, generator=gen) if residual else None
+    assert c_ops.takes_norm_f32(x, norm, res)
+    got, h = c_ops.rms_norm_quantize_f32(x, norm, res)
+    if residual:
+        normed, want_h = norm.add_and_norm(x.contiguous(), res)
+    else:
+        normed, want_h = norm(x), x
+    want = c_ops.quantize(normed)
+    assert torch.equal(h, want_h) and torch.equal(got.q, want.q)
+    assert torch.equal(got.scale, want.scale) and torch.equal(got.sum, want.sum)
+    assert not c_ops.takes_norm_f32(x.bfloat16(), norm) and not c_ops.takes_norm_f32(torch.zeros(2, 48), norm)
+    assert not c_ops.takes_norm_f32(x, norm, torch.zeros(rows + 1, d))
+    plain = RMSNorm(d, 1e-5)  # (no C kernels: its own PyTorch values)
+    assert not c_ops.takes_norm_f32(x, plain)
+
+
 def test_w4a8_without_the_c_kernels_gives_the_kernels_logits_closely(tied_model):
     """worker.cpu_kernels = off: the same quantized operands multiplied in PyTorch."""
     torch_runner = _runner(tied_model, dtype=torch.float32, quantization="w4a8", cpu_kernels="off")

@@ -45,6 +45,7 @@ TIMED: tuple[tuple[str, str | None, str, str], ...] = (
     ("framework.model.w4a8", "W4Ops", "linear", "gemm"),
     ("framework.model.w4a8", "W4Ops", "gate_up", "gemm"),
     ("framework.model.w4a8", "W4Ops", "rms_norm_quantize", "elementwise"),
+    ("framework.model.w4a8", "W4Ops", "rms_norm_quantize_f32", "elementwise"),
     ("framework.model.llama", "LlamaForCausalLM", "compute_logits", "lm_head"),
     ("framework.model.llama", "RMSNorm", "forward", "elementwise"),
     ("framework.model.llama", "RMSNorm", "add_and_norm", "elementwise"),

@@ -326,8 +326,8 @@ class Int8Pass:
 
 class W4DecodePath(DecodePath):
     """The decode layers of a float32 model with model.quantization = "w4a8" (framework/model/
-    w4a8.py) as straight kernel calls: per layer the fp32 RMSNorm, the rows quantized to int8 blocks,
-    the 4-bit qkv GEMM, RoPE with the KV writes, the decode attention kernel, the o GEMM, the
+    w4a8.py) as straight kernel calls: per layer the fp32 RMSNorm with its rows quantized to int8
+    blocks (one pass, `W4Ops.rms_norm_quantize_f32`), the 4-bit qkv GEMM, RoPE with the KV writes, the decode attention kernel, the o GEMM, the
     add-and-norm, the gate-up GEMM with SiLU * up quantized in its epilogue, and the down GEMM with
     the residual added: the calls `LlamaDecoderLayer` makes for such a pass (`_norms`, `project`,
     `LlamaMLP._int8_mlp`, `W4Ops`), with the same arguments in the same order, so the same bits.
@@ -407,7 +407,6 @@ class W4DecodePath(DecodePath):
         inter, qkv_size, q_size = self.inter, self.qkv_size, self.q_size
         widest = max(d, q_size)
         # the activations, allocated once for all layers
-        x = torch.empty((n, d), dtype=f32)  # a norm's output (fp32)
         xq = torch.empty((n, widest), dtype=torch.int8)  # the next GEMM's input rows as int8 blocks
         xs, xsum = torch.empty((n, widest // BLOCK)), torch.empty((n, widest // BLOCK))
         aq = torch.empty((n, inter), dtype=torch.int8)  # SiLU(gate) * up as int8 blocks
@@ -421,14 +420,14 @@ class W4DecodePath(DecodePath):
         outs = (torch.empty((n, d), dtype=f32), torch.empty((n, d), dtype=f32))  # layers' outputs in turn
         loc = loc.to(torch.int64).contiguous()
         plan = meta.kernel
-        px, pxq, pxs, pxsum = (t.data_ptr() for t in (x, xq, xs, xsum))
+        pxq, pxs, pxsum = (t.data_ptr() for t in (xq, xs, xsum))
         paq, pas, pasum, pgate = (t.data_ptr() for t in (aq, a_s, asum, gate_h))
         pqkv, pq, pattn, po, ph = (t.data_ptr() for t in (qkv, q, attn, o, h))
         cos, sin, ploc = rope.cos.data_ptr(), rope.sin.data_ptr(), loc.data_ptr()
         r2t, r2t_stride = plan.req_to_token.data_ptr(), plan.req_to_token.stride(0)
         pool_idx, seq_lens = plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr()
-        rms, rope_kv, attend = self.fused._rms_norm_f32, self.fused._rope_kv_f32, self.backend.decode_kernel
-        quantize, gemm, gate_up = lib.w4_quantize, lib.w4_gemm, lib.w4_gemm_gate_up
+        rope_kv, attend = self.fused._rope_kv_f32, self.backend.decode_kernel
+        norm_q, quantize, gemm, gate_up = lib.w4_rms_norm_quantize, lib.w4_quantize, lib.w4_gemm, lib.w4_gemm_gate_up
         kv_fmt = kv_format(kv_pool.k_buffer[0])
         scale, amx = self.backend.scaling, int(self.backend.decode_tiles)
         mark = self.mark
@@ -440,10 +439,9 @@ class W4DecodePath(DecodePath):
             k_buf, v_buf = kv_pool.k_buffer[i].data_ptr(), kv_pool.v_buffer[i].data_ptr()
             k_scale, v_scale = scale_ptrs(kv_pool.k_buffer[i], kv_pool.v_buffer[i])
             out = outs[i % 2]  # never the layer's input (the other one, or `hidden` itself)
-            rms(phid, d, None, None, norm_in, px, n, d, eps, threads)
+            rc = norm_q(phid, d, None, None, norm_in, eps, n, d, pxq, pxs, pxsum, threads)
             if mark:
                 mark("elementwise")
-            rc = quantize(px, 0, d, n, d, pxq, pxs, pxsum, threads)
             rc |= gemm(pxq, pxs, pxsum, w_qkv.packed.data_ptr(), w_qkv.dm.data_ptr(), n, d, qkv_size, None, 0,
                        pqkv, qkv_size, 0, threads)
             if mark:
@@ -461,10 +459,9 @@ class W4DecodePath(DecodePath):
                        threads)
             if mark:
                 mark("gemm")
-            rms(po, d, phid, ph, norm_post, px, n, d, eps, threads)
+            rc |= norm_q(po, d, phid, ph, norm_post, eps, n, d, pxq, pxs, pxsum, threads)
             if mark:
                 mark("elementwise")
-            rc |= quantize(px, 0, d, n, d, pxq, pxs, pxsum, threads)
             rc |= gate_up(pxq, pxs, pxsum, w_gate_up.packed.data_ptr(), w_gate_up.dm.data_ptr(), n, d, inter, pgate,
                           paq, pas, pasum, threads)
             rc |= gemm(paq, pas, pasum, w_down.packed.data_ptr(), w_down.dm.data_ptr(), n, inter, d, ph, d,

@@ -336,10 +336,20 @@ class LlamaDecoderLayer(nn.Module):
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
         qkv_inv, gate_up_inv = attn.qkv_proj.int8.inv, mlp.gate_up_proj.int8.inv  # (each for its weight's rows)
         if hidden.dtype == torch.float32:  # (the fp32 norms, then their rows quantized)
+            # w4a8's kernel does both in one pass (the same bits): W4Ops.rms_norm_quantize_f32
+            one_pass = getattr(ops, "takes_norm_f32", None)
+
+            def pre(x):
+                if one_pass is not None and one_pass(x, norm_in):
+                    return ops.rms_norm_quantize_f32(x, norm_in)[0]
+                return ops.quantize(norm_in(x), qkv_inv)
+
             def post(x, residual):
+                if one_pass is not None and one_pass(x, norm_post, residual):
+                    return ops.rms_norm_quantize_f32(x, norm_post, residual)
                 normed, h = norm_post.add_and_norm(x, residual)
                 return ops.quantize(normed, gate_up_inv), h
-            return lambda x: ops.quantize(norm_in(x), qkv_inv), post
+            return pre, post
         return (lambda x: ops.rms_norm_quantize(x, norm_in.weight, norm_in.eps, mul=qkv_inv)[0],
                 lambda x, residual: ops.rms_norm_quantize(x, norm_post.weight, norm_post.eps, residual,
                                                           mul=gate_up_inv))

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from framework.model.cpu_kernels import _I64, _INT, _PTR, load
+from framework.model.cpu_kernels import _FLOAT, _I64, _INT, _PTR, load
 from framework.model.int8 import quantize_rows, rms_norm_fp32
 
 BLOCK = 32  # inputs a block: one d and m a weight column, one scale an activation row
@@ -148,7 +148,8 @@ class W4Ops:
         lib.w4_gemm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT]
         lib.w4_gemm_gate_up.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                                         _INT]
-        for fn in (lib.w4_quantize, lib.w4_gemm, lib.w4_gemm_gate_up):
+        lib.w4_rms_norm_quantize.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _FLOAT, _I64, _I64, _PTR, _PTR, _PTR, _INT]
+        for fn in (lib.w4_quantize, lib.w4_gemm, lib.w4_gemm_gate_up, lib.w4_rms_norm_quantize):
             fn.restype = _INT
         lib.w4_gate_up_block.restype = _I64
         self.gate_up_block = lib.w4_gate_up_block()
@@ -211,6 +212,33 @@ class W4Ops:
         Int8Ops.rms_norm_quantize (the normed rows in fp32, then `quantize`)."""
         h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
         return self.quantize(rms_norm_fp32(h.float(), weight, eps), mul), h
+
+    def takes_norm_f32(self, x: torch.Tensor, norm, residual: torch.Tensor | None = None) -> bool:
+        """Whether `rms_norm_quantize_f32` takes these: the kernel, fp32 rows [m, d] (unit stride
+        along them, d a multiple of 32), an RMSNorm module on the C kernels (`norm.fused`, whose
+        rms_norm_f32 gives the same values) with an fp32 weight, a contiguous fp32 residual of x's
+        shape."""
+        return (self.lib is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+                and x.shape[1] % BLOCK == 0 and getattr(norm, "fused", None) is not None
+                and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
+                and norm.weight.shape == (x.shape[1],)
+                and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()
+                                          and residual.shape == x.shape)))
+
+    def rms_norm_quantize_f32(self, x: torch.Tensor, norm, residual: torch.Tensor | None = None):
+        """(int8 blocks of norm(h), h), h = x or x + residual, for fp32 rows that `takes_norm_f32`:
+        kernels/w4_gemm.c's w4_rms_norm_quantize, the bits of `norm` (or its add_and_norm) then
+        `quantize` in one pass."""
+        m, d = x.shape
+        h = x if residual is None else torch.empty((m, d), dtype=torch.float32)
+        out = QuantizedBlocks(torch.empty((m, d), dtype=torch.int8), torch.empty((m, d // BLOCK)),
+                              torch.empty((m, d // BLOCK)))
+        self._check(self.lib.w4_rms_norm_quantize(x.data_ptr(), x.stride(0),
+                                                  None if residual is None else residual.data_ptr(),
+                                                  None if residual is None else h.data_ptr(), norm.weight.data_ptr(),
+                                                  norm.eps, m, d, out.q.data_ptr(), out.scale.data_ptr(),
+                                                  out.sum.data_ptr(), torch.get_num_threads()), "RMSNorm")
+        return out, h
 
     def linear(self, x: QuantizedBlocks, w: W4Weight, add: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:

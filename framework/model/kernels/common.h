@@ -452,6 +452,36 @@ static inline float sum_lanes16(const float part[16]) {
     return (s4[2] + s4[0]) + (s4[3] + s4[1]);
 }
 
+/* One fp32 row's RMSNorm: o = w * (h * (1 / sqrt(mean(h^2) + eps))), h = x, or x + res (then
+ * written to h_out), the squares in 16 partial sums added up as sum_lanes16 (loops GCC vectorizes
+ * on any vector ISA): PyTorch's values to fp32 rounding. fused_ops.c's rms_norm_f32 and
+ * w4_gemm.c's w4_rms_norm_quantize take it, so they give the same bits. */
+static inline void rms_norm_row_f32(const float *x, const float *res, float *h_out, const float *w, int64_t d,
+                                    float eps, float *o) {
+    float part[16] = {0}, sum;
+    int64_t i = 0;
+    if (res) {
+        for (; i + 16 <= d; i += 16)
+            for (int l = 0; l < 16; l++) {
+                const float v = x[i + l] + res[i + l];
+                h_out[i + l] = v;
+                part[l] += v * v;
+            }
+    } else {
+        for (; i + 16 <= d; i += 16)
+            for (int l = 0; l < 16; l++) part[l] += x[i + l] * x[i + l];
+    }
+    sum = sum_lanes16(part);
+    for (; i < d; i++) {
+        const float v = res ? x[i] + res[i] : x[i];
+        if (res) h_out[i] = v;
+        sum += v * v;
+    }
+    const float scale = 1.0f / sqrtf(sum / (float)d + eps);
+    const float *src = res ? h_out : x;
+    for (i = 0; i < d; i++) o[i] = w[i] * (src[i] * scale);
+}
+
 /* Row r of an RMSNorm's input in fp32 into `row` [d]: x (bf16, the row itself), or with a residual
  * ([rows, d], or NULL) bf16(x + residual), which is also written to residual_out's row r.
  * Returns the row's scale 1 / sqrt(mean(x^2) + eps). */

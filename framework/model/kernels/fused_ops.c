@@ -247,35 +247,13 @@ typedef struct {
     int silu; /* silu_mul instead: x [rows, 2 d] = [gate | up] -> out [rows, d] */
 } JobF32;
 
-/* out = w * (h * rsqrt(mean(h^2) + eps)), h = x, or x + residual (written to residual_out). */
+/* out = w * (h * rsqrt(mean(h^2) + eps)), h = x, or x + residual (written to residual_out):
+ * rms_norm_row_f32 (common.h) a row. */
 static void rms_norm_rows_f32(const JobF32 *j, int64_t begin, int64_t end) {
     const int64_t d = j->d;
-    for (int64_t r = begin; r < end; r++) {
-        const float *x = j->x + r * j->x_stride, *res = j->residual ? j->residual + r * d : NULL;
-        float *h = res ? j->residual_out + r * d : NULL, *o = j->out + r * d;
-        float part[16] = {0}, sum;
-        int64_t i = 0;
-        if (res) {
-            for (; i + 16 <= d; i += 16)
-                for (int l = 0; l < 16; l++) {
-                    const float v = x[i + l] + res[i + l];
-                    h[i + l] = v;
-                    part[l] += v * v;
-                }
-        } else {
-            for (; i + 16 <= d; i += 16)
-                for (int l = 0; l < 16; l++) part[l] += x[i + l] * x[i + l];
-        }
-        sum = sum_lanes16(part);
-        for (; i < d; i++) {
-            const float v = res ? x[i] + res[i] : x[i];
-            if (h) h[i] = v;
-            sum += v * v;
-        }
-        const float scale = 1.0f / sqrtf(sum / (float)d + j->eps);
-        const float *src = h ? h : x;
-        for (i = 0; i < d; i++) o[i] = j->w[i] * (src[i] * scale);
-    }
+    for (int64_t r = begin; r < end; r++)
+        rms_norm_row_f32(j->x + r * j->x_stride, j->residual ? j->residual + r * d : NULL,
+                         j->residual ? j->residual_out + r * d : NULL, j->w, d, j->eps, j->out + r * d);
 }
 
 /* out = silu(gate) * up in fp32 (silu_times, common.h). */

@@ -111,6 +111,55 @@ static int quantize_rows_blocks(const void *x, int bf16, int64_t x_stride, int64
     return 0;
 }
 
+typedef struct {
+    const float *x, *residual, *w; /* x [rows, d] (row stride x_stride), residual [rows, d] or NULL, w [d] */
+    float *residual_out;
+    int64_t x_stride, d, begin, end;
+    float eps;
+    int8_t *q;
+    float *scale, *sum;
+    int failed;
+} NormQuantizeSpan;
+
+static void *norm_quantize_span(void *arg) {
+    NormQuantizeSpan *s = (NormQuantizeSpan *)arg;
+    float *row = (float *)malloc((size_t)s->d * sizeof(float));
+    if (row == NULL) {
+        s->failed = 1;
+        return NULL;
+    }
+    const int64_t d = s->d, nb = d / W4_BLOCK;
+    for (int64_t r = s->begin; r < s->end; r++) {
+        rms_norm_row_f32(s->x + r * s->x_stride, s->residual ? s->residual + r * d : NULL,
+                         s->residual ? s->residual_out + r * d : NULL, s->w, d, s->eps, row);
+        quantize_blocks_row(row, d, s->q + r * d, s->scale + r * nb, s->sum + r * nb);
+    }
+    free(row);
+    return NULL;
+}
+
+/* A float32 model's RMSNorm and w4_quantize of its rows in one pass: fp32 rows x [rows, d] (row
+ * stride x_stride, d a multiple of 32), with a residual ([rows, d] contiguous, or NULL) first x +
+ * residual, written to residual_out; each row normed with weight w [d] (rms_norm_row_f32, the
+ * values of fused_ops.c's rms_norm_f32) into a row buffer and quantized from it into q [rows, d],
+ * scale and sum [rows, d / 32]: the bits of the two calls, without the normed rows' pass through
+ * memory and a second fork of the threads. Returns 0, -1 (no memory) or -2 (d). */
+int w4_rms_norm_quantize(const float *x, int64_t x_stride, const float *residual, float *residual_out, const float *w,
+                         float eps, int64_t rows, int64_t d, int8_t *q, float *scale, float *sum, int num_threads) {
+    if (d < W4_BLOCK || d % W4_BLOCK) return -2;
+    NormQuantizeSpan spans[MAX_THREADS];
+    const int threads = span_threads(num_threads, rows / 16);
+    for (int s = 0; s < threads; s++)
+        spans[s] = (NormQuantizeSpan){.x = x, .residual = residual, .w = w, .residual_out = residual_out,
+                                      .x_stride = x_stride, .d = d, .begin = rows * s / threads,
+                                      .end = rows * (s + 1) / threads, .eps = eps, .q = q, .scale = scale,
+                                      .sum = sum};
+    run_spans(norm_quantize_span, spans, sizeof spans[0], threads);
+    for (int s = 0; s < threads; s++)
+        if (spans[s].failed) return -1;
+    return 0;
+}
+
 /* fp32 (bf16 = 0) or bf16 rows [rows, k] (row stride x_stride, k a multiple of 32) as int8
  * blocks: q [rows, k], scale and sum [rows, k / 32]. Returns 0, -1 (no memory) or -2 (k). */
 int w4_quantize(const void *x, int bf16, int64_t x_stride, int64_t rows, int64_t k, int8_t *q, float *scale,
