@@ -334,12 +334,13 @@ class W4DecodePath(DecodePath):
     What it saves is the Python around them: on a 2-core AMD EPYC Zen 3, a 200-request decode step
     held the GIL ~30 ms of its ~340 (py-spy), while the other core waited."""
 
-    def __init__(self, model, layers: list[tuple], ops):
+    def __init__(self, model, layers: list[tuple], ops, keep: list[torch.Tensor]):
         config = model.config
         attn0 = model.model.layers[0].self_attn
         self.fused = model.kernels.fused
         self.backend = model.attn_backend
         self.layers = layers  # (input norm, post norm: weight pointers; qkv, o, gate_up, down: W4Weight)
+        self._keep = keep  # the norm weights whose pointers the layers hold
         self.ops = ops
         self.hidden = config.hidden_size
         self.heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
@@ -361,7 +362,7 @@ class W4DecodePath(DecodePath):
         ops = model.model.layers[0].int8_ops
         if not isinstance(ops, W4Ops) or ops.lib is None or ops.dtype != torch.float32:
             return None
-        layers = []
+        layers, keep = [], []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -383,7 +384,8 @@ class W4DecodePath(DecodePath):
                            or not n.weight.is_contiguous() or n.eps != norms[0].eps for n in norms)):
                 return None
             layers.append((norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), *weights))
-        return cls(model, layers, ops)
+            keep += [n.weight for n in norms]
+        return cls(model, layers, ops, keep)
 
     def takes(self, hidden: torch.Tensor, meta, rope, kv_pool) -> bool:
         from framework.model.int8 import takes as takes_int8
