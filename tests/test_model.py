@@ -217,25 +217,13 @@ def test_decode_path_gives_the_layers_bits(kv_dtype, monkeypatch):
         batch = _batch(runner, reqs, [1] * len(reqs), ForwardMode.DECODE)
         locs = batch.out_cache_loc
         fast = runner.forward(batch).next_token_logits.clone()
-        kv = [[b[locs].clone() for b in (pool.k_buffer[i], pool.v_buffer[i], *_scales(pool, i))]
-              for i in range(len(pool.k_buffer))]
+        kv = step_kv(pool, locs)
         model._decode_path = False  # the layers, on the same step (same slots, same inputs)
         slow = runner.forward(batch).next_token_logits
         model.reset_decode_path()
         assert torch.equal(fast, slow)
-        for i, bufs in enumerate(kv):  # (an int8 pool's scales too)
-            again = (pool.k_buffer[i], pool.v_buffer[i], *_scales(pool, i))
-            assert len(again) == (4 if kv_dtype == torch.int8 else 2)
-            assert all(torch.equal(b, a[locs]) for b, a in zip(bufs, again))
+        assert_same_step_kv(pool, kv, locs, kv_dtype)
     assert len(runs) == 4
-
-    class Wrapped(torch.nn.Module):  # what LoRA does to a targeted projection
-        def __init__(self, base):
-            super().__init__()
-            self.base = base
-
-        def forward(self, x):
-            return self.base(x)
 
     layer = model.model.layers[1].self_attn
     layer.o_proj = Wrapped(layer.o_proj)
@@ -323,6 +311,33 @@ def test_fp32_layers_rotate_and_write_the_kv_in_one_kernel(kv_dtype, monkeypatch
 def _scales(pool, layer: int) -> tuple:
     """An int8 pool's K and V scales of `layer`; () for other pools."""
     return (pool.k_scale[layer], pool.v_scale[layer]) if pool.dtype == torch.int8 else ()
+
+
+def step_kv(pool, locs: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Every layer's K and V (and an int8 pool's scales) at a step's slots `locs`, copied."""
+    return [[b[locs].clone() for b in (pool.k_buffer[i], pool.v_buffer[i], *_scales(pool, i))]
+            for i in range(len(pool.k_buffer))]
+
+
+def assert_same_step_kv(pool, kv: list[list[torch.Tensor]], locs: torch.Tensor, kv_dtype) -> None:
+    """The pool holds `kv` (step_kv's copies) at `locs` again, bit for bit: the same step, run the
+    other way, wrote the same K, V (and an int8 pool's scales)."""
+    for i, bufs in enumerate(kv):
+        again = (pool.k_buffer[i], pool.v_buffer[i], *_scales(pool, i))
+        assert len(again) == (4 if kv_dtype == torch.int8 else 2)
+        assert all(torch.equal(b, a[locs]) for b, a in zip(bufs, again))
+
+
+class Wrapped(torch.nn.Module):
+    """What LoRA does to a targeted projection: the layer inside a module of its own (the decode
+    paths then leave the model to its layers)."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+
+    def forward(self, x):
+        return self.base(x)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -14,7 +14,8 @@ from framework.model.w4a8 import (BLOCK, QuantizedBlocks, W4Ops, W4Weight, dequa
                                   quantize_blocks, quantize_weight)
 from tests.test_int8 import _prefill_logits, assert_fewest_rows_run_quantized, prefill_and_step_logits
 from tests.test_int8 import _rows as int8_rows
-from tests.test_model import _batch, _new_reqs, _runner, _scales, _tiny_config, _tiny_hf
+from tests.test_model import (Wrapped, _batch, _new_reqs, _runner, _tiny_config, _tiny_hf, assert_same_step_kv,
+                              step_kv)
 
 TORCH_OPS = W4Ops(None, torch.float32)
 
@@ -224,26 +225,14 @@ def test_w4a8_float32_decode_path_gives_the_layers_bits(c_ops, tied_model, monke
         calls.clear()
         fast = runner.forward(batch).next_token_logits.clone()
         assert calls == []
-        kv = [[b[locs].clone() for b in (pool.k_buffer[i], pool.v_buffer[i], *_scales(pool, i))]
-              for i in range(layers)]
+        kv = step_kv(pool, locs)
         model._decode_path = False  # the layers, on the same step (same slots, same inputs)
         slow = runner.forward(batch).next_token_logits
         model.reset_decode_path()
         assert calls == [len(reqs)] * (3 * layers)
         assert torch.equal(fast, slow)
-        for i, bufs in enumerate(kv):  # (an int8 pool's scales too)
-            again = (pool.k_buffer[i], pool.v_buffer[i], *_scales(pool, i))
-            assert len(again) == (4 if kv_dtype == torch.int8 else 2)
-            assert all(torch.equal(b, a[locs]) for b, a in zip(bufs, again))
+        assert_same_step_kv(pool, kv, locs, kv_dtype)
     assert len(runs) == 3
-
-    class Wrapped(torch.nn.Module):  # what LoRA does to a targeted projection
-        def __init__(self, base):
-            super().__init__()
-            self.base = base
-
-        def forward(self, x):
-            return self.base(x)
 
     layer = model.model.layers[1].mlp
     layer.down_proj = Wrapped(layer.down_proj)

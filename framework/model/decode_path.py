@@ -61,6 +61,32 @@ class _Layer:
     int8: tuple | None = None  # the int8 weights (qkv, o, gate_up, down: Int8Weight, framework/model/int8.py)
 
 
+@dataclass
+class _Step:
+    """What every layer of one decode step passes to RoPE and the decode attention kernel: the
+    slots' and the tables' pointers (`loc` kept, as its pointer is passed), the kernel's plan, the
+    pool's format, the step's rows (one a request)."""
+
+    loc: torch.Tensor
+    cos: int
+    sin: int
+    ploc: int
+    r2t: int
+    r2t_stride: int
+    pool_idx: int
+    seq_lens: int
+    kv_fmt: int
+    rows: int
+
+    @classmethod
+    def of(cls, loc: torch.Tensor, meta, rope, kv_pool, rows: int) -> "_Step":
+        loc = loc.to(torch.int64).contiguous()
+        plan = meta.kernel
+        return cls(loc, rope.cos.data_ptr(), rope.sin.data_ptr(), loc.data_ptr(), plan.req_to_token.data_ptr(),
+                   plan.req_to_token.stride(0), plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr(),
+                   kv_format(kv_pool.k_buffer[0]), rows)
+
+
 class DecodePath:
     """The decode layers of one model (see the module docstring); `build` says whether it fits."""
 
@@ -70,19 +96,13 @@ class DecodePath:
     mark = None
 
     def __init__(self, model, layers: list[_Layer], keep: list[torch.Tensor]):
-        config = model.config
-        attn0 = model.model.layers[0].self_attn
         kernels = model.kernels
         self.fused, self.gemm = kernels.fused, kernels.gemm
         self.backend = model.attn_backend
+        self._rope, self._q_bf16 = self.fused._rope_kv, 1  # (bf16 rows)
         self.layers = layers
         self._keep = keep  # the tensors whose pointers the layers hold
-        self.hidden = config.hidden_size
-        self.heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
-        self.q_size, self.qkv_size = attn0.q_size, attn0.q_size + 2 * attn0.kv_size
-        self.inter = model.model.layers[0].mlp.intermediate_size
-        self.eps = model.model.layers[0].input_layernorm.eps
-        self.final_norm = model.model.norm
+        self._take_shapes(model)
         # passes of at most this many rows take the layers' Q4_1 weights (build): their exact
         # products, or their blocks widened to the bf16 weights (the same bits as those)
         self.exact_rows = self.widen_rows = 0
@@ -90,6 +110,36 @@ class DecodePath:
         # before the Q4_1 weights; 0: none do
         self.int8_rows = 0
         self.int8_ops = getattr(model.model.layers[0].mlp, "int8_ops", None)
+
+    def _take_shapes(self, model) -> None:
+        """The sizes the layers' calls pass (every layer's as the first's: `build` checks), the
+        norms' eps and the final norm."""
+        config, attn0 = model.config, model.model.layers[0].self_attn
+        self.hidden = config.hidden_size
+        self.heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.q_size, self.qkv_size = attn0.q_size, attn0.q_size + 2 * attn0.kv_size
+        self.inter = model.model.layers[0].mlp.intermediate_size
+        self.eps = model.model.layers[0].input_layernorm.eps
+        self.final_norm = model.model.norm
+
+    def _rope_attend(self, step: _Step, i: int, kv_pool, pqkv: int, pq: int, pattn: int, threads: int) -> int:
+        """Layer i's RoPE with its K and V written into the pool (`rope_kv` of the fused projection
+        at `pqkv`, q into `pq`), then its decode attention into `pattn`, each part marked as it ends;
+        returns the kernels' codes or'ed. (`_rope` and `_q_bf16`: the path's row dtype.)"""
+        k, v = kv_pool.k_buffer[i], kv_pool.v_buffer[i]
+        k_buf, v_buf = k.data_ptr(), v.data_ptr()
+        k_scale, v_scale = scale_ptrs(k, v)
+        heads, kv_heads, head_dim, backend, mark = self.heads, self.kv_heads, self.head_dim, self.backend, self.mark
+        rc = self._rope(pqkv, self.qkv_size, step.cos, step.sin, step.ploc, pq, k_buf, v_buf, k_scale, v_scale,
+                        step.kv_fmt, step.rows, heads, kv_heads, head_dim, threads)
+        if mark:
+            mark("elementwise")
+        rc |= backend.decode_kernel(pq, k_buf, v_buf, k_scale, v_scale, step.r2t, step.r2t_stride, step.pool_idx,
+                                    step.seq_lens, pattn, step.rows, heads, kv_heads, head_dim, self._q_bf16,
+                                    step.kv_fmt, backend.scaling, threads, int(backend.decode_tiles))
+        if mark:
+            mark("attention")
+        return rc
 
     @classmethod
     def build(cls, model) -> "DecodePath | None":
@@ -180,14 +230,9 @@ class DecodePath:
         act = torch.empty((n, self.inter), dtype=bf16)
         outs = (torch.empty((n, d), dtype=bf16), torch.empty((n, d), dtype=bf16))  # layers' outputs in turn
         hid = hidden
-        loc = loc.to(torch.int64).contiguous()
-        plan = meta.kernel
+        step = _Step.of(loc, meta, rope, kv_pool, n)
         px, pqkv, pq, pattn, po, ph, pact = (t.data_ptr() for t in (x, qkv, q, attn, o, h, act))
-        cos, sin, ploc = rope.cos.data_ptr(), rope.sin.data_ptr(), loc.data_ptr()
-        r2t, r2t_stride = plan.req_to_token.data_ptr(), plan.req_to_token.stride(0)
-        pool_idx, seq_lens = plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr()
-        rms, rope_kv = self.fused._rms_norm, self.fused._rope_kv
-        attend, backend = self.backend.decode_kernel, self.backend
+        rms = self.fused._rms_norm
         int8 = None
         if 0 < self.int8_rows <= n:
             int8 = Int8Pass(self.int8_ops, n, d, self.q_size, self.inter)
@@ -195,9 +240,7 @@ class DecodePath:
         q4 = int8 is None and n <= max(self.exact_rows, self.widen_rows)
         gemm, tail = ((self.gemm._q4_gemm, (self.gemm.widen_mode if n > self.exact_rows else 0,)) if q4
                       else (self.gemm._gemm, (int(self.gemm.tiles), 0)))
-        heads, kv_heads, head_dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
-        kv_fmt = kv_format(kv_pool.k_buffer[0])
-        q_bf16, scale, amx = 1, backend.scaling, int(backend.decode_tiles)
+        eps = self.eps
         inter, qkv_size, q_size = self.inter, self.qkv_size, self.q_size
         mark = self.mark
         if mark:
@@ -205,8 +248,6 @@ class DecodePath:
         for i, layer in enumerate(self.layers):
             w = layer.q4 if q4 else layer.tiles
             phid = hid.data_ptr()
-            k_buf, v_buf = kv_pool.k_buffer[i].data_ptr(), kv_pool.v_buffer[i].data_ptr()
-            k_scale, v_scale = scale_ptrs(kv_pool.k_buffer[i], kv_pool.v_buffer[i])
             out = outs[i % 2]  # never the layer's input (the other one, or `hidden` itself)
             if int8 is not None:
                 w8 = layer.int8
@@ -221,14 +262,7 @@ class DecodePath:
                 rc |= gemm(px, d, w.qkv, None, 0, pqkv, qkv_size, n, d, qkv_size, _NONE, threads, *tail)
             if mark:
                 mark("gemm")
-            rc |= rope_kv(pqkv, qkv_size, cos, sin, ploc, pq, k_buf, v_buf, k_scale, v_scale, kv_fmt, n, heads,
-                          kv_heads, head_dim, threads)
-            if mark:
-                mark("elementwise")
-            rc |= attend(pq, k_buf, v_buf, k_scale, v_scale, r2t, r2t_stride, pool_idx, seq_lens, pattn, n, heads,
-                         kv_heads, head_dim, q_bf16, kv_fmt, scale, threads, amx)
-            if mark:
-                mark("attention")
+            rc |= self._rope_attend(step, i, kv_pool, pqkv, pq, pattn, threads)
             if int8 is not None:
                 rc |= int8.quantize(pattn, q_size, w8[1])
                 rc |= int8.linear(w8[1], po, d)
@@ -335,19 +369,13 @@ class W4DecodePath(DecodePath):
     held the GIL ~30 ms of its ~340 (py-spy), while the other core waited."""
 
     def __init__(self, model, layers: list[tuple], ops, keep: list[torch.Tensor]):
-        config = model.config
-        attn0 = model.model.layers[0].self_attn
         self.fused = model.kernels.fused
         self.backend = model.attn_backend
+        self._rope, self._q_bf16 = self.fused._rope_kv_f32, 0  # (fp32 rows)
         self.layers = layers  # (input norm, post norm: weight pointers; qkv, o, gate_up, down: W4Weight)
         self._keep = keep  # the norm weights whose pointers the layers hold
         self.ops = ops
-        self.hidden = config.hidden_size
-        self.heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
-        self.q_size, self.qkv_size = attn0.q_size, attn0.q_size + 2 * attn0.kv_size
-        self.inter = model.model.layers[0].mlp.intermediate_size
-        self.eps = model.model.layers[0].input_layernorm.eps
-        self.final_norm = model.model.norm
+        self._take_shapes(model)
 
     @classmethod
     def build(cls, model) -> "W4DecodePath | None":
@@ -405,7 +433,7 @@ class W4DecodePath(DecodePath):
         threads = torch.get_num_threads()
         f32 = torch.float32
         lib, ops = self.ops.lib, self.ops
-        heads, kv_heads, head_dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
+        eps = self.eps
         inter, qkv_size, q_size = self.inter, self.qkv_size, self.q_size
         widest = max(d, q_size)
         # the activations, allocated once for all layers
@@ -420,26 +448,17 @@ class W4DecodePath(DecodePath):
         o = torch.empty((n, d), dtype=f32)
         h = torch.empty((n, d), dtype=f32)  # the residual stream after attention
         outs = (torch.empty((n, d), dtype=f32), torch.empty((n, d), dtype=f32))  # layers' outputs in turn
-        loc = loc.to(torch.int64).contiguous()
-        plan = meta.kernel
+        step = _Step.of(loc, meta, rope, kv_pool, n)
         pxq, pxs, pxsum = (t.data_ptr() for t in (xq, xs, xsum))
         paq, pas, pasum, pgate = (t.data_ptr() for t in (aq, a_s, asum, gate_h))
         pqkv, pq, pattn, po, ph = (t.data_ptr() for t in (qkv, q, attn, o, h))
-        cos, sin, ploc = rope.cos.data_ptr(), rope.sin.data_ptr(), loc.data_ptr()
-        r2t, r2t_stride = plan.req_to_token.data_ptr(), plan.req_to_token.stride(0)
-        pool_idx, seq_lens = plan.pool_idx.data_ptr(), plan.seq_lens.data_ptr()
-        rope_kv, attend = self.fused._rope_kv_f32, self.backend.decode_kernel
         norm_q, quantize, gemm, gate_up = lib.w4_rms_norm_quantize, lib.w4_quantize, lib.w4_gemm, lib.w4_gemm_gate_up
-        kv_fmt = kv_format(kv_pool.k_buffer[0])
-        scale, amx = self.backend.scaling, int(self.backend.decode_tiles)
         mark = self.mark
         if mark:
             mark(None)
         hid = hidden
         for i, (norm_in, norm_post, w_qkv, w_o, w_gate_up, w_down) in enumerate(self.layers):
             phid = hid.data_ptr()
-            k_buf, v_buf = kv_pool.k_buffer[i].data_ptr(), kv_pool.v_buffer[i].data_ptr()
-            k_scale, v_scale = scale_ptrs(kv_pool.k_buffer[i], kv_pool.v_buffer[i])
             out = outs[i % 2]  # never the layer's input (the other one, or `hidden` itself)
             rc = norm_q(phid, d, None, None, norm_in, eps, n, d, pxq, pxs, pxsum, threads)
             if mark:
@@ -448,14 +467,7 @@ class W4DecodePath(DecodePath):
                        pqkv, qkv_size, 0, threads)
             if mark:
                 mark("gemm")
-            rc |= rope_kv(pqkv, qkv_size, cos, sin, ploc, pq, k_buf, v_buf, k_scale, v_scale, kv_fmt, n, heads,
-                          kv_heads, head_dim, threads)
-            if mark:
-                mark("elementwise")
-            rc |= attend(pq, k_buf, v_buf, k_scale, v_scale, r2t, r2t_stride, pool_idx, seq_lens, pattn, n, heads,
-                         kv_heads, head_dim, 0, kv_fmt, scale, threads, amx)
-            if mark:
-                mark("attention")
+            rc |= self._rope_attend(step, i, kv_pool, pqkv, pq, pattn, threads)
             rc |= quantize(pattn, 0, q_size, n, q_size, pxq, pxs, pxsum, threads)
             rc |= gemm(pxq, pxs, pxsum, w_o.packed.data_ptr(), w_o.dm.data_ptr(), n, q_size, d, None, 0, po, d, 0,
                        threads)
