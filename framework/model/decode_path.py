@@ -361,9 +361,9 @@ class Int8Pass:
 class W4DecodePath(DecodePath):
     """The decode layers of a float32 model with model.quantization = "w4a8" (framework/model/
     w4a8.py) as straight kernel calls: per layer the fp32 RMSNorm with its rows quantized to int8
-    blocks (one pass, `W4Ops.rms_norm_quantize_f32`), the 4-bit qkv GEMM, RoPE with the KV writes, the decode attention kernel, the o GEMM, the
-    add-and-norm, the gate-up GEMM with SiLU * up quantized in its epilogue, and the down GEMM with
-    the residual added: the calls `LlamaDecoderLayer` makes for such a pass (`_norms`, `project`,
+    blocks (one pass, `W4Ops.rms_norm_quantize_f32`), the 4-bit qkv GEMM, RoPE with the KV writes,
+    the decode attention kernel, the o GEMM, the add-and-norm, the gate-up GEMM with SiLU * up
+    quantized in its epilogue, and the down GEMM with the residual added: the calls `LlamaDecoderLayer` makes for such a pass (`_norms`, `project`,
     `LlamaMLP._int8_mlp`, `W4Ops`), with the same arguments in the same order, so the same bits.
     What it saves is the Python around them: on a 2-core AMD EPYC Zen 3, a 200-request decode step
     held the GIL ~30 ms of its ~340 (py-spy), while the other core waited."""
@@ -372,8 +372,9 @@ class W4DecodePath(DecodePath):
         self.fused = model.kernels.fused
         self.backend = model.attn_backend
         self._rope, self._q_bf16 = self.fused._rope_kv_f32, 0  # (fp32 rows)
-        self.layers = layers  # (input norm, post norm: weight pointers; qkv, o, gate_up, down: W4Weight)
-        self._keep = keep  # the norm weights whose pointers the layers hold
+        # a layer's pointers: input norm, post norm, then (packed, dm) of qkv, o, gate_up and down
+        self.layers = layers
+        self._keep = keep  # the tensors whose pointers the layers hold
         self.ops = ops
         self._take_shapes(model)
 
@@ -411,8 +412,9 @@ class W4DecodePath(DecodePath):
                     or any(n.fused is not kernels.fused or n.weight.dtype != torch.float32
                            or not n.weight.is_contiguous() or n.eps != norms[0].eps for n in norms)):
                 return None
-            layers.append((norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), *weights))
-            keep += [n.weight for n in norms]
+            layers.append((norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
+                           *((w.packed.data_ptr(), w.dm.data_ptr()) for w in weights)))
+            keep += [n.weight for n in norms] + [t for w in weights for t in (w.packed, w.dm)]
         return cls(model, layers, ops, keep)
 
     def takes(self, hidden: torch.Tensor, meta, rope, kv_pool) -> bool:
@@ -420,8 +422,7 @@ class W4DecodePath(DecodePath):
 
         plan = getattr(meta, "kernel", None)
         return (plan is not None and plan.rows is None and hidden.dtype == torch.float32
-                and hidden.dim() == 2 and hidden.shape[0] > 0 and hidden.is_contiguous()
-                and takes_int8(hidden, True) and rope.cos.dtype == torch.float32
+                and hidden.is_contiguous() and takes_int8(hidden, True) and rope.cos.dtype == torch.float32
                 and rope.cos.is_contiguous() and rope.sin.is_contiguous()
                 and self.fused.supports_rope_kv(kv_pool.k_buffer[0], torch.float32))
 
@@ -463,23 +464,19 @@ class W4DecodePath(DecodePath):
             rc = norm_q(phid, d, None, None, norm_in, eps, n, d, pxq, pxs, pxsum, threads)
             if mark:
                 mark("elementwise")
-            rc |= gemm(pxq, pxs, pxsum, w_qkv.packed.data_ptr(), w_qkv.dm.data_ptr(), n, d, qkv_size, None, 0,
-                       pqkv, qkv_size, 0, threads)
+            rc |= gemm(pxq, pxs, pxsum, *w_qkv, n, d, qkv_size, None, 0, pqkv, qkv_size, 0, threads)
             if mark:
                 mark("gemm")
             rc |= self._rope_attend(step, i, kv_pool, pqkv, pq, pattn, threads)
             rc |= quantize(pattn, 0, q_size, n, q_size, pxq, pxs, pxsum, threads)
-            rc |= gemm(pxq, pxs, pxsum, w_o.packed.data_ptr(), w_o.dm.data_ptr(), n, q_size, d, None, 0, po, d, 0,
-                       threads)
+            rc |= gemm(pxq, pxs, pxsum, *w_o, n, q_size, d, None, 0, po, d, 0, threads)
             if mark:
                 mark("gemm")
             rc |= norm_q(po, d, phid, ph, norm_post, eps, n, d, pxq, pxs, pxsum, threads)
             if mark:
                 mark("elementwise")
-            rc |= gate_up(pxq, pxs, pxsum, w_gate_up.packed.data_ptr(), w_gate_up.dm.data_ptr(), n, d, inter, pgate,
-                          paq, pas, pasum, threads)
-            rc |= gemm(paq, pas, pasum, w_down.packed.data_ptr(), w_down.dm.data_ptr(), n, inter, d, ph, d,
-                       out.data_ptr(), d, 0, threads)
+            rc |= gate_up(pxq, pxs, pxsum, *w_gate_up, n, d, inter, pgate, paq, pas, pasum, threads)
+            rc |= gemm(paq, pas, pasum, *w_down, n, inter, d, ph, d, out.data_ptr(), d, 0, threads)
             if mark:
                 mark("gemm")
             if rc:

@@ -63,9 +63,19 @@ static void quantize_blocks_row(const float *v, int64_t n, int8_t *q, float *sca
     }
 }
 
+/* An RMSNorm that rows are put through before they are quantized (w4_rms_norm_quantize): fp32 rows,
+ * with a residual ([rows, k] contiguous, or NULL) first x + residual, written to residual_out; the
+ * weight w [k]. */
+typedef struct {
+    const float *residual, *w;
+    float *residual_out;
+    float eps;
+} NormRows;
+
 typedef struct {
     const void *x; /* quantize: fp32 or bf16 rows [rows, k], row stride x_stride */
     int bf16;
+    const NormRows *norm; /* or NULL */
     int64_t x_stride, rows, k;
     int8_t *q;
     float *scale, *sum; /* [rows, k / 32] each */
@@ -75,67 +85,47 @@ typedef struct {
 
 static void *quantize_span(void *arg) {
     QuantizeSpan *s = (QuantizeSpan *)arg;
-    float *row = s->bf16 ? malloc((size_t)s->k * sizeof(float)) : NULL;
-    if (s->bf16 && row == NULL) {
+    const NormRows *norm = s->norm;
+    float *row = s->bf16 || norm ? malloc((size_t)s->k * sizeof(float)) : NULL;
+    if ((s->bf16 || norm) && row == NULL) {
         s->failed = 1;
         return NULL;
     }
-    const int64_t nb = s->k / W4_BLOCK;
+    const int64_t k = s->k, nb = k / W4_BLOCK;
     for (int64_t r = s->begin; r < s->end; r++) {
         const float *v;
-        if (s->bf16) {
+        if (norm) { /* (fp32 rows) */
+            rms_norm_row_f32((const float *)s->x + r * s->x_stride, norm->residual ? norm->residual + r * k : NULL,
+                             norm->residual ? norm->residual_out + r * k : NULL, norm->w, k, norm->eps, row);
+            v = row;
+        } else if (s->bf16) {
             const uint16_t *x = (const uint16_t *)s->x + r * s->x_stride;
-            for (int64_t i = 0; i < s->k; i++) row[i] = bf16_to_f32(x[i]);
+            for (int64_t i = 0; i < k; i++) row[i] = bf16_to_f32(x[i]);
             v = row;
         } else {
             v = (const float *)s->x + r * s->x_stride;
         }
-        quantize_blocks_row(v, s->k, s->q + r * s->k, s->scale + r * nb, s->sum + r * nb);
+        quantize_blocks_row(v, k, s->q + r * k, s->scale + r * nb, s->sum + r * nb);
     }
     free(row);
     return NULL;
 }
 
-static int quantize_rows_blocks(const void *x, int bf16, int64_t x_stride, int64_t rows, int64_t k, int8_t *q,
-                                float *scale, float *sum, int num_threads) {
+/* Rows [rows, k] (fp32, or bf16: bf16 = 1; put through `norm` first where there is one) as int8
+ * blocks, the rows split over the threads. Returns 0, -1 (no memory) or -2 (k). */
+static int quantize_rows_blocks(const void *x, int bf16, int64_t x_stride, int64_t rows, int64_t k,
+                                const NormRows *norm, int8_t *q, float *scale, float *sum, int num_threads) {
     if (k < W4_BLOCK || k % W4_BLOCK) return -2;
     QuantizeSpan spans[MAX_THREADS];
     const int threads = span_threads(num_threads, rows / 16);
     for (int s = 0; s < threads; s++)
-        spans[s] = (QuantizeSpan){.x = x, .bf16 = bf16, .x_stride = x_stride, .rows = rows, .k = k, .q = q,
-                                  .scale = scale, .sum = sum, .begin = rows * s / threads,
+        spans[s] = (QuantizeSpan){.x = x, .bf16 = bf16, .norm = norm, .x_stride = x_stride, .rows = rows, .k = k,
+                                  .q = q, .scale = scale, .sum = sum, .begin = rows * s / threads,
                                   .end = rows * (s + 1) / threads};
     run_spans(quantize_span, spans, sizeof spans[0], threads);
     for (int s = 0; s < threads; s++)
         if (spans[s].failed) return -1;
     return 0;
-}
-
-typedef struct {
-    const float *x, *residual, *w; /* x [rows, d] (row stride x_stride), residual [rows, d] or NULL, w [d] */
-    float *residual_out;
-    int64_t x_stride, d, begin, end;
-    float eps;
-    int8_t *q;
-    float *scale, *sum;
-    int failed;
-} NormQuantizeSpan;
-
-static void *norm_quantize_span(void *arg) {
-    NormQuantizeSpan *s = (NormQuantizeSpan *)arg;
-    float *row = (float *)malloc((size_t)s->d * sizeof(float));
-    if (row == NULL) {
-        s->failed = 1;
-        return NULL;
-    }
-    const int64_t d = s->d, nb = d / W4_BLOCK;
-    for (int64_t r = s->begin; r < s->end; r++) {
-        rms_norm_row_f32(s->x + r * s->x_stride, s->residual ? s->residual + r * d : NULL,
-                         s->residual ? s->residual_out + r * d : NULL, s->w, d, s->eps, row);
-        quantize_blocks_row(row, d, s->q + r * d, s->scale + r * nb, s->sum + r * nb);
-    }
-    free(row);
-    return NULL;
 }
 
 /* A float32 model's RMSNorm and w4_quantize of its rows in one pass: fp32 rows x [rows, d] (row
@@ -146,25 +136,15 @@ static void *norm_quantize_span(void *arg) {
  * memory and a second fork of the threads. Returns 0, -1 (no memory) or -2 (d). */
 int w4_rms_norm_quantize(const float *x, int64_t x_stride, const float *residual, float *residual_out, const float *w,
                          float eps, int64_t rows, int64_t d, int8_t *q, float *scale, float *sum, int num_threads) {
-    if (d < W4_BLOCK || d % W4_BLOCK) return -2;
-    NormQuantizeSpan spans[MAX_THREADS];
-    const int threads = span_threads(num_threads, rows / 16);
-    for (int s = 0; s < threads; s++)
-        spans[s] = (NormQuantizeSpan){.x = x, .residual = residual, .w = w, .residual_out = residual_out,
-                                      .x_stride = x_stride, .d = d, .begin = rows * s / threads,
-                                      .end = rows * (s + 1) / threads, .eps = eps, .q = q, .scale = scale,
-                                      .sum = sum};
-    run_spans(norm_quantize_span, spans, sizeof spans[0], threads);
-    for (int s = 0; s < threads; s++)
-        if (spans[s].failed) return -1;
-    return 0;
+    const NormRows norm = {.residual = residual, .w = w, .residual_out = residual_out, .eps = eps};
+    return quantize_rows_blocks(x, 0, x_stride, rows, d, &norm, q, scale, sum, num_threads);
 }
 
 /* fp32 (bf16 = 0) or bf16 rows [rows, k] (row stride x_stride, k a multiple of 32) as int8
  * blocks: q [rows, k], scale and sum [rows, k / 32]. Returns 0, -1 (no memory) or -2 (k). */
 int w4_quantize(const void *x, int bf16, int64_t x_stride, int64_t rows, int64_t k, int8_t *q, float *scale,
                 float *sum, int num_threads) {
-    return quantize_rows_blocks(x, bf16, x_stride, rows, k, q, scale, sum, num_threads);
+    return quantize_rows_blocks(x, bf16, x_stride, rows, k, NULL, q, scale, sum, num_threads);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -378,7 +358,7 @@ int w4_gemm_gate_up(const int8_t *x, const float *xd, const float *xs, const uin
                     .k = k, .n = 2 * d, .gate_up = 1, .out = h};
         int rc = run_w4(&g, num_threads);
         if (rc == 0)
-            rc = quantize_rows_blocks(h, 0, d, count, d, out_q + r0 * d, out_scale + r0 * out_nb,
+            rc = quantize_rows_blocks(h, 0, d, count, d, NULL, out_q + r0 * d, out_scale + r0 * out_nb,
                                       out_sum + r0 * out_nb, num_threads);
         if (rc) return rc;
     }
