@@ -24,7 +24,8 @@ buffers allocated once for the pass, so the same bits as those.
 
 A float32 model with model.quantization = "w4a8" takes `W4DecodePath` instead (`LlamaForCausalLM.
 decode_path` tries it where `DecodePath` does not fit): its layers' fp32 norms, 4-bit GEMMs and
-fp32 attention as the same straight calls, the same bits.
+fp32 attention as the same straight calls, the same bits. A bf16 model with w4a8 takes neither:
+its decode steps run through the layers (which call the 4-bit GEMMs from `int8.min_rows` rows).
 """
 
 from __future__ import annotations
@@ -166,13 +167,15 @@ class DecodePath:
                            for n in norms)
                     or attn.backend is not model.attn_backend):
                 return None
+            int8 = (attn.qkv_proj.int8, attn.o_proj.int8, mlp.gate_up_proj.int8, mlp.down_proj.int8)
+            if any(w is not None for w in int8) and not all(isinstance(w, Int8Weight) for w in int8):
+                return None  # (quantized weights this path does not call, w4a8's: the layers run them)
             q4 = q4_layers[i] if q4_layers else ()
             keep += [*tiles, *q4, *(n.weight for n in norms)]
-            int8 = (attn.qkv_proj.int8, attn.o_proj.int8, mlp.gate_up_proj.int8, mlp.down_proj.int8)
             layers.append(_Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
                                  _Weights(*(t.data_ptr() for t in tiles)),
                                  _Weights(*(t.data_ptr() for t in q4)) if q4 else None,
-                                 int8 if all(isinstance(w, Int8Weight) for w in int8) else None))
+                                 int8 if int8[0] is not None else None))
         if not layers or model.model.norm.weight.dtype != torch.bfloat16:
             return None
         path = cls(model, layers, keep)
