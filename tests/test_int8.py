@@ -329,11 +329,12 @@ def test_int8_lm_head_under_a_grammar_gives_the_bf16_heads_greedy_tokens(make_en
     params = {"max_new_tokens": 12, "temperature": 0, "regex": "[0-9]{12}"}
     prompts = [f"Hello number {i}, tell me" for i in range(24)]
     texts = {}
-    for head in ("auto", False):
+    for head in (True, False):  # (True: "auto" keeps a bf16 head on AMX tiles)
         engine = make_engine(model={"dtype": "bfloat16", "quantization": "w8a8", "int8_lm_head": head})
+        assert (engine.scheduler.worker.runner.model.lm_head_int8 is not None) is head
         texts[head] = [o["text"] for o in engine.generate(prompts, sampling_params=params)]
     assert all(len(t) == 12 and t.isdigit() for t in texts[False])
-    assert texts["auto"] == texts[False]
+    assert texts[True] == texts[False]
 
 
 def test_int8_lm_head_under_a_grammar_and_penalties_gives_the_bf16_heads_greedy_tokens(make_engine):
@@ -344,11 +345,12 @@ def test_int8_lm_head_under_a_grammar_and_penalties_gives_the_bf16_heads_greedy_
               "repetition_penalty": 1.3}
     prompts = [f"Hello number {i}, tell me" for i in range(16)]
     texts = {}
-    for head in ("auto", False):
+    for head in (True, False):  # (True: "auto" keeps a bf16 head on AMX tiles)
         engine = make_engine(model={"dtype": "bfloat16", "quantization": "w8a8", "int8_lm_head": head})
+        assert (engine.scheduler.worker.runner.model.lm_head_int8 is not None) is head
         texts[head] = [o["text"] for o in engine.generate(prompts, sampling_params=params)]
     assert all(len(t) == 4 and t.isdigit() for t in texts[False])
-    assert texts["auto"] == texts[False]
+    assert texts[True] == texts[False]
 
 
 @needs_exact_int_mm
@@ -368,13 +370,28 @@ def test_int8_lm_head_needs_w8a8(hf_model):
 
 
 @needs_exact_int_mm
+def test_auto_int8_lm_head_keeps_a_bf16_head_on_amx_tiles(tied_model, monkeypatch):
+    """model.int8_lm_head = "auto" (the runner's "auto"): the int8 head with w8a8, except for a bf16
+    model whose head runs on the packed GEMM's AMX tiles; a float32 model is never on them."""
+    for on_tiles in (False, True):
+        monkeypatch.setattr(ModelRunner, "_bf16_head_on_tiles", lambda self, on=on_tiles: on)
+        runner = _runner(tied_model, dtype=torch.bfloat16, quantization="w8a8", int8_lm_head="auto")
+        assert runner.int8_lm_head is (not on_tiles)
+        assert (runner.model.lm_head_int8 is not None) is (not on_tiles)
+    monkeypatch.undo()
+    f32 = _runner(tied_model, dtype=torch.float32, quantization="w8a8", int8_lm_head="auto")
+    assert not f32._bf16_head_on_tiles() and f32.int8_lm_head is True
+    assert _runner(tied_model, dtype=torch.bfloat16, int8_lm_head="auto").int8_lm_head is False  # (no quantization)
+
+
+@needs_exact_int_mm
 def test_the_pytorch_ends_give_what_the_kernels_give(hf_model, monkeypatch):
     """Without the C kernels (no compiler) the int8 path runs in PyTorch, to the same logits up
     to the SiLU's exp and a sum's order."""
     c = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
     if c.model.model.layers[0].int8_ops.lib is None:
         pytest.skip("the int8 kernels do not build here")
-    monkeypatch.setattr(Int8Ops, "load", classmethod(lambda cls, dtype=torch.bfloat16: cls(None, dtype)))
+    monkeypatch.setattr(Int8Ops, "load", classmethod(lambda cls, dtype=torch.bfloat16, tiles=True: cls(None, dtype)))
     pt = _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
     assert pt.model.model.layers[0].int8_ops.lib is None
     lens = [30, 12, 7]
@@ -462,6 +479,39 @@ def test_own_int8_gemm_gate_up_gives_int_mm_and_the_ends_bits(packing_ops, rows,
     mul = _mul(d)
     got, want = ops.gate_up(x, packed, mul=mul), ops.gate_up(x, w8, mul=mul)
     assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
+
+
+@pytest.mark.parametrize("rows", [32, 45, 200, 300])
+def test_own_int8_gemm_on_the_amx_tiles_gives_the_vectors_bits(packing_ops, packing_ops_f32, rows):
+    """Where the own GEMM has AMX-INT8 tiles (int8_gemm_tiles), a pass's rows go 32 at a time on
+    them where k is in 64s, the rest on the vectors: every end (bf16 with an add, fp32, gate-up's
+    int8 rows) gives the bits of the vectors alone, missing blocks of a unit included."""
+    lib = packing_ops.lib
+    if not lib.int8_gemm_tiles(-1):
+        pytest.skip("the own int8 GEMM has no AMX-INT8 tiles here")
+    gen = torch.Generator().manual_seed(9)
+    cases = []
+    for width, n in [(576, 960), (1536, 576), (64, 48), (8, 80)]:
+        x = packing_ops.quantize(_rows(rows, width, 3))
+        w8 = packing_ops.pack(quantize_weight((torch.randn(n, width, generator=gen) * 0.05).bfloat16()))
+        cases.append((x, w8, _rows(rows, n, 5), packing_ops_f32.quantize(_rows(rows, width, 4).float())))
+    up = packing_ops.pack(quantize_weight((torch.randn(512, 576, generator=gen) * 0.05).bfloat16()), gate_up=True)
+    x_up = packing_ops.quantize(_rows(rows, 576, 6))
+
+    def products():
+        out = []
+        for x, w8, other, xf in cases:
+            out += [packing_ops.linear(x, w8, add=other), packing_ops_f32.linear(xf, w8)]
+        made = packing_ops.gate_up(x_up, up, mul=_mul(256))
+        return out + [made.q, made.scale]
+
+    try:
+        on = products()
+        assert not lib.int8_gemm_tiles(0)
+        off = products()
+    finally:
+        lib.int8_gemm_tiles(1)
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
 
 
 @needs_exact_int_mm
@@ -584,15 +634,18 @@ def test_float32_passes_take_the_own_gemm_from_one_row():
     assert int8_mod.takes(torch.zeros(1, 64), own_gemm=True) and not int8_mod.takes(torch.zeros(7, 64).bfloat16(), True)
 
 
-def test_own_int8_gemm_is_wanted_on_vnni_without_amx(monkeypatch):
+def test_own_int8_gemm_is_wanted_on_vnni_and_on_amx_tiles(monkeypatch):
     monkeypatch.delenv(int8_mod.INT8_GEMM_ENV, raising=False)
     assert int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni avx512_bf16")
-    assert not int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni amx_bf16 amx_int8 amx_tile")
+    # (with AMX-INT8: where the own kernel runs on the tiles, not on its vectors)
+    assert int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni amx_bf16 amx_int8 amx_tile", tiles=True)
+    assert not int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni amx_bf16 amx_int8 amx_tile", tiles=False)
     assert int8_mod.own_gemm_wanted("fpu fma avx2")  # (an AMD EPYC Zen 3's: the AVX2 build)
     assert not int8_mod.own_gemm_wanted("fpu fma avx2 avx_vnni")  # (oneDNN's 256-bit dot products)
     assert not int8_mod.own_gemm_wanted("fpu sse4_2")
     monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "onednn")
     assert not int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni avx512_bf16")
+    assert not int8_mod.own_gemm_wanted("fpu avx512f avx512_vnni amx_int8", tiles=True)
     monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "fast")
     with pytest.raises(ValueError, match="BATCHYARD_INT8_GEMM"):
         int8_mod.own_gemm_wanted("avx512_vnni")
@@ -663,7 +716,7 @@ def test_cpus_without_an_int8_dot_product_are_named(hf_model, monkeypatch, caplo
     if int8_mod.Int8Ops.load().lib is not None and int8_mod.Int8Ops.load().lib.int8_gemm_packed_bytes(4, 16, 0) > 0:
         caplog.clear()
         monkeypatch.setenv(int8_mod.INT8_GEMM_ENV, "auto")
-        monkeypatch.setattr(int8_mod, "own_gemm_wanted", lambda: True)
+        monkeypatch.setattr(int8_mod, "own_gemm_wanted", lambda flags=None, tiles=None: True)
         with caplog.at_level("WARNING", logger="framework.model.runner"):
             _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8")
         assert "without an int8 dot product" not in caplog.text

@@ -106,6 +106,7 @@ def main(args) -> int:
     prompts = conversations(load_tokenizer(folder), args.num_prompts, args.max_len, args.seed, args.dataset_path)
     meter = ContentionMeter()
     workload = {"dataset": "sharegpt", "conversations": len(prompts), "max_len": args.max_len, "seed": args.seed}
+    int8_head = False
     if args.backend == "hf":
         metrics = score(*hf_scores(folder, prompts, not args.disable_tqdm))
         dtype, engine_settings = "float32", {}
@@ -113,8 +114,11 @@ def main(args) -> int:
         with Engine(settings) as engine:
             metrics = score(*engine_scores(engine, prompts, not args.disable_tqdm))
             dtype, engine_settings = engine_dtype(engine), settings_record(settings)
+            # (what the runner made of model.int8_lm_head: "auto" keeps a bf16 head on AMX tiles)
+            runner = getattr(engine.scheduler.worker, "runner", None)
+            int8_head = getattr(runner, "int8_lm_head", settings.model.int8_head) is True
     title = f"Perplexity ({args.backend}, {dtype}, model.quantization = {settings.model.quantization}"
-    title += ", int8 LM head)" if settings.model.int8_head and args.backend != "hf" else ")"
+    title += ", int8 LM head)" if int8_head else ")"
     print(format_report(title, metrics))
     record = make_record("perplexity", args.backend, bench_args(args), workload, metrics, hardware_info(dtype, meter),
                          engine_settings=engine_settings)

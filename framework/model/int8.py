@@ -23,7 +23,10 @@ GEMMs run on kernels/int8_ops.c's own kernel instead of torch._int_mm (`Int8Ops.
 weight a packed copy at load; `own_gemm_wanted`, BATCHYARD_INT8_GEMM): the same int32 sums and
 the same ends, so the same bits, with the dequantize and SiLU ends fused into the GEMM, ~10-30 %
 faster than oneDNN's on a 2-core AMD EPYC Zen 4 (not measured on Intel CPUs with VNNI and no AMX).
-With AMX, oneDNN's AMX-INT8 tiles keep them. On CPUs with AVX2 and no int8 dot product (AMD Zen 3)
+With AMX-INT8 (Intel Sapphire Rapids and later) the kernel runs a pass's rows 32 at a time on the
+tiles (`tdpbsud` on the same packed copy, the same sums and ends: the same bits), the rest of the
+rows on its vectors; where it cannot have the tiles (worker.cpu_kernels = "no_amx", or a build
+without them) oneDNN's AMX-INT8 GEMMs keep them. On CPUs with AVX2 and no int8 dot product (AMD Zen 3)
 the kernel's AVX2 build takes them (exact sums by `vpmaddubsw` with the sign trick), where
 torch._int_mm runs on torch's own slow loops.
 
@@ -205,9 +208,10 @@ class Int8Ops:
     model's RMSNorm, then `quantize`."""
 
     packs = False  # whether `pack` gives weights their packed copy (see own_gemm_wanted)
+    tiles = False  # whether the own GEMM runs passes of 32+ rows on AMX-INT8 tiles
     gate_up_block = 0  # rows the packed gate-up GEMM takes at a time (the rows of its fp32 scratch)
 
-    def __init__(self, lib: ctypes.CDLL | None, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, lib: ctypes.CDLL | None, dtype: torch.dtype = torch.bfloat16, tiles: bool = True):
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"int8 GEMMs take bf16 or fp32 activations, not {dtype}")
         self.lib = lib
@@ -240,7 +244,12 @@ class Int8Ops:
             fn.restype = _INT
         lib.int8_gemm_gate_up_block.restype = _I64
         self.gate_up_block = lib.int8_gemm_gate_up_block()
-        self.packs = own_gemm_wanted() and lib.int8_gemm_packed_bytes(4, 16, 0) > 0
+        # (the kernel's AMX tiles, where it has them: `tiles` False, worker.cpu_kernels = "no_amx",
+        # leaves them off, so such a CPU keeps oneDNN's GEMMs, as before the tiles were there)
+        lib.int8_gemm_tiles.argtypes = [_INT]
+        lib.int8_gemm_tiles.restype = _INT
+        self.tiles = bool(lib.int8_gemm_tiles(int(tiles)))
+        self.packs = own_gemm_wanted(tiles=self.tiles) and lib.int8_gemm_packed_bytes(4, 16, 0) > 0
 
     def pack(self, w: Int8Weight, gate_up: bool = False) -> Int8Weight:
         """Give `w` the packed copy kernels/int8_ops.c's GEMM runs on, where `packs` (and the
@@ -257,9 +266,10 @@ class Int8Ops:
         return w
 
     @classmethod
-    def load(cls, dtype: torch.dtype = torch.bfloat16) -> "Int8Ops":
-        """On the C kernels where they build, else in PyTorch; activations of `dtype`."""
-        return cls(load("int8_ops"), dtype)
+    def load(cls, dtype: torch.dtype = torch.bfloat16, tiles: bool = True) -> "Int8Ops":
+        """On the C kernels where they build, else in PyTorch; activations of `dtype`; `tiles`:
+        whether the own GEMM may take the AMX tiles."""
+        return cls(load("int8_ops"), dtype, tiles)
 
     @staticmethod
     def _check(rc: int, op: str) -> None:
@@ -392,23 +402,29 @@ def int_mm_is_exact() -> bool:
 INT8_GEMM_ENV = "BATCHYARD_INT8_GEMM"
 
 
-def own_gemm_wanted(flags: str | None = None) -> bool:
+def own_gemm_wanted(flags: str | None = None, tiles: bool | None = None) -> bool:
     """Whether the int8 GEMMs should run on kernels/int8_ops.c's own kernel rather than
     torch._int_mm: on AVX512-VNNI vectors it gives the same sums with the ends fused, faster than
-    oneDNN on a 2-core AMD EPYC Zen 4 (docs/performance.md, issue 17's twenty-first session); where
-    the CPU has AMX, oneDNN runs them on AMX-INT8 tiles, which the vectors do not match. On CPUs
-    with AVX2 and no int8 dot product (AMD Zen 3: torch keeps torch._int_mm on loops of its own,
-    2-3 GOP/s) its AVX2 build (`vpmaddubsw` with the sign trick) takes them; with AVX-VNNI (256-bit
-    dot products, no AVX-512) oneDNN keeps them. Where the kernel is not built (no AVX2 and FMA)
-    Int8Ops.packs stays False."""
+    oneDNN on a 2-core AMD EPYC Zen 4 (docs/performance.md, issue 17's twenty-first session). Where
+    the CPU has AMX-INT8, only where the kernel runs on the tiles too (`tiles`; None: ask the built
+    kernel, `int8_gemm_tiles`): its tiles with the ends fused beat oneDNN's AMX GEMMs (issue 17's
+    thirty-seventh session), its vectors do not. On CPUs with AVX2 and no int8 dot product (AMD
+    Zen 3: torch keeps torch._int_mm on loops of its own, 2-3 GOP/s) its AVX2 build (`vpmaddubsw`
+    with the sign trick) takes them; with AVX-VNNI (256-bit dot products, no AVX-512) oneDNN
+    keeps them. Where the kernel is not built (no AVX2 and FMA) Int8Ops.packs stays False."""
     choice = os.environ.get(INT8_GEMM_ENV, "auto")
     if choice not in ("auto", "onednn"):
         raise ValueError(f"{INT8_GEMM_ENV}={choice!r}: expected 'auto' or 'onednn'")
     if flags is None:
         flags = _cpu_id()
     names = flags.split()
+    if "amx_int8" in names:
+        if tiles is None:
+            lib = load("int8_ops") if choice == "auto" else None
+            tiles = lib is not None and bool(lib.int8_gemm_tiles(-1))
+        return choice == "auto" and tiles
     avx2_only = "avx2" in names and "fma" in names and not {"avx_vnni", "avx512_vnni"} & set(names)
-    return choice == "auto" and ("avx512_vnni" in names or avx2_only) and "amx_int8" not in names
+    return choice == "auto" and ("avx512_vnni" in names or avx2_only)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

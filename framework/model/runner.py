@@ -71,7 +71,8 @@ class ModelRunner:
         quantization: model.quantization: "none", "w8a8" for int8 GEMMs in the layers
             (framework/model/int8.py), or "w4a8" for 4-bit weight blocks by int8 activation blocks
             (framework/model/w4a8.py); on the CPU only.
-        int8_lm_head: model.int8_lm_head: with "w8a8" or "w4a8", the LM head in int8.
+        int8_lm_head: model.int8_lm_head: with "w8a8" or "w4a8", the LM head in int8; "auto": so
+            except where a bf16 model's LM head runs on AMX tiles (`_bf16_head_on_tiles`).
         tokenizer_path: model.tokenizer_path: the tokenizer's folder when not `model_path`.
     """
 
@@ -92,7 +93,7 @@ class ModelRunner:
         gguf_decode: str = "auto",
         kv_huge_pages: bool | str = "auto",
         quantization: str = "none",
-        int8_lm_head: bool = False,
+        int8_lm_head: bool | str = False,
         tokenizer_path: str | None = None,
     ):
         if gguf_decode not in ("auto", "exact", "off"):
@@ -134,7 +135,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         kv_huge_pages: bool | str = "auto",
         quantization: str = "none",
-        int8_lm_head: bool = False,
+        int8_lm_head: bool | str = False,
     ) -> "ModelRunner":
         runner = cls.__new__(cls)
         runner._setup(
@@ -164,7 +165,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         kv_huge_pages: bool | str = "auto",
         quantization: str = "none",
-        int8_lm_head: bool = False,
+        int8_lm_head: bool | str = False,
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
@@ -181,7 +182,7 @@ class ModelRunner:
                              "exact here: "
                              f"without an int8 dot product ({cause}a CPU without {', '.join(INT8_DOT_FLAGS)}) "
                              "oneDNN's int8 kernels saturate 16-bit sums; use model.quantization = 'none'")
-        if int8_lm_head and quantization == "none":
+        if int8_lm_head is True and quantization == "none":
             raise ValueError("model.int8_lm_head runs the LM head on the int8 GEMMs of model.quantization = 'w8a8' "
                              f"(or 'w4a8'), but model.quantization is {quantization!r}")
         self.quantization = quantization
@@ -202,6 +203,8 @@ class ModelRunner:
         self.tokenizer = tokenizer
         self.cpu_kernels = pick_cpu_kernels(cpu_kernels, device)
         self.packed_weights = packed_weights and device == "cpu" and packed_linear_supported()
+        if self.int8_lm_head == "auto":
+            self.int8_lm_head = quantization != "none" and not self._bf16_head_on_tiles()
         # Sharded at load time when this process is one rank of a tensor-parallel group.
         self.par = get_parallel_context()
         self.model_config, self.model = self._load_model(hf_config, weights)
@@ -220,6 +223,14 @@ class ModelRunner:
         self.lora = LoraManager(self.model, lora_paths) if lora_paths else None
         self.sampler = Sampler(self.cpu_kernels.fused if self.cpu_kernels else None)
         self._init_memory_pools(max_total_tokens, kv_cache_memory_bytes, max_running_requests)
+
+    def _bf16_head_on_tiles(self) -> bool:
+        """Whether a bf16 model's LM head runs on the packed GEMM's AMX tiles, where it beat the int8
+        head (model.int8_lm_head = "auto" keeps it bf16 there): W200 with w8a8 and the int8 pool on a
+        2-core Xeon with AMX, LM head 0.68 against 1.03 s (docs/performance.md, issue 17's
+        thirty-seventh session)."""
+        gemm = self.cpu_kernels.gemm if self.cpu_kernels is not None else None
+        return self.dtype == torch.bfloat16 and self.packed_weights and gemm is not None and gemm.tiles
 
     def _load_model(self, hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]]):
         model_config, model = build_model(hf_config, self.par)
@@ -253,7 +264,8 @@ class ModelRunner:
                     logger.debug("No oneDNN GEMM kernels to build ahead")
         if self.quantization in ("w8a8", "w4a8"):
             # (worker.cpu_kernels = off: in PyTorch)
-            ops = Int8Ops.load(self.dtype) if self.cpu_kernels is not None else Int8Ops(None, self.dtype)
+            ops = (Int8Ops.load(self.dtype, tiles=self.cpu_kernels.decode_tiles) if self.cpu_kernels is not None
+                   else Int8Ops(None, self.dtype))
             w4 = None
             if self.quantization == "w4a8":
                 w4 = W4Ops.load(self.dtype) if self.cpu_kernels is not None else W4Ops(None, self.dtype)
@@ -272,7 +284,7 @@ class ModelRunner:
                                    "a CPU with AVX2 and FMA; worker.cpu_kernels = 'off' turns it off): its GEMMs run "
                                    "in PyTorch on the dequantized weights, slower than model.quantization = 'none'")
                 return model_config, model
-            isa = "AVX512-VNNI" if has_int8_dot() else "AVX2"
+            isa = "AMX-INT8 tiles and AVX512-VNNI" if ops.tiles else "AVX512-VNNI" if has_int8_dot() else "AVX2"
             where = (f"kernels/int8_ops.c's own GEMM on {isa}, ends inside it" if ops.packs
                      else "torch._int_mm, ends in C" if ops.lib is not None else "torch._int_mm, ends in PyTorch")
             logger.info("model.quantization = 'w8a8': %d linear weights in int8%s (smoothed by a calibration pass, "

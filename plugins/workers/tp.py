@@ -103,7 +103,9 @@ class TpWorker:
             packed_weights=settings.worker.packed_weights,
             gguf_decode=settings.worker.gguf_decode,
             quantization=settings.model.quantization,
-            int8_lm_head=settings.model.int8_head,
+            # ("auto" lets the runner keep a bf16 head where it runs on AMX tiles)
+            int8_lm_head="auto" if settings.model.int8_head and settings.model.int8_lm_head == "auto"
+            else settings.model.int8_head,
             kv_dtype=resolve_kv_dtype(settings.model.kv_cache_dtype, dtype),
             kv_huge_pages=settings.cache.kv_huge_pages,
             tokenizer_path=settings.model.tokenizer_path,

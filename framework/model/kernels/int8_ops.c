@@ -272,6 +272,30 @@ static int run(const Job *job, int num_threads) {
 #define I8_PANEL_BYTES (384 << 10) /* (an AMD Zen 3's L2 is 512 KiB) */
 #endif
 
+/* With AMX-INT8 (Intel Sapphire Rapids and later), the AVX512-VNNI build runs each unit's rows 32 at
+ * a time on the tiles (i8_amx_tile) where k is in 64s, the rest on the vectors: the same int32
+ * sums, the same ends, so the same bits whichever runs them. */
+#include "amx.h"
+#if I8_GEMM == 1 && HAVE_AMX && defined(__AMX_INT8__)
+#define I8_AMX 1
+#define I8_AMX_ROWS 32
+static int i8_tiles_wanted = 1;
+#else
+#define I8_AMX 0
+#endif
+
+/* Whether the int8 GEMMs take the AMX tiles (where the build, the CPU and Linux give them): `on` 1
+ * or 0 sets whether they may, -1 only asks. */
+int int8_gemm_tiles(int on) {
+#if I8_AMX
+    if (on >= 0) i8_tiles_wanted = on;
+    return i8_tiles_wanted && amx_usable();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 #ifdef I8_GEMM
 /* Rows of x a gate_up GEMM takes at a time (int8_gemm_gate_up), so that their part of h is
  * quantized from the caches: with all of a prefill pass's 8,192 rows at once, h (48 MiB for
@@ -339,6 +363,7 @@ typedef struct {
 typedef struct {
     const I8Gemm *g;
     const UnitRuns *runs;
+    int tiles; /* the rows 32 at a time on the AMX tiles (I8_AMX) */
     int failed;
 } I8Share;
 
@@ -352,6 +377,43 @@ static inline int32_t row_sum_i8(const int8_t *x, int64_t k) {
     int32_t s = _mm512_reduce_add_epi32(acc);
     for (; i < k; i++) s += x[i];
     return s;
+}
+
+/* Row m's end from its sums by the unit's four blocks (acc0..acc3; `sum`: the row's sum of x, the
+ * offset's 128 times which comes off each): the dequantized outputs or, for gate_up, silu(gate) * up. */
+static inline __attribute__((always_inline)) void i8_row_end(const I8Gemm *g, int64_t m, const int64_t n0[I8_BLOCKS],
+                                                             __v16si acc0, __v16si acc1, __v16si acc2, __v16si acc3,
+                                                             int32_t sum) {
+    const __v16si acc[I8_BLOCKS] = {acc0, acc1, acc2, acc3};
+    const __m512i lost = _mm512_set1_epi32(128 * sum);
+    const __m512 vxs = _mm512_set1_ps(g->x_scale[m]);
+    if (g->gate_up) {
+        const int64_t d = g->n / 2;
+        for (int c = 0; c < I8_BLOCKS / 2; c++) {
+            if (n0[c] >= d) continue;
+            _mm512_storeu_ps(g->h + m * d + n0[c],
+                             silu_mul16(_mm512_sub_epi32((__m512i)acc[c], lost),
+                                        _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c])),
+                                        _mm512_sub_epi32((__m512i)acc[I8_BLOCKS / 2 + c], lost),
+                                        _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + d + n0[c]))));
+        }
+        return;
+    }
+    for (int c = 0; c < I8_BLOCKS; c++) {
+        if (n0[c] >= g->n) continue;
+        if (g->out_f32) {
+            const __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[c], lost));
+            const __m512 scale = _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c]));
+            const float *add = g->add_f32 ? g->add_f32 + m * g->add_stride + n0[c] : NULL;
+            _mm512_storeu_ps(g->out_f32 + m * g->out_stride + n0[c],
+                             add ? _mm512_fmadd_ps(y, scale, _mm512_loadu_ps(add)) : _mm512_mul_ps(y, scale));
+            continue;
+        }
+        store16_bf16(g->out + m * g->out_stride + n0[c],
+                     dequantize16(_mm512_sub_epi32((__m512i)acc[c], lost),
+                                  _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c])),
+                                  g->add ? g->add + m * g->add_stride + n0[c] : NULL));
+    }
 }
 
 /* Rows m0..m0+R of x by a unit (w: its packed weights; n0: its blocks' first columns, past the
@@ -377,39 +439,47 @@ static inline __attribute__((always_inline)) void i8_tile(const I8Gemm *g, int64
             for (int c = 0; c < I8_BLOCKS; c++) acc[r][c] = (__v16si)_mm512_dpbusd_epi32((__m512i)acc[r][c], wv[c], xb);
         }
     }
-    for (int r = 0; r < R; r++) {
-        const int64_t m = m0 + r;
-        const __m512i lost = _mm512_set1_epi32(128 * sums[r]);
-        const __m512 vxs = _mm512_set1_ps(g->x_scale[m]);
-        if (g->gate_up) {
-            const int64_t d = g->n / 2;
-            for (int c = 0; c < I8_BLOCKS / 2; c++) {
-                if (n0[c] >= d) continue;
-                _mm512_storeu_ps(g->h + m * d + n0[c],
-                                 silu_mul16(_mm512_sub_epi32((__m512i)acc[r][c], lost),
-                                            _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c])),
-                                            _mm512_sub_epi32((__m512i)acc[r][I8_BLOCKS / 2 + c], lost),
-                                            _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + d + n0[c]))));
-            }
-            continue;
+    for (int r = 0; r < R; r++) i8_row_end(g, m0 + r, n0, acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums[r]);
+}
+
+#if I8_AMX
+/* Rows m0..m0+32 of x by a unit on the AMX tiles (k % 64 == 0): the blocks two at a time, each
+ * 16 rows x 16 columns of sums a tile (`tdpbsud`: x's signed bytes by the packed unsigned w + 128,
+ * the same sums as vpdpbusd's), a unit's k quads read as B tiles straight from the packed copy
+ * (its rows, one k quad each, I8_BLOCKS * 64 bytes apart); the sums go through `acc` to the end. */
+static void i8_amx_tile(const I8Gemm *g, int64_t m0, const uint8_t *w, const int64_t n0[I8_BLOCKS],
+                        const int32_t *sums) {
+    int32_t acc[I8_AMX_ROWS][I8_BLOCKS * 16] __attribute__((aligned(64)));
+    const int64_t k = g->k, stride = I8_BLOCKS * 64;
+    const int8_t *x = g->x + m0 * k;
+    for (int pair = 0; pair < I8_BLOCKS / 2; pair++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint8_t *b = w + pair * 128;
+        for (int64_t kk = 0; kk < k; kk += 64, b += 16 * stride) {
+            _tile_loadd(4, x + kk, k);
+            _tile_loadd(5, x + 16 * k + kk, k);
+            _tile_loadd(6, b, stride);
+            _tile_loadd(7, b + 64, stride);
+            _tile_dpbsud(0, 4, 6);
+            _tile_dpbsud(1, 4, 7);
+            _tile_dpbsud(2, 5, 6);
+            _tile_dpbsud(3, 5, 7);
         }
-        for (int c = 0; c < I8_BLOCKS; c++) {
-            if (n0[c] >= g->n) continue;
-            if (g->out_f32) {
-                const __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][c], lost));
-                const __m512 scale = _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c]));
-                const float *add = g->add_f32 ? g->add_f32 + m * g->add_stride + n0[c] : NULL;
-                _mm512_storeu_ps(g->out_f32 + m * g->out_stride + n0[c],
-                                 add ? _mm512_fmadd_ps(y, scale, _mm512_loadu_ps(add)) : _mm512_mul_ps(y, scale));
-                continue;
-            }
-            store16_bf16(g->out + m * g->out_stride + n0[c],
-                         dequantize16(_mm512_sub_epi32((__m512i)acc[r][c], lost),
-                                      _mm512_mul_ps(vxs, _mm512_loadu_ps(g->w_scale + n0[c])),
-                                      g->add ? g->add + m * g->add_stride + n0[c] : NULL));
-        }
+        _tile_stored(0, acc[0] + 32 * pair, sizeof acc[0]);
+        _tile_stored(1, acc[0] + 32 * pair + 16, sizeof acc[0]);
+        _tile_stored(2, acc[16] + 32 * pair, sizeof acc[0]);
+        _tile_stored(3, acc[16] + 32 * pair + 16, sizeof acc[0]);
+    }
+    for (int r = 0; r < I8_AMX_ROWS; r++) {
+        const int32_t *a = acc[r];
+        i8_row_end(g, m0 + r, n0, (__v16si)_mm512_load_si512(a), (__v16si)_mm512_load_si512(a + 16),
+                   (__v16si)_mm512_load_si512(a + 32), (__v16si)_mm512_load_si512(a + 48), sums[r]);
     }
 }
+#endif
 
 #else /* I8_GEMM == 2 */
 /* The sums of R rows of x (from x, rows k apart) by one block of a unit (w: its first quad,
@@ -526,6 +596,9 @@ static void *run_i8_units(void *arg) {
 #if I8_OFFSET
     int64_t summed = -1; /* the panel whose row sums are in `sums` (a thread's runs come in order) */
 #endif
+#if I8_AMX
+    if (u->tiles) amx_configure();
+#endif
     for (int64_t first, last, u0, u1; take_units(u->runs, &first, &last, &u0, &u1);) {
 #if I8_OFFSET
         if (summed != first) {
@@ -539,9 +612,17 @@ static void *run_i8_units(void *arg) {
                 int64_t col = 16 * i8_block(unit, c, g->gate_up);
                 n0[c] = col < limit ? col : g->n; /* a missing block's outputs are not stored */
             }
-            i8_unit_rows(g, g->packed + unit * unit_bytes, n0, first, last, sums);
+            const uint8_t *w = g->packed + unit * unit_bytes;
+            int64_t m = first;
+#if I8_AMX
+            for (; u->tiles && m + I8_AMX_ROWS <= last; m += I8_AMX_ROWS) i8_amx_tile(g, m, w, n0, sums + (m - first));
+#endif
+            i8_unit_rows(g, w, n0, m, last, sums + (m - first));
         }
     }
+#if I8_AMX
+    if (u->tiles) _tile_release();
+#endif
     free(sums);
     return NULL;
 }
@@ -551,9 +632,15 @@ static int run_i8(const I8Gemm *g, int num_threads) {
     const int64_t units = i8_units(g->n, g->gate_up);
     int threads = span_threads(num_threads, units * g->rows / (4 * I8_ROWS)); /* (at least 4 micro-tiles a thread) */
     int64_t next = 0;
-    const UnitRuns runs = unit_runs(g->rows, I8_PANEL_BYTES / g->k, units, threads, I8_ROWS, &next);
+#if I8_AMX
+    const int tiles = g->rows >= I8_AMX_ROWS && g->k % 64 == 0 && int8_gemm_tiles(-1);
+#else
+    const int tiles = 0;
+#endif
+    /* (panels in 32s on the tiles, so that only the last has rows for the vectors) */
+    const UnitRuns runs = unit_runs(g->rows, I8_PANEL_BYTES / g->k, units, threads, tiles ? 32 : I8_ROWS, &next);
     I8Share shares[MAX_THREADS];
-    for (int s = 0; s < threads; s++) shares[s] = (I8Share){.g = g, .runs = &runs};
+    for (int s = 0; s < threads; s++) shares[s] = (I8Share){.g = g, .runs = &runs, .tiles = tiles};
     run_spans(run_i8_units, shares, sizeof shares[0], threads);
     for (int s = 0; s < threads; s++)
         if (shares[s].failed) return -1;
