@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
+
+tomllib = pytest.importorskip("tomllib")  # (Python 3.11+; .ci/requirements.py has pip's parser too)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -245,7 +245,8 @@ class Int8Ops:
         lib.int8_gemm_gate_up_block.restype = _I64
         self.gate_up_block = lib.int8_gemm_gate_up_block()
         # (the kernel's AMX tiles, where it has them: `tiles` False, worker.cpu_kernels = "no_amx",
-        # leaves them off, so such a CPU keeps oneDNN's GEMMs, as before the tiles were there)
+        # leaves them off, so such a CPU keeps oneDNN's GEMMs, as before the tiles were there; the
+        # setting is the process's, the last Int8Ops made sets it: the same bits either way)
         lib.int8_gemm_tiles.argtypes = [_INT]
         lib.int8_gemm_tiles.restype = _INT
         self.tiles = bool(lib.int8_gemm_tiles(int(tiles)))
