@@ -367,6 +367,8 @@ def test_embedding_models_get_no_int8_lm_head(tiny_embedding_folder):
 def test_int8_lm_head_needs_w8a8(hf_model):
     with pytest.raises(ValueError, match="int8_lm_head.*'none'"):
         _runner(hf_model, dtype=torch.bfloat16, int8_lm_head=True)
+    with pytest.raises(ValueError, match="int8_lm_head must be true, false or 'auto', got 'yes'"):
+        _runner(hf_model, dtype=torch.bfloat16, quantization="w8a8", int8_lm_head="yes")
 
 
 @needs_exact_int_mm

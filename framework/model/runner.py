@@ -182,6 +182,8 @@ class ModelRunner:
                              "exact here: "
                              f"without an int8 dot product ({cause}a CPU without {', '.join(INT8_DOT_FLAGS)}) "
                              "oneDNN's int8 kernels saturate 16-bit sums; use model.quantization = 'none'")
+        if int8_lm_head not in (True, False, "auto"):
+            raise ValueError(f"model.int8_lm_head must be true, false or 'auto', got {int8_lm_head!r}")
         if int8_lm_head is True and quantization == "none":
             raise ValueError("model.int8_lm_head runs the LM head on the int8 GEMMs of model.quantization = 'w8a8' "
                              f"(or 'w4a8'), but model.quantization is {quantization!r}")

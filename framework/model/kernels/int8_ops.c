@@ -276,9 +276,9 @@ static int run(const Job *job, int num_threads) {
  * a time on the tiles (i8_amx_tile) where k is in 64s, the rest on the vectors: the same int32
  * sums, the same ends, so the same bits whichever runs them. */
 #include "amx.h"
+#define I8_AMX_ROWS 32 /* (two A tiles of 16 rows) */
 #if I8_GEMM == 1 && HAVE_AMX && defined(__AMX_INT8__)
 #define I8_AMX 1
-#define I8_AMX_ROWS 32
 static int i8_tiles_wanted = 1;
 #else
 #define I8_AMX 0
@@ -638,7 +638,8 @@ static int run_i8(const I8Gemm *g, int num_threads) {
     const int tiles = 0;
 #endif
     /* (panels in 32s on the tiles, so that only the last has rows for the vectors) */
-    const UnitRuns runs = unit_runs(g->rows, I8_PANEL_BYTES / g->k, units, threads, tiles ? 32 : I8_ROWS, &next);
+    const UnitRuns runs =
+        unit_runs(g->rows, I8_PANEL_BYTES / g->k, units, threads, tiles ? I8_AMX_ROWS : I8_ROWS, &next);
     I8Share shares[MAX_THREADS];
     for (int s = 0; s < threads; s++) shares[s] = (I8Share){.g = g, .runs = &runs, .tiles = tiles};
     run_spans(run_i8_units, shares, sizeof shares[0], threads);
