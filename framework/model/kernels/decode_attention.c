@@ -7,7 +7,10 @@
  * int8 (kv_fmt: common.h's KV_* codes; e5m2 and int8 rows are widened as they are read, an int8
  * row's integers exactly: its scale, one per slot and head, multiplies the row's scores before the
  * softmax and its probabilities after the softmax's sums, so the int8 pool's reads are its bytes
- * and a scale per row; int8 requests stay off the AMX tiles). With AVX512-VNNI, an int8 pool's
+ * and a scale per row; int8 requests stay off the AMX tiles: on AMX-INT8 tiles, S on tdpbssd and
+ * P V on tdpbusd with P's 16 bits in two bytes, they ran no faster, ~2.1 against ~2.0 ms a layer
+ * from DRAM on a 2-core Xeon, their tile work plus V's byte interleaving costing about what the
+ * vectors' ~100 instructions a token do, docs/performance.md). With AVX512-VNNI, an int8 pool's
  * scores are integer dot products of its rows and the bf16 queries quantized to int8 (scores_i8;
  * q . k then differs from the bf16 query's by the query's rounding to 8 bits), and P V sums the V
  * rows' integers against the probabilities as int16 (values_i16, nearer the exact sums than P in
